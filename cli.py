@@ -1,0 +1,398 @@
+"""The ``clinfed`` command: parse flags, call the library, print.
+
+Installed as ``clinfed.cli`` (``clinfed/cli.py`` links here). Every error a
+user can fix is a :class:`~clinfed.errors.ClinfedError`: one line per problem
+on stderr, exit status 2, no traceback, and never any note text.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import warnings
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import click
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from clinfed.errors import EXIT_USAGE, ClinfedError, DataError, ProblemLog
+
+app = typer.Typer(
+    help="Federated training of clinical NLP models with privacy accounting.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+data_app = typer.Typer(help="Make and validate corpora.", no_args_is_help=True)
+app.add_typer(data_app, name="data")
+
+out = Console()
+err = Console(stderr=True)
+MAX_PROBLEMS_SHOWN = 50
+
+
+class TaskName(str, Enum):
+    i2b2 = "i2b2"
+    mimic3 = "mimic3"
+
+
+class OnError(str, Enum):
+    strict = "strict"
+    skip = "skip"
+
+
+class CodeKind(str, Enum):
+    diagnoses = "diagnoses"
+    procedures = "procedures"
+    both = "both"
+
+
+class Strategy(str, Enum):
+    centralized = "centralized"
+
+
+class BaselineKind(str, Enum):
+    dictionary = "dictionary"
+    frequency = "frequency"
+    keyword = "keyword"
+
+
+ON_ERROR = typer.Option(
+    OnError.strict,
+    "--on-error",
+    help="strict: report every problem and stop (exit 2); skip: report and leave the bad item out.",
+)
+CODES = typer.Option(CodeKind.diagnoses, "--codes", help="mimic3: which ICD-9 codes are labels.")
+JSON = typer.Option(False, "--json", help="Print JSON instead of a table.")
+
+
+def _print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def _warn(problems: list) -> None:
+    for problem in problems[:MAX_PROBLEMS_SHOWN]:
+        err.print(f"[yellow]warning:[/] {problem}", highlight=False, markup=True, soft_wrap=True)
+    if len(problems) > MAX_PROBLEMS_SHOWN:
+        err.print(f"[yellow]warning:[/] ... and {len(problems) - MAX_PROBLEMS_SHOWN} more")
+
+
+# ---------------------------------------------------------------- data
+@data_app.command("synth")
+def data_synth(
+    task: TaskName = typer.Argument(..., help="i2b2 or mimic3."),
+    out_dir: Path = typer.Option(
+        ..., "--out", help="Folder to write (must not hold a corpus yet)."
+    ),
+    sites: int = typer.Option(3, "--sites", min=1, max=50, help="Number of hospitals."),
+    docs: int = typer.Option(
+        40, "--docs", min=2, help="Documents (i2b2) or admissions (mimic3) per site."
+    ),
+    seed: int = typer.Option(0, "--seed", help="Same seed, same corpus."),
+    canary: str = typer.Option(
+        None, "--canary", help="mimic3: plant this string in every note (leak audits)."
+    ),
+) -> None:
+    """Write a synthetic multi-site corpus in the real release format."""
+    from clinfed.runs import ensure_new_run_folder
+
+    ensure_new_run_folder(out_dir)
+    if task is TaskName.i2b2:
+        from clinfed.tasks.i2b2.synth import generate
+
+        counts = generate(out_dir, sites=sites, docs=docs, seed=seed)
+        unit = "documents"
+    else:
+        from clinfed.tasks.mimic3.synth import generate
+
+        counts = generate(out_dir, sites=sites, docs=docs, seed=seed, canary=canary)
+        unit = "admissions"
+    out.print(
+        f"wrote {counts['train']} training and {counts['test']} test {unit} "
+        f"from {sites} sites to {out_dir}"
+    )
+
+
+@data_app.command("check")
+def data_check(
+    data: Path = typer.Argument(..., help="Corpus folder."),
+    task: TaskName = typer.Option(..., "--task", help="i2b2 or mimic3."),
+    on_error: OnError = ON_ERROR,
+    codes: CodeKind = CODES,
+    as_json: bool = JSON,
+) -> None:
+    """Validate a corpus and summarize it (documents, concepts, codes, sites)."""
+    from clinfed.tasks import get_task
+
+    problems = ProblemLog(on_error.value)
+    summary = get_task(task.value, codes=codes.value, top_k=0).summarize(data, problems)
+    if as_json:
+        _print_json(summary)
+        return
+    _warn(summary.pop("problems"))
+    table = Table(title=f"{task.value} corpus {data}", show_header=False)
+    for key, value in summary.items():
+        if isinstance(value, dict) and len(value) > 12:
+            top = sorted(value.items(), key=lambda kv: -kv[1])[:10]
+            value = ", ".join(f"{k}: {v}" for k, v in top) + f", ... ({len(value)} in all)"
+        elif isinstance(value, dict):
+            value = ", ".join(f"{k}: {v}" for k, v in value.items())
+        table.add_row(key.replace("_", " "), str(value))
+    out.print(table)
+
+
+# --------------------------------------------------------------- score
+@app.command("score")
+def score(
+    task: TaskName = typer.Option(..., "--task", help="i2b2 or mimic3."),
+    gold: Path = typer.Option(..., "--gold", help="Gold corpus folder."),
+    pred: Path = typer.Option(
+        ..., "--pred", help="i2b2: folder of .con files; mimic3: predictions.csv."
+    ),
+    codes: CodeKind = CODES,
+    as_json: bool = JSON,
+) -> None:
+    """Score predictions: i2b2 exact/inexact P/R/F1; mimic3 F1, AUC, P@k."""
+    from clinfed.scoring import score_i2b2, score_mimic3
+
+    problems = ProblemLog("strict")
+    if task is TaskName.i2b2:
+        result = score_i2b2(gold, pred, problems)
+    else:
+        result = score_mimic3(gold, pred, codes.value, problems)
+    if as_json:
+        _print_json(result)
+        return
+    if task is TaskName.i2b2:
+        table = Table(title=f"i2b2 concepts ({result['documents']} documents)")
+        for column in ("mode", "type", "precision", "recall", "f1", "gold", "predicted"):
+            table.add_column(column, justify="left" if column in ("mode", "type") else "right")
+        for mode in ("exact", "inexact"):
+            for kind, s in result[mode].items():
+                table.add_row(
+                    mode,
+                    kind,
+                    f"{s['precision']:.4f}",
+                    f"{s['recall']:.4f}",
+                    f"{s['f1']:.4f}",
+                    str(s["n_gold"]),
+                    str(s["n_pred"]),
+                )
+        out.print(table)
+        if result["missing_predictions"]:
+            missing = len(result["missing_predictions"])
+            err.print(f"warning: {missing} gold documents have no prediction file")
+    else:
+        table = Table(
+            title=f"ICD-9 coding ({result['admissions']} admissions, {result['labels']} codes)"
+        )
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        for key, value in result.items():
+            if key not in ("admissions", "labels", "f1"):
+                table.add_row(key, f"{value:.4f}")
+        out.print(table)
+
+
+# ---------------------------------------------------------------- train
+class _ProgressReporter:
+    """Draws rich progress bars from the pipeline's events."""
+
+    def __init__(self, progress: Progress, epochs: int):
+        self.progress, self.epochs, self.bar = progress, epochs, None
+
+    def __call__(self, event: str, info: dict[str, Any]) -> None:
+        p = self.progress
+        if event == "loaded":
+            _warn(info["warnings"])
+            p.console.print(
+                f"{info['train']} training and {info['test']} held-out examples "
+                f"from sites {', '.join(info['sites'])}"
+            )
+        elif event in ("epoch_start", "eval_start"):
+            if self.bar is not None:
+                p.remove_task(self.bar)
+            label = "train" if event == "epoch_start" else "evaluate"
+            self.bar = p.add_task(
+                f"epoch {info['epoch']}/{self.epochs} {label}", total=info["examples"]
+            )
+        elif event in ("step", "eval_step"):
+            p.advance(self.bar, info["examples"])
+        elif event == "epoch_end":
+            p.console.print(
+                f"epoch {info['epoch']}: f1 {info['f1']:.4f}  loss {info['train_loss']:.4f}  "
+                f"{info['tokens_per_s']:.0f} tokens/s"
+            )
+
+
+@app.command("train")
+def train(
+    task: TaskName = typer.Option(..., "--task", help="i2b2 or mimic3."),
+    data: Path = typer.Option(
+        ..., "--data", help="Corpus folder (train/ and test/, or one folder to split)."
+    ),
+    out_dir: Path = typer.Option(..., "--out", help="New run folder (refused if it holds files)."),
+    strategy: Strategy = typer.Option(
+        Strategy.centralized, "--strategy", help="Training strategy."
+    ),
+    model: str = typer.Option(
+        "minilm", "--model", help="minilm (bundled), tiny (random, tests) or a checkpoint folder."
+    ),
+    epochs: int = typer.Option(3, "--epochs", help="Passes over the training data."),
+    batch_size: int = typer.Option(16, "--batch-size", help="Examples per step."),
+    lr: float = typer.Option(1e-4, "--lr", help="AdamW learning rate (linear warm-up and decay)."),
+    max_length: int = typer.Option(
+        None, "--max-length", help="Encoder window in tokens (default: i2b2 128, mimic3 256)."
+    ),
+    seed: int = typer.Option(
+        0, "--seed", help="Seeds the model head, data order, dropout and splits."
+    ),
+    on_error: OnError = ON_ERROR,
+    codes: CodeKind = CODES,
+    top_k: int = typer.Option(
+        50, "--top-k", help="mimic3: keep the K most frequent codes (0: all)."
+    ),
+    max_chunks: int = typer.Option(8, "--max-chunks", help="mimic3: windows kept per admission."),
+    threads: int = typer.Option(0, "--threads", help="CPU threads (0: all cores)."),
+    cache_dir: Path = typer.Option(
+        None,
+        "--cache-dir",
+        help="Keep tokenized data here for reuse (it holds note content: protect it "
+        "like the data). Default: a temporary folder, deleted after the run.",
+    ),
+) -> None:
+    """Train a model and write a run folder (config, metrics.jsonl, model, predictions)."""
+    from clinfed.pipeline import RunConfig, run_training
+
+    config = RunConfig(
+        task=task.value,
+        data=str(data),
+        out=str(out_dir),
+        strategy=strategy.value,
+        model=model,
+        epochs=epochs,
+        batch_size=batch_size,
+        lr=lr,
+        max_length=max_length,
+        seed=seed,
+        on_error=on_error.value,
+        codes=codes.value,
+        top_k=top_k,
+        max_chunks=max_chunks,
+        threads=threads,
+        cache_dir=str(cache_dir) if cache_dir else None,
+    )
+    columns = [
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    ]
+    with Progress(*columns, console=err, transient=True) as progress:
+        summary = run_training(config, _ProgressReporter(progress, epochs))
+    out.print(
+        f"[bold]done[/]: held-out f1 {summary['f1']:.4f} "
+        f"({summary['tokens_per_s']:.0f} training tokens/s); run folder {out_dir}"
+    )
+
+
+# ------------------------------------------------------------- baseline
+@app.command("baseline")
+def baseline(
+    task: TaskName = typer.Option(..., "--task", help="i2b2 or mimic3."),
+    data: Path = typer.Option(..., "--data", help="Corpus folder."),
+    kind: BaselineKind = typer.Option(
+        ..., "--kind", help="i2b2: dictionary; mimic3: frequency or keyword."
+    ),
+    codes: CodeKind = CODES,
+    top_k: int = typer.Option(
+        50, "--top-k", help="mimic3: keep the K most frequent codes (0: all)."
+    ),
+    seed: int = typer.Option(0, "--seed", help="Seeds the split when the corpus has none."),
+    as_json: bool = JSON,
+) -> None:
+    """Score a model-free baseline on the held-out split."""
+    from clinfed.baselines import i2b2_dictionary, mimic3_frequency, mimic3_keyword
+    from clinfed.tasks import get_task
+
+    valid = {
+        TaskName.i2b2: {BaselineKind.dictionary},
+        TaskName.mimic3: {BaselineKind.frequency, BaselineKind.keyword},
+    }
+    if kind not in valid[task]:
+        raise ClinfedError(f"--kind {kind.value} does not apply to {task.value}")
+    handle = get_task(task.value, seed=seed, codes=codes.value, top_k=top_k)
+    corpus = handle.load(data, ProblemLog("strict"))
+    if task is TaskName.i2b2:
+        result = i2b2_dictionary(corpus.train, corpus.test)
+    else:
+        ks = (5,) if len(handle.labels) <= 50 else (8, 15)
+        if kind is BaselineKind.frequency:
+            result = mimic3_frequency(
+                corpus.train["codes"], corpus.test["codes"], handle.labels, ks
+            )
+        else:
+            result = mimic3_keyword(
+                corpus.train["text"],
+                corpus.train["codes"],
+                corpus.test["text"],
+                corpus.test["codes"],
+                handle.labels,
+                ks,
+            )
+    if as_json:
+        _print_json(result)
+    else:
+        out.print(f"{kind.value} baseline on {task.value}: f1 {result['f1']:.4f}")
+
+
+# ----------------------------------------------------------------- main
+def _quiet_libraries() -> None:
+    """Library chatter (load reports, per-map progress bars) drowns the CLI's own."""
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    logging.getLogger("torch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def _report_error(exc: ClinfedError) -> None:
+    lines = [str(p) for p in exc.problems] if isinstance(exc, DataError) else str(exc).splitlines()
+    for line in lines[:MAX_PROBLEMS_SHOWN]:
+        err.print(f"[red]error:[/] {line}", highlight=False, soft_wrap=True)
+    if len(lines) > MAX_PROBLEMS_SHOWN:
+        err.print(f"[red]error:[/] ... and {len(lines) - MAX_PROBLEMS_SHOWN} more problems")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point; returns the exit status."""
+    _quiet_libraries()
+    command = typer.main.get_command(app)
+    try:
+        result = command.main(args=argv, prog_name="clinfed", standalone_mode=False)
+        return result if isinstance(result, int) else 0
+    except ClinfedError as exc:
+        _report_error(exc)
+        return EXIT_USAGE
+    except click.exceptions.Exit as exc:
+        return exc.exit_code
+    except click.ClickException as exc:
+        exc.show()
+        return exc.exit_code
+    except click.exceptions.Abort:
+        err.print("aborted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,3 @@
+"""clinfed: federated training of clinical NLP models with privacy accounting."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,73 @@
+"""Which block each parameter belongs to: the unit strategies plan with.
+
+Blocks: ``embeddings``; per encoder layer ``i`` the attention ``query_key``
+(the attention kernel, which FedFrozen freezes), ``value`` and ``rest``
+(attention output, feed-forward, layer norms); and ``head``. Names are read
+for BERT, RoBERTa (same module names as BERT) and DistilBERT.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_LAYER_PATTERNS = (
+    # BERT / RoBERTa / ELECTRA: encoder.layer.3.attention.self.query.weight
+    re.compile(r"(?:^|\.)encoder\.layer\.(?P<layer>\d+)\.(?P<rest>.+)$"),
+    # DistilBERT: transformer.layer.3.attention.q_lin.weight
+    re.compile(r"(?:^|\.)transformer\.layer\.(?P<layer>\d+)\.(?P<rest>.+)$"),
+)
+_QUERY_KEY = re.compile(r"(?:^|\.)(?:attention\.self\.(?:query|key)|attention\.(?:q_lin|k_lin))\.")
+_VALUE = re.compile(r"(?:^|\.)(?:attention\.self\.value|attention\.v_lin)\.")
+
+
+@dataclass(frozen=True, order=True)
+class Block:
+    """A named group of parameters: ``kind`` is embeddings, query_key, value,
+    rest or head; ``layer`` is the encoder layer for per-layer kinds."""
+
+    kind: str
+    layer: int | None = None
+
+    def __str__(self) -> str:
+        return self.kind if self.layer is None else f"layer{self.layer}.{self.kind}"
+
+
+EMBEDDINGS = Block("embeddings")
+HEAD = Block("head")
+
+
+def block_of(name: str) -> Block:
+    """Block of one parameter name of a clinfed model (``encoder.*`` or ``head.*``).
+
+    Raises
+    ------
+    ValueError
+        For a name no rule knows, so a new architecture fails loudly instead of
+        having parameters silently left out of every plan.
+    """
+    if name.startswith("head."):
+        return HEAD
+    if ".embeddings." in f".{name}":
+        return EMBEDDINGS
+    for pattern in _LAYER_PATTERNS:
+        match = pattern.search(name)
+        if match:
+            layer = int(match["layer"])
+            tail = "." + match["rest"]
+            if _QUERY_KEY.search(tail):
+                return Block("query_key", layer)
+            if _VALUE.search(tail):
+                return Block("value", layer)
+            return Block("rest", layer)
+    raise ValueError(f"parameter {name!r} belongs to no known block")
+
+
+def parameter_blocks(names: list[str]) -> dict[str, Block]:
+    """Map every parameter name to its block."""
+    return {name: block_of(name) for name in names}
+
+
+def num_layers(blocks: dict[str, Block]) -> int:
+    layers = [b.layer for b in blocks.values() if b.layer is not None]
+    return max(layers) + 1 if layers else 0

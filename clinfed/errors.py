@@ -1,0 +1,78 @@
+"""Errors a user can fix, and the collector that readers report problems to.
+
+Every message names a file and a line (or column) and never quotes note text:
+clinical text is protected health information, so readers describe *what* is
+wrong (an offset past the line, a type nobody knows) and never *what it said*.
+The CLI prints these on one line each and exits with status 2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+EXIT_USAGE = 2
+
+
+class ClinfedError(Exception):
+    """An error caused by input or flags; printed on one line, exit status 2."""
+
+
+@dataclass
+class Problem:
+    """One problem in one input file: ``path:line: reason``."""
+
+    path: Path | str
+    line: int | None
+    reason: str
+
+    def __str__(self) -> str:
+        where = f"{self.path}:{self.line}" if self.line is not None else f"{self.path}"
+        return f"{where}: {self.reason}"
+
+
+class DataError(ClinfedError):
+    """Input data failed validation; holds every problem found."""
+
+    def __init__(self, problems: Iterable[Problem]):
+        self.problems = list(problems)
+        super().__init__("\n".join(str(p) for p in self.problems))
+
+    @classmethod
+    def single(cls, path: Path | str, line: int | None, reason: str) -> DataError:
+        return cls([Problem(path, line, reason)])
+
+
+ON_ERROR_CHOICES = ("strict", "skip")
+
+
+@dataclass
+class ProblemLog:
+    """Collects reader problems.
+
+    In ``strict`` mode (the default) a reader keeps going to find every problem,
+    then :meth:`raise_if_any` raises them together, so a user fixes a corpus in
+    one pass. In ``skip`` mode the offending item (a concept line, a document,
+    a CSV row) is left out and the problem is kept as a warning.
+    """
+
+    on_error: str = "strict"
+    problems: list[Problem] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.on_error not in ON_ERROR_CHOICES:
+            raise ClinfedError(
+                f"--on-error must be one of {', '.join(ON_ERROR_CHOICES)}, not {self.on_error!r}"
+            )
+
+    def add(self, path: Path | str, line: int | None, reason: str) -> None:
+        self.problems.append(Problem(path, line, reason))
+
+    @property
+    def skipping(self) -> bool:
+        return self.on_error == "skip"
+
+    def raise_if_any(self) -> None:
+        if self.problems and not self.skipping:
+            raise DataError(self.problems)

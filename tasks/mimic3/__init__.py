@@ -1,0 +1,1 @@
+"""MIMIC-III ICD-9 coding: CSV reader, CAML conventions, metrics, model adapter."""

@@ -1,0 +1,274 @@
+"""MIMIC-III diagnosis coding as multi-label classification of admissions.
+
+A data folder is one site (it holds ``NOTEEVENTS.csv``) or several (each
+sub-folder holding one is a site, named after the folder). An admission's
+discharge summary is cut into chunks of the encoder's window, at most
+``max_chunks`` of them (later text is dropped, like CAML's truncation at
+2,500 tokens); the model pools chunk logits per admission.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+from clinfed.errors import ClinfedError, ProblemLog
+from clinfed.models import special_tokens
+from clinfed.runs import atomic_write_text
+from clinfed.tasks.base import Corpus, Task
+from clinfed.tasks.mimic3.format import (
+    find_file,
+    patient_split,
+    read_admissions,
+    read_codes,
+    read_split_files,
+)
+from clinfed.tasks.mimic3.metrics import multilabel_metrics
+
+TEST_FRACTION = 0.2
+
+
+def site_folders(data: Path) -> dict[str, Path]:
+    """Site name -> folder holding that site's CSVs."""
+    data = Path(data)
+    if not data.is_dir():
+        raise ClinfedError(f"{data}: not a folder")
+    if find_file(data, "NOTEEVENTS") is not None:
+        return {data.resolve().name: data}
+    sites = {
+        sub.name: sub
+        for sub in sorted(data.iterdir())
+        if sub.is_dir()
+        and not sub.name.startswith(".")
+        and find_file(sub, "NOTEEVENTS") is not None
+    }
+    if not sites:
+        raise ClinfedError(f"{data}: no NOTEEVENTS.csv here or in its sub-folders")
+    return sites
+
+
+class Mimic3Task(Task):
+    """ICD-9 coding of MIMIC-III discharge summaries.
+
+    Parameters
+    ----------
+    codes
+        ``diagnoses`` (default), ``procedures`` or ``both``.
+    top_k
+        Keep the ``top_k`` most frequent codes of the training admissions
+        (CAML's top-50); 0 keeps every code. Admissions with none of the kept
+        codes are left out, as in CAML's MIMIC-III-50.
+    max_chunks
+        Windows per admission kept for the model.
+    seed
+        Seeds the patient-level split when no CAML split files are given.
+    """
+
+    name = "mimic3"
+    head = "multilabel"
+
+    def __init__(
+        self,
+        codes: str = "diagnoses",
+        top_k: int = 50,
+        max_chunks: int = 8,
+        seed: int = 0,
+        cache_dir: str | None = None,
+    ):
+        if top_k < 0:
+            raise ClinfedError("--top-k must be 0 (all codes) or more")
+        if max_chunks < 1:
+            raise ClinfedError("--max-chunks must be at least 1")
+        self.codes, self.top_k, self.max_chunks, self.seed = codes, top_k, max_chunks, seed
+        self.cache_dir = cache_dir
+        self.labels: list[str] = []
+        self.pad_id = 0
+
+    # ---------------------------------------------------------------- reading
+    def _read_site(self, site: str, folder: Path, problems: ProblemLog) -> datasets.Dataset:
+        table = read_codes(folder, self.codes, problems)
+        admissions = read_admissions(folder, problems, self.cache_dir)
+        problems.raise_if_any()
+        has_split_files = any(folder.glob("*_hadm_ids.csv"))
+        assignment = read_split_files(folder) if has_split_files else {}
+
+        def annotate(batch: dict[str, list]) -> dict[str, list]:
+            codes, splits = [], []
+            for hadm, subject in zip(batch["hadm_id"], batch["subject_id"]):
+                codes.append(sorted(table.codes.get(hadm, ())))
+                if has_split_files:
+                    splits.append(assignment.get(hadm, "unused"))
+                else:
+                    splits.append(patient_split(subject, self.seed, TEST_FRACTION))
+            return {"codes": codes, "split": splits, "site": [site] * len(codes)}
+
+        return admissions.map(annotate, batched=True)
+
+    def load(self, data: Path, problems: ProblemLog) -> Corpus:
+        sites = site_folders(data)
+        parts = [self._read_site(site, folder, problems) for site, folder in sites.items()]
+        problems.raise_if_any()
+        everything = datasets.concatenate_datasets(parts)
+        train = everything.filter(lambda s: s == "train", input_columns="split")
+        test = everything.filter(lambda s: s in ("test", "dev"), input_columns="split")
+        frequency = Counter(code for codes in train["codes"] for code in codes)
+        if not frequency:
+            raise ClinfedError(f"{data}: no training admission has a discharge summary and a code")
+        ranked = sorted(frequency, key=lambda c: (-frequency[c], c))
+        self.labels = sorted(ranked[: self.top_k] if self.top_k else ranked)
+        kept = set(self.labels)
+
+        def has_label(codes: list[str]) -> bool:
+            return any(c in kept for c in codes)
+
+        train = train.filter(has_label, input_columns="codes")
+        test = test.filter(has_label, input_columns="codes")
+        return Corpus(
+            train,
+            test,
+            sorted(sites),
+            {
+                "train_admissions": len(train),
+                "test_admissions": len(test),
+                "labels": len(self.labels),
+            },
+        )
+
+    def read_documents(self, folder: Path, problems: ProblemLog) -> datasets.Dataset:
+        """Every admission of a folder, labels restricted to the model's codes."""
+        parts = [self._read_site(s, f, problems) for s, f in site_folders(folder).items()]
+        problems.raise_if_any()
+        return datasets.concatenate_datasets(parts)
+
+    def summarize(self, data: Path, problems: ProblemLog) -> dict[str, Any]:
+        sites = site_folders(data)
+        parts = [self._read_site(site, folder, problems) for site, folder in sites.items()]
+        problems.raise_if_any()
+        admissions = datasets.concatenate_datasets(parts)
+        label_counts = Counter(code for codes in admissions["codes"] for code in codes)
+        return {
+            "admissions": len(admissions),
+            "notes": sum(admissions["n_notes"]),
+            "patients": len(set(admissions["subject_id"])),
+            "label_counts": dict(sorted(label_counts.items(), key=lambda kv: (-kv[1], kv[0]))),
+            "sites": dict(Counter(admissions["site"])),
+            "splits": dict(Counter(admissions["split"])),
+            "problems": [str(p) for p in problems.problems],
+        }
+
+    # --------------------------------------------------------------- encoding
+    def encode(
+        self, records: datasets.Dataset, tokenizer, max_length: int, cache_dir: str | None
+    ) -> datasets.Dataset:
+        self.pad_id = tokenizer.pad_token_id
+        prefix, suffix = special_tokens(tokenizer)
+        window = max_length - len(prefix) - len(suffix)
+        budget = window * self.max_chunks
+        index = {code: i for i, code in enumerate(self.labels)}
+
+        def tokenize(batch: dict[str, list]) -> dict[str, list]:
+            enc = tokenizer(
+                batch["text"], add_special_tokens=False, truncation=True, max_length=budget
+            )
+            chunks, targets, lengths = [], [], []
+            for ids, codes in zip(enc["input_ids"], batch["codes"]):
+                pieces = [
+                    prefix + ids[i : i + window] + suffix
+                    for i in range(0, max(len(ids), 1), window)
+                ]
+                chunks.append(pieces)
+                lengths.append(sum(len(p) for p in pieces))
+                target = [0.0] * len(self.labels)
+                for code in codes:
+                    if code in index:
+                        target[index[code]] = 1.0
+                targets.append(target)
+            return {"input_ids": chunks, "targets": targets, "n_tokens": lengths}
+
+        keep = {"hadm_id", "site"}
+        return records.map(
+            tokenize,
+            batched=True,
+            batch_size=64,
+            remove_columns=[c for c in records.column_names if c not in keep],
+        )
+
+    def collate(self, batch: dict[str, list]) -> dict[str, torch.Tensor]:
+        n = len(batch["input_ids"])
+        n_chunks = max(len(chunks) for chunks in batch["input_ids"])
+        width = max(len(piece) for chunks in batch["input_ids"] for piece in chunks)
+        input_ids = torch.full((n, n_chunks, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((n, n_chunks, width), dtype=torch.long)
+        chunk_mask = torch.zeros((n, n_chunks), dtype=torch.long)
+        for i, chunks in enumerate(batch["input_ids"]):
+            for j, piece in enumerate(chunks):
+                input_ids[i, j, : len(piece)] = torch.tensor(piece)
+                mask[i, j, : len(piece)] = 1
+                chunk_mask[i, j] = 1
+        targets = torch.tensor(batch["targets"], dtype=torch.float32)
+        return {
+            "input_ids": input_ids,
+            "attention_mask": mask,
+            "chunk_mask": chunk_mask,
+            "targets": targets,
+        }
+
+    def model_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: batch[k] for k in ("input_ids", "attention_mask", "chunk_mask")}
+
+    def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return F.binary_cross_entropy_with_logits(logits, batch["targets"])
+
+    def outputs(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> list[Any]:
+        probs = torch.sigmoid(logits).cpu().numpy()
+        return [probs[i] for i in range(probs.shape[0])]
+
+    # ------------------------------------------------------------- decoding
+    def evaluate(
+        self, records: datasets.Dataset, examples: datasets.Dataset, outputs: list[Any]
+    ) -> dict[str, Any]:
+        y_true = np.asarray(examples["targets"], dtype=int)
+        scores = np.stack(outputs) if outputs else np.zeros_like(y_true, dtype=float)
+        ks = (5,) if len(self.labels) <= 50 else (8, 15)
+        metrics = multilabel_metrics(y_true, scores, ks=ks)
+        sites = np.asarray(examples["site"])
+        metrics["per_site_f1"] = {
+            site: multilabel_metrics(y_true[sites == site], scores[sites == site], ks=ks)[
+                "micro_f1"
+            ]
+            for site in sorted(set(sites))
+        }
+        return metrics
+
+    def write_predictions(
+        self,
+        records: datasets.Dataset,
+        examples: datasets.Dataset,
+        outputs: list[Any],
+        folder: Path,
+        threshold: float = 0.5,
+    ) -> None:
+        """``predictions.csv``: HADM_ID, the predicted codes (``;``-separated)
+        and one probability column per code, headed ``P_<code>``."""
+        buf = io.StringIO()
+        writer = csv.writer(buf, lineterminator="\n")
+        writer.writerow(["HADM_ID", "CODES"] + [f"P_{code}" for code in self.labels])
+        for hadm, probs in zip(examples["hadm_id"], outputs):
+            codes = ";".join(code for code, p in zip(self.labels, probs) if p >= threshold)
+            writer.writerow([hadm, codes] + [f"{p:.5f}" for p in probs])
+        atomic_write_text(Path(folder) / "predictions.csv", buf.getvalue())
+
+    def meta(self) -> dict[str, Any]:
+        return super().meta() | {
+            "codes": self.codes,
+            "top_k": self.top_k,
+            "max_chunks": self.max_chunks,
+        }

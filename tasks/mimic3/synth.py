@@ -1,0 +1,522 @@
+"""Synthetic MIMIC-III corpora in the release's CSV formats, one folder per site.
+
+How a corpus is generated (deterministic for a seed):
+
+* **Codes.** Real ICD-9 diagnosis and procedure codes (undotted, leading
+  zeros kept, E- and V-codes included). Each has surface forms (the last one
+  is held out: it appears only in test notes) and indirect evidence (drugs,
+  findings, procedures) that may signal it without naming it.
+* **Notes.** A discharge summary per admission with MIMIC's sections and
+  ``[** **]`` de-identification placeholders. A true code is named with some
+  probability, signalled by evidence with another, or both; absent codes
+  appear negated (``no evidence of``, ``ruled out``) or in the family history,
+  which a keyword lookup mistakes for the code. Some admissions get an
+  addendum that adds a diagnosis. Other note categories, ``ISERROR=1`` rows
+  and notes without ``HADM_ID`` are mixed in, as the reader must drop them.
+* **Sites.** Each site has its own code prevalence (case mix), abbreviation
+  habit and section wording; even-numbered sites write the full release's
+  quoted upper-case headers, odd-numbered ones the demo's lower-case style.
+* **Split.** Patients are split train/test by the generator (test notes use
+  held-out forms) and CAML-style split files record it:
+  ``train_full_hadm_ids.csv`` and ``test_full_hadm_ids.csv`` in each site.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import random
+from pathlib import Path
+
+from clinfed.runs import atomic_write_text
+
+# (code, surface forms (last = held out), evidence)
+DIAGNOSES = [
+    ("4019", ["hypertension", "htn", "elevated blood pressures"], ["lisinopril", "amlodipine"]),
+    (
+        "4280",
+        ["congestive heart failure", "chf", "cardiac decompensation"],
+        ["furosemide", "lasix"],
+    ),
+    (
+        "42731",
+        ["atrial fibrillation", "afib", "irregularly irregular rhythm"],
+        ["diltiazem", "amiodarone"],
+    ),
+    (
+        "41401",
+        ["coronary artery disease", "cad", "coronary atherosclerosis"],
+        ["clopidogrel", "nitroglycerin"],
+    ),
+    ("5849", ["acute kidney injury", "arf", "acute renal insufficiency"], ["rising creatinine"]),
+    (
+        "25000",
+        ["type 2 diabetes", "dm2", "non-insulin dependent diabetes"],
+        ["metformin", "glipizide"],
+    ),
+    ("2724", ["hyperlipidemia", "hld", "dyslipidemia"], ["atorvastatin", "simvastatin"]),
+    (
+        "51881",
+        ["acute respiratory failure", "hypoxic respiratory failure", "ventilatory failure"],
+        ["intubated for hypoxia"],
+    ),
+    (
+        "5990",
+        ["urinary tract infection", "uti", "cystitis"],
+        ["nitrofurantoin", "positive urine culture"],
+    ),
+    (
+        "486",
+        ["pneumonia", "pna", "lobar consolidation"],
+        ["levofloxacin", "infiltrate on chest x-ray"],
+    ),
+    (
+        "0389",
+        ["septicemia", "sepsis", "bloodstream infection with shock physiology"],
+        ["blood cultures grew gram negative rods"],
+    ),
+    ("2859", ["anemia", "low hemoglobin", "reduced red cell mass"], ["transfused one unit"]),
+    (
+        "496",
+        ["copd", "chronic obstructive pulmonary disease", "emphysema"],
+        ["tiotropium", "ipratropium nebs"],
+    ),
+    ("3051", ["tobacco use", "active smoker", "cigarette dependence"], ["nicotine patch"]),
+    (
+        "2449",
+        ["hypothyroidism", "hypothyroid", "underactive thyroid"],
+        ["levothyroxine", "synthroid"],
+    ),
+    ("53081", ["gastroesophageal reflux", "gerd", "acid reflux"], ["omeprazole", "pantoprazole"]),
+    (
+        "V5861",
+        ["long term anticoagulation", "chronic anticoagulation", "maintained on blood thinners"],
+        ["warfarin", "coumadin"],
+    ),
+    ("2761", ["hyponatremia", "low sodium", "hypoosmolality"], ["fluid restriction"]),
+    ("2762", ["metabolic acidosis", "acidosis", "acidemia"], ["bicarbonate drip"]),
+    (
+        "2875",
+        ["thrombocytopenia", "low platelets", "platelet deficiency"],
+        ["platelet transfusion"],
+    ),
+    (
+        "40390",
+        ["hypertensive kidney disease", "hypertensive nephropathy", "hypertensive nephrosclerosis"],
+        [],
+    ),
+    (
+        "5859",
+        ["chronic kidney disease", "ckd", "chronic renal insufficiency"],
+        ["baseline creatinine of 2"],
+    ),
+    ("412", ["old myocardial infarction", "prior mi", "remote infarct"], []),
+    (
+        "41071",
+        ["nstemi", "non st elevation mi", "subendocardial infarction"],
+        ["troponin peaked", "heparin drip"],
+    ),
+    ("4240", ["mitral regurgitation", "mr", "mitral valve insufficiency"], []),
+    ("4241", ["aortic stenosis", "as", "calcific aortic valve disease"], []),
+    (
+        "311",
+        ["depression", "depressive disorder", "low mood disorder"],
+        ["sertraline", "citalopram"],
+    ),
+    (
+        "2930",
+        ["delirium", "acute confusional state", "acute encephalopathy with confusion"],
+        ["haloperidol"],
+    ),
+    ("2809", ["iron deficiency anemia", "ida", "iron poor blood"], ["ferrous sulfate"]),
+    (
+        "5070",
+        ["aspiration pneumonitis", "aspiration pneumonia", "chemical pneumonitis"],
+        ["swallow study failed"],
+    ),
+    ("4589", ["hypotension", "low blood pressure", "hemodynamic instability"], ["fluid boluses"]),
+    ("78552", ["septic shock", "shock", "distributive shock"], ["norepinephrine", "levophed"]),
+    (
+        "99592",
+        ["severe sepsis", "sepsis with organ dysfunction", "sepsis with end organ damage"],
+        [],
+    ),
+    ("5789", ["gi bleed", "gastrointestinal hemorrhage", "melena with hemoglobin drop"], ["egd"]),
+    (
+        "5715",
+        ["cirrhosis", "cirrhosis of liver", "end stage liver disease"],
+        ["lactulose", "rifaximin"],
+    ),
+    ("34590", ["epilepsy", "seizure disorder", "recurrent seizures"], ["levetiracetam", "keppra"]),
+    ("43491", ["ischemic stroke", "cva", "cerebral infarction"], ["tpa"]),
+    (
+        "4168",
+        ["pulmonary hypertension", "pulm htn", "elevated pulmonary pressures"],
+        ["sildenafil"],
+    ),
+    (
+        "E8782",
+        ["complication of anastomosis", "post procedural complication", "surgical misadventure"],
+        [],
+    ),
+    (
+        "E9342",
+        ["adverse effect of anticoagulant", "supratherapeutic inr", "coumadin toxicity"],
+        ["vitamin k"],
+    ),
+    ("V1582", ["history of tobacco use", "former smoker", "quit smoking years ago"], []),
+    ("V4501", ["cardiac pacemaker in situ", "pacemaker", "permanent pacer"], []),
+    ("27800", ["obesity", "obese", "elevated body mass index"], []),
+    ("32723", ["obstructive sleep apnea", "osa", "sleep disordered breathing"], ["cpap at night"]),
+    ("73300", ["osteoporosis", "low bone density", "osteopenia severe"], ["alendronate"]),
+    (
+        "2639",
+        ["malnutrition", "protein calorie malnutrition", "poor nutritional status"],
+        ["tube feeds"],
+    ),
+    ("5119", ["pleural effusion", "effusion", "fluid in the pleural space"], ["thoracentesis"]),
+    ("2767", ["hyperkalemia", "high potassium", "elevated serum potassium"], ["kayexalate"]),
+    ("2768", ["hypokalemia", "low potassium", "potassium depletion"], ["potassium repletion"]),
+    ("1628", ["lung cancer", "nsclc", "bronchogenic carcinoma"], ["carboplatin"]),
+    ("42789", ["arrhythmia", "dysrhythmia", "conduction abnormality"], []),
+    ("4271", ["ventricular tachycardia", "vt", "wide complex tachycardia"], ["lidocaine"]),
+    (
+        "5180",
+        ["atelectasis", "pulmonary collapse", "collapsed lung segment"],
+        ["incentive spirometry"],
+    ),
+    ("V4581", ["status post cabg", "s/p cabg", "prior bypass grafting"], []),
+    (
+        "2851",
+        ["acute blood loss anemia", "posthemorrhagic anemia", "anemia from acute bleeding"],
+        [],
+    ),
+    ("7907", ["bacteremia", "positive blood cultures", "bacteria in the blood"], []),
+    ("V1251", ["history of dvt", "prior dvt", "previous venous thrombosis"], []),
+    ("4660", ["acute bronchitis", "bronchitis", "inflamed bronchi"], []),
+    ("5641", ["irritable bowel syndrome", "ibs", "functional bowel disorder"], ["dicyclomine"]),
+    (
+        "6826",
+        ["cellulitis of leg", "leg cellulitis", "lower extremity soft tissue infection"],
+        ["cefazolin"],
+    ),
+]
+PROCEDURES = [
+    ("9604", ["endotracheal intubation", "intubated", "airway secured with a tube"], []),
+    ("9671", ["mechanical ventilation", "ventilator support", "vent dependent"], []),
+    (
+        "9672",
+        [
+            "prolonged mechanical ventilation",
+            "ventilated for over four days",
+            "extended ventilator course",
+        ],
+        [],
+    ),
+    ("3893", ["central venous catheter", "central line", "cvc placement"], []),
+    ("9904", ["transfusion of packed cells", "prbc transfusion", "blood products given"], []),
+    ("3995", ["hemodialysis", "hd", "renal replacement therapy"], []),
+    ("8856", ["coronary angiography", "cardiac catheterization", "coronary arteriogram"], []),
+    ("3722", ["left heart catheterization", "lhc", "left sided cath"], []),
+    ("0066", ["angioplasty", "ptca", "balloon dilation of coronary artery"], []),
+    ("4513", ["upper endoscopy", "egd", "esophagogastroduodenoscopy"], []),
+    ("3891", ["arterial line", "a-line", "radial arterial catheter"], []),
+    (
+        "0045",
+        ["insertion of one vascular stent", "single stent placed", "one drug eluting stent"],
+        [],
+    ),
+    ("3324", ["bronchoscopy", "bronch", "airway endoscopy"], []),
+    ("8872", ["echocardiogram", "tte", "cardiac ultrasound"], []),
+    ("3491", ["thoracentesis", "pleural tap", "pleural fluid drainage"], []),
+    ("9915", ["parenteral nutrition", "tpn", "iv nutrition"], []),
+]
+ALL_CODES = {code: ("diagnoses", forms, ev) for code, forms, ev in DIAGNOSES} | {
+    code: ("procedures", forms, ev) for code, forms, ev in PROCEDURES
+}
+
+SECTIONS = [
+    ("Chief Complaint:", "Past Medical History:", "Hospital Course:", "Discharge Diagnosis:"),
+    ("CHIEF COMPLAINT:", "PMH:", "BRIEF HOSPITAL COURSE:", "FINAL DIAGNOSES:"),
+    ("Reason for admission:", "Medical history:", "Course in hospital:", "Diagnoses at discharge:"),
+]
+FILLER = [
+    "Patient is a {age} year old {sex} seen at [**Hospital1 18**] .",
+    "Vitals on admission : T {t} HR {hr} BP {sbp}/{dbp} RR {rr} O2 sat {sat}% on RA .",
+    "Seen by Dr. [**Last Name (STitle) {n}**] on [**{date}**] .",
+    "Social history : lives with family , ambulates with a walker .",
+    "Physical exam : alert , oriented , no acute distress .",
+    "Labs on admission were notable as below .",
+    "The patient was followed by the medicine team .",
+    "Discharge condition : stable .",
+    "Follow up with PCP Dr. [**First Name8 (NamePattern2) {n}**] in two weeks .",
+]
+NEGATIONS = [
+    "no evidence of {f} .",
+    "ruled out for {f} .",
+    "denies history of {f} .",
+    "negative for {f} .",
+]
+FAMILY = ["Family history : mother with {f} .", "Father had {f} ."]
+MENTIONS = [
+    "# {f} : managed as below .",
+    "History of {f} .",
+    "Found to have {f} .",
+    "{f} , stable on admission .",
+    "Treated for {f} during this stay .",
+]
+EVIDENCE = ["Started on {e} .", "Continued {e} .", "Notable for {e} .", "Received {e} ."]
+
+NOTE_HEADER = [
+    "row_id",
+    "subject_id",
+    "hadm_id",
+    "chartdate",
+    "charttime",
+    "storetime",
+    "category",
+    "description",
+    "cgid",
+    "iserror",
+    "text",
+]
+CODE_HEADER = ["row_id", "subject_id", "hadm_id", "seq_num", "icd9_code"]
+
+
+def _csv_text(header: list[str], rows: list[list], full_release: bool) -> str:
+    buf = io.StringIO()
+    if full_release:  # quoted upper-case header, every field quoted
+        writer = csv.writer(buf, quoting=csv.QUOTE_ALL, lineterminator="\n")
+        writer.writerow([h.upper() for h in header])
+    else:  # the demo: lower-case header, minimal quoting
+        writer = csv.writer(buf, quoting=csv.QUOTE_MINIMAL, lineterminator="\n")
+        writer.writerow(header)
+    writer.writerows(rows)
+    return buf.getvalue()
+
+
+class _Site:
+    def __init__(self, index: int, rng: random.Random):
+        self.index, self.rng = index, rng
+        self.sections = SECTIONS[index % len(SECTIONS)]
+        self.abbreviate = (0.6, 0.15, 0.35)[index % 3]
+        # Case mix: a Zipf-like base rate per code, scaled per site.
+        codes = sorted(ALL_CODES)
+        base = {
+            c: 0.35 / (1 + i) ** 0.6
+            for i, c in enumerate(random.Random(7).sample(codes, len(codes)))
+        }
+        self.prevalence = {c: min(0.7, p * rng.lognormvariate(0, 0.7)) for c, p in base.items()}
+
+    def form(self, code: str, test: bool) -> str:
+        forms = ALL_CODES[code][1]
+        if test and self.rng.random() < 0.4:
+            return forms[-1]
+        seen = forms[:-1]
+        return seen[1] if len(seen) > 1 and self.rng.random() < self.abbreviate else seen[0]
+
+    def admission(self, test: bool) -> tuple[list[str], str, str | None]:
+        """Codes, discharge summary text and an optional addendum."""
+        rng = self.rng
+        codes = [c for c in sorted(ALL_CODES) if rng.random() < self.prevalence[c]]
+        if not codes:
+            codes = [rng.choice(sorted(ALL_CODES))]
+        absent = [c for c in sorted(ALL_CODES) if c not in codes]
+        addendum_code = codes.pop() if len(codes) > 2 and rng.random() < 0.15 else None
+        sentences: dict[str, list[str]] = {s: [] for s in self.sections}
+        for code in codes:
+            evidence = ALL_CODES[code][2]
+            named = rng.random() < 0.8 or not evidence
+            if named:
+                section = rng.choice(self.sections[1:])
+                template = rng.choice(MENTIONS)
+                sentences[section].append(template.format(f=self.form(code, test)))
+            if evidence and (not named or rng.random() < 0.4):
+                sentences[self.sections[2]].append(
+                    rng.choice(EVIDENCE).format(e=rng.choice(evidence))
+                )
+        for code in rng.sample(absent, k=min(len(absent), rng.randint(1, 3))):
+            template = rng.choice(NEGATIONS + FAMILY)
+            sentences[rng.choice(self.sections[:3])].append(
+                template.format(f=self.form(code, test))
+            )
+        lines = [
+            f"Admission Date:  [**{self._date()}**]     Discharge Date:   [**{self._date()}**]",
+            "",
+            f"Date of Birth:  [**{self._date()}**]     Sex:   {rng.choice('MF')}",
+            "",
+            f"Service: {rng.choice(['MEDICINE', 'CARDIOLOGY', 'SURGERY', 'NEUROLOGY'])}",
+        ]
+        for section in self.sections:
+            lines += ["", section]
+            body = sentences[section] + [self._filler() for _ in range(rng.randint(1, 3))]
+            rng.shuffle(body)
+            lines += body
+        if addendum_code is not None:
+            codes.append(addendum_code)
+        addendum = None
+        if addendum_code is not None:
+            form = self.form(addendum_code, test)
+            addendum = f"Addendum :\nPatient was also found to have {form} ; see above for plan ."
+        return codes, "\n".join(lines) + "\n", addendum
+
+    def _date(self) -> str:
+        return f"{self.rng.randint(2100, 2190)}-{self.rng.randint(1, 12)}-{self.rng.randint(1, 28)}"
+
+    def _filler(self) -> str:
+        rng = self.rng
+        return rng.choice(FILLER).format(
+            age=rng.randint(20, 89),
+            sex=rng.choice(["man", "woman"]),
+            t=round(rng.uniform(96, 102), 1),
+            hr=rng.randint(50, 130),
+            sbp=rng.randint(85, 180),
+            dbp=rng.randint(40, 100),
+            rr=rng.randint(12, 28),
+            sat=rng.randint(86, 100),
+            n=rng.randint(100, 9999),
+            date=self._date(),
+        )
+
+
+def generate(
+    out: Path | str,
+    sites: int = 3,
+    docs: int = 120,
+    seed: int = 0,
+    test_fraction: float = 0.25,
+    canary: str | None = None,
+) -> dict[str, int]:
+    """Write ``out/site<i>/`` folders; return admissions written per split.
+
+    Parameters
+    ----------
+    docs
+        Admissions per site (about 1.5 per patient).
+    canary
+        A string planted in every discharge summary, so tests can prove that
+        note text never reaches a log, report or error.
+    """
+    out = Path(out)
+    rng = random.Random(seed)
+    counts = {"train": 0, "test": 0}
+    row_id = hadm = 100000
+    subject = 1000
+    for s in range(sites):
+        site = _Site(s, random.Random(f"{seed}:site:{s}"))
+        notes, diagnoses, procedures, split_ids = [], [], [], {"train": [], "test": []}
+        made = 0
+        while made < docs:
+            subject += 1
+            split = "test" if rng.random() < test_fraction else "train"
+            for _ in range(min(rng.choice([1, 1, 1, 2, 2, 3]), docs - made)):
+                hadm += 1
+                made += 1
+                codes, text, addendum = site.admission(test=split == "test")
+                if canary:
+                    text += f"Note id {canary} .\n"
+                date = site._date()
+                row_id += 1
+                notes.append(
+                    [
+                        row_id,
+                        subject,
+                        hadm,
+                        date,
+                        "",
+                        "",
+                        "Discharge summary",
+                        "Report",
+                        "",
+                        "",
+                        text,
+                    ]
+                )
+                if addendum:
+                    row_id += 1
+                    notes.append(
+                        [
+                            row_id,
+                            subject,
+                            hadm,
+                            date,
+                            "",
+                            "",
+                            "Discharge summary",
+                            "Addendum",
+                            "",
+                            "",
+                            addendum,
+                        ]
+                    )
+                if rng.random() < 0.3:  # other categories must be ignored
+                    row_id += 1
+                    other, _, _ = site.admission(test=False)
+                    notes.append(
+                        [
+                            row_id,
+                            subject,
+                            hadm,
+                            date,
+                            f"{date} 10:00:00",
+                            "",
+                            "Radiology",
+                            "CHEST (PA & LAT)",
+                            "",
+                            "",
+                            f"FINDINGS: possible {site.form(other[0], False)} .\n",
+                        ]
+                    )
+                if rng.random() < 0.05:  # an erroneous summary, flagged ISERROR=1
+                    row_id += 1
+                    _, wrong, _ = site.admission(test=False)
+                    notes.append(
+                        [
+                            row_id,
+                            subject,
+                            hadm,
+                            date,
+                            "",
+                            "",
+                            "Discharge summary",
+                            "Report",
+                            "",
+                            "1",
+                            wrong,
+                        ]
+                    )
+                seq = {"diagnoses": 0, "procedures": 0}
+                for code in codes:
+                    kind = ALL_CODES[code][0]
+                    seq[kind] += 1
+                    row_id += 1
+                    table = diagnoses if kind == "diagnoses" else procedures
+                    table.append([row_id, subject, hadm, seq[kind], code])
+                split_ids[split].append(hadm)
+                counts[split] += 1
+            if rng.random() < 0.1:  # an outpatient summary with no admission
+                row_id += 1
+                _, text, _ = site.admission(test=False)
+                notes.append(
+                    [
+                        row_id,
+                        subject,
+                        "",
+                        site._date(),
+                        "",
+                        "",
+                        "Discharge summary",
+                        "Report",
+                        "",
+                        "",
+                        text,
+                    ]
+                )
+        folder = out / f"site{s + 1}"
+        full = s % 2 == 0
+        atomic_write_text(folder / "NOTEEVENTS.csv", _csv_text(NOTE_HEADER, notes, full))
+        atomic_write_text(folder / "DIAGNOSES_ICD.csv", _csv_text(CODE_HEADER, diagnoses, full))
+        atomic_write_text(folder / "PROCEDURES_ICD.csv", _csv_text(CODE_HEADER, procedures, full))
+        for split, ids in split_ids.items():
+            atomic_write_text(folder / f"{split}_full_hadm_ids.csv", "".join(f"{i}\n" for i in ids))
+    return counts

@@ -1,0 +1,51 @@
+"""Shared test fixtures: the real-format samples in ../shared/fixtures and
+small synthetic corpora made once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import datasets
+import pytest
+import transformers
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO.parent / "shared" / "fixtures"
+CANARY = "ZQXCANARY7731"
+
+datasets.disable_progress_bars()
+transformers.logging.set_verbosity_error()
+
+
+@pytest.fixture(scope="session")
+def cliner_dir() -> Path:
+    path = FIXTURES / "i2b2_cliner"
+    if not path.is_dir():
+        pytest.fail(f"missing fixtures: {path} (shared/ must sit beside the checkout)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def mimic_demo_dir() -> Path:
+    path = FIXTURES / "mimic3_demo"
+    if not path.is_dir():
+        pytest.fail(f"missing fixtures: {path} (shared/ must sit beside the checkout)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def i2b2_corpus(tmp_path_factory) -> Path:
+    from clinfed.tasks.i2b2.synth import generate
+
+    out = tmp_path_factory.mktemp("i2b2") / "data"
+    generate(out, sites=3, docs=8, seed=1)
+    return out
+
+
+@pytest.fixture(scope="session")
+def mimic_corpus(tmp_path_factory) -> Path:
+    from clinfed.tasks.mimic3.synth import generate
+
+    out = tmp_path_factory.mktemp("mimic3") / "data"
+    generate(out, sites=2, docs=24, seed=1, canary=CANARY)
+    return out

@@ -1,0 +1,183 @@
+"""The MIMIC-III reader: real demo files, CAML conventions, filtering, errors."""
+
+from __future__ import annotations
+
+import gzip
+import shutil
+from pathlib import Path
+
+import pytest
+
+from clinfed.errors import ClinfedError, DataError, ProblemLog
+from clinfed.tasks.mimic3.adapter import Mimic3Task
+from clinfed.tasks.mimic3.format import caml_dot, patient_split, read_admissions, read_codes
+
+SECRET = "Pneumothorax"
+NOTE_HEADER_FULL = (
+    '"ROW_ID","SUBJECT_ID","HADM_ID","CHARTDATE","CHARTTIME","STORETIME","CATEGORY",'
+    '"DESCRIPTION","CGID","ISERROR","TEXT"\n'
+)
+
+
+@pytest.mark.parametrize(
+    ("code", "kind", "dotted"),
+    [
+        ("4019", "diagnoses", "401.9"),
+        ("0389", "diagnoses", "038.9"),  # leading zero kept
+        ("486", "diagnoses", "486"),  # three characters: no dot
+        ("V5861", "diagnoses", "V58.61"),
+        ("E8782", "diagnoses", "E878.2"),  # E-codes: after four
+        ("E849", "diagnoses", "E849"),
+        ("9604", "procedures", "96.04"),
+        ("0045", "procedures", "00.45"),
+        ("401.9", "diagnoses", "401.9"),  # already dotted
+    ],
+)
+def test_caml_dotting(code, kind, dotted):
+    assert caml_dot(code, kind) == dotted
+
+
+def test_demo_code_files_keep_leading_zeros(mimic_demo_dir):
+    diagnoses = read_codes(mimic_demo_dir, "diagnoses", ProblemLog())
+    assert len(diagnoses.codes) == 129
+    assert len(set(diagnoses.subject.values())) == 100
+    codes = {c for cs in diagnoses.codes.values() for c in cs}
+    assert "038.9" in codes  # 0389 septicemia, read as a string
+    assert any(c.startswith("0") for c in codes)
+    procedures = read_codes(mimic_demo_dir, "procedures", ProblemLog())
+    assert len(procedures.codes) == 113
+    assert any(c.startswith("0") for cs in procedures.codes.values() for c in cs)
+    both = read_codes(mimic_demo_dir, "both", ProblemLog())
+    assert len(both.codes) >= 129
+
+
+def test_demo_noteevents_has_no_notes(mimic_demo_dir, tmp_path):
+    admissions = read_admissions(mimic_demo_dir, ProblemLog(), str(tmp_path))
+    assert len(admissions) == 0
+
+
+def make_site(folder: Path, notes: str, diagnoses: str, header: str = NOTE_HEADER_FULL) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "NOTEEVENTS.csv").write_text(header + notes)
+    (folder / "DIAGNOSES_ICD.csv").write_text(
+        '"ROW_ID","SUBJECT_ID","HADM_ID","SEQ_NUM","ICD9_CODE"\n' + diagnoses
+    )
+    return folder
+
+
+NOTES = (
+    '"1","7","100","2150-01-02","","","Discharge summary","Report","","",'
+    '"Admission Date: [**2150-1-1**]\nHistory of chf.\n"\n'
+    '"2","7","100","2150-01-03","","","Discharge summary","Addendum","","","Addendum: afib."\n'
+    '"3","7","100","2150-01-01","","","Nursing/other","Report","","","ignore me"\n'
+    '"4","7","100","2150-01-02","","","Discharge summary","Report","","1","erroneous"\n'
+    '"5","7","","2150-01-02","","","Discharge summary","Report","","","no admission"\n'
+    '"6","8","101","2150-02-02","","","DISCHARGE SUMMARY","Report","","","Sepsis."\n'
+)
+CODES = '"1","7","100","1","4280"\n"2","7","100","2","42731"\n"3","8","101","1","0389"\n'
+
+
+def test_discharge_summaries_grouped_filtered_and_ordered(tmp_path):
+    make_site(tmp_path, NOTES, CODES)
+    admissions = read_admissions(tmp_path, ProblemLog(), str(tmp_path / "cache"))
+    rows = {r["hadm_id"]: r for r in admissions}
+    assert sorted(rows) == [100, 101]
+    # report then addendum; nursing note, ISERROR row and the note without
+    # HADM_ID are gone; the multi-line quoted TEXT is intact
+    assert (
+        rows[100]["text"] == "Admission Date: [**2150-1-1**]\nHistory of chf.\n\n\nAddendum: afib."
+    )
+    assert rows[100]["n_notes"] == 2
+    assert rows[101]["text"] == "Sepsis."
+
+
+def test_lower_case_unquoted_headers_match(tmp_path):
+    header = (
+        "row_id,subject_id,hadm_id,chartdate,charttime,storetime,category,description,"
+        "cgid,iserror,text\n"
+    )
+    notes = '1,7,100,2150-01-02,,,Discharge summary,Report,,,"Multi\nline"\n'
+    make_site(tmp_path, notes, CODES, header=header)
+    (admission,) = read_admissions(tmp_path, ProblemLog(), str(tmp_path / "c"))
+    assert admission["text"] == "Multi\nline"
+
+
+def test_gzipped_files_are_read(tmp_path):
+    site = make_site(tmp_path / "raw", NOTES, CODES)
+    gz = tmp_path / "gz"
+    gz.mkdir()
+    for name in ("NOTEEVENTS.csv", "DIAGNOSES_ICD.csv"):
+        with open(site / name, "rb") as src, gzip.open(gz / f"{name}.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    assert len(read_admissions(gz, ProblemLog(), str(tmp_path / "c"))) == 2
+    assert read_codes(gz, "diagnoses", ProblemLog()).codes[101] == {"038.9"}
+
+
+def _problems(folder: Path, tmp_path: Path) -> list[str]:
+    problems = ProblemLog()
+    with pytest.raises(DataError):
+        Mimic3Task(top_k=0, cache_dir=str(tmp_path / "cache")).load(folder, problems)
+    return [str(p) for p in problems.problems]
+
+
+def test_missing_column_names_file_and_line(tmp_path):
+    header = '"ROW_ID","SUBJECT_ID","HADM_ID","CATEGORY","DESCRIPTION","ISERROR"\n'
+    make_site(tmp_path / "s", '"1","7","100","Discharge summary","Report",""\n', CODES, header)
+    (problem,) = _problems(tmp_path / "s", tmp_path)
+    assert problem == f"{tmp_path / 's' / 'NOTEEVENTS.csv'}:1: missing column TEXT"
+
+
+def test_bad_hadm_id_names_file_and_line(tmp_path):
+    notes = NOTES + f'"9","9","10x","","","","Discharge summary","Report","","","{SECRET}"\n'
+    make_site(tmp_path / "s", notes, CODES)
+    (problem,) = _problems(tmp_path / "s", tmp_path)
+    # the bad record starts on line 10 (TEXT of row 1 spans two lines)
+    assert problem == f"{tmp_path / 's' / 'NOTEEVENTS.csv'}:10: HADM_ID is not an integer"
+    assert SECRET not in problem
+
+
+def test_unterminated_quote_names_the_record_start(tmp_path):
+    notes = NOTES + f'"9","9","102","","","","Discharge summary","Report","","","{SECRET}\nmore\n'
+    make_site(tmp_path / "s", notes, CODES)
+    (problem,) = _problems(tmp_path / "s", tmp_path)
+    assert problem.startswith(f"{tmp_path / 's' / 'NOTEEVENTS.csv'}:10: unterminated quote")
+    assert SECRET not in problem
+
+
+def test_bad_hadm_id_in_diagnoses(tmp_path):
+    make_site(tmp_path / "s", NOTES, CODES + '"4","8","abc","2","4019"\n')
+    (problem,) = _problems(tmp_path / "s", tmp_path)
+    assert problem == f"{tmp_path / 's' / 'DIAGNOSES_ICD.csv'}:5: HADM_ID is not an integer"
+
+
+def test_missing_notes_file_is_a_clear_error(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ClinfedError, match="no NOTEEVENTS.csv"):
+        Mimic3Task().load(tmp_path / "empty", ProblemLog())
+
+
+def test_patient_split_is_seeded_and_by_patient():
+    sides = [patient_split(s, seed=3, test_fraction=0.3) for s in range(2000)]
+    assert sides == [patient_split(s, seed=3, test_fraction=0.3) for s in range(2000)]
+    assert 0.25 < sides.count("test") / len(sides) < 0.35
+    assert sides != [patient_split(s, seed=4, test_fraction=0.3) for s in range(2000)]
+
+
+def test_load_keeps_patients_on_one_side_and_top_k(tmp_path, mimic_corpus):
+    task = Mimic3Task(top_k=10, cache_dir=str(tmp_path))
+    corpus = task.load(mimic_corpus, ProblemLog())
+    assert len(task.labels) == 10
+    train_patients, test_patients = set(corpus.train["subject_id"]), set(corpus.test["subject_id"])
+    assert train_patients and test_patients and not train_patients & test_patients
+    kept = set(task.labels)
+    assert all(set(codes) & kept for codes in corpus.train["codes"])
+    assert corpus.sites == ["site1", "site2"]
+
+
+def test_caml_split_files_decide_the_split(tmp_path):
+    # 101 also carries 428.0, so it keeps a label known from training
+    make_site(tmp_path / "s", NOTES, CODES + '"4","8","101","2","4280"\n')
+    (tmp_path / "s" / "train_50_hadm_ids.csv").write_text("100\n")
+    (tmp_path / "s" / "test_50_hadm_ids.csv").write_text("101\n")
+    corpus = Mimic3Task(top_k=0, cache_dir=str(tmp_path / "c")).load(tmp_path / "s", ProblemLog())
+    assert corpus.train["hadm_id"] == [100] and corpus.test["hadm_id"] == [101]
