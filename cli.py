@@ -247,6 +247,9 @@ def train(
     epochs: int = typer.Option(3, "--epochs", help="Passes over the training data."),
     batch_size: int = typer.Option(16, "--batch-size", help="Examples per step."),
     lr: float = typer.Option(1e-4, "--lr", help="AdamW learning rate (linear warm-up and decay)."),
+    head_lr: float = typer.Option(
+        None, "--head-lr", help="Learning rate of the task head (default: 10 x --lr)."
+    ),
     max_length: int = typer.Option(
         None, "--max-length", help="Encoder window in tokens (default: i2b2 128, mimic3 256)."
     ),
@@ -279,6 +282,7 @@ def train(
         epochs=epochs,
         batch_size=batch_size,
         lr=lr,
+        head_lr=head_lr,
         max_length=max_length,
         seed=seed,
         on_error=on_error.value,

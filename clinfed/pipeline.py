@@ -34,7 +34,7 @@ from clinfed.runs import (
     ensure_new_run_folder,
 )
 from clinfed.tasks import TASKS, get_task
-from clinfed.training import linear_schedule, predict, train_epoch
+from clinfed.training import linear_schedule, make_optimizer, predict, train_epoch
 
 STRATEGIES = ("centralized",)
 DEFAULT_MAX_LENGTH = {"i2b2": 128, "mimic3": 256}
@@ -52,6 +52,7 @@ class RunConfig:
     epochs: int = 3
     batch_size: int = 16
     lr: float = 1e-4
+    head_lr: float | None = None
     weight_decay: float = 0.01
     warmup: float = 0.1
     max_length: int | None = None
@@ -76,8 +77,8 @@ class RunConfig:
         for name in ("epochs", "batch_size", "eval_batch_size"):
             if getattr(self, name) < 1:
                 raise ClinfedError(f"--{name.replace('_', '-')} must be at least 1")
-        if self.lr <= 0:
-            raise ClinfedError("--lr must be positive")
+        if self.lr <= 0 or (self.head_lr is not None and self.head_lr <= 0):
+            raise ClinfedError("--lr and --head-lr must be positive")
         if self.max_length is not None and not 8 <= self.max_length <= 512:
             raise ClinfedError("--max-length must be between 8 and 512")
         if not Path(self.data).is_dir():
@@ -149,9 +150,7 @@ def run_training(config: RunConfig, report: Reporter = _quiet) -> dict[str, Any]
         )
 
         model = build_model(task.head, config.model, len(task.labels), seed=config.seed)
-        optimizer = torch.optim.AdamW(
-            model.parameters(), lr=config.lr, weight_decay=config.weight_decay
-        )
+        optimizer = make_optimizer(model, config.lr, config.weight_decay, config.head_lr)
         steps = config.epochs * -(-len(train) // config.batch_size)
         scheduler = linear_schedule(optimizer, steps, config.warmup)
         order = np.random.default_rng(config.seed)

@@ -33,13 +33,58 @@ class EpochStats:
 
 
 def batches(
-    dataset: datasets.Dataset, task: Task, batch_size: int, order: np.ndarray
+    dataset: datasets.Dataset, task: Task, index_batches: list[np.ndarray]
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """Collated batches of ``dataset`` rows, in ``order``. Rows are fetched a
-    batch at a time from the memory-mapped Arrow table."""
-    for start in range(0, len(order), batch_size):
-        idx = order[start : start + batch_size].tolist()
-        yield task.collate(dataset[idx])
+    """Collated batches of ``dataset`` rows. Rows are fetched a batch at a
+    time from the memory-mapped Arrow table."""
+    for idx in index_batches:
+        yield task.collate(dataset[idx.tolist()])
+
+
+def split_batches(order: np.ndarray, batch_size: int) -> list[np.ndarray]:
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def length_grouped_batches(
+    lengths: np.ndarray, batch_size: int, generator: np.random.Generator, group: int = 50
+) -> list[np.ndarray]:
+    """Batches in random order, each holding examples of similar length.
+
+    Shuffle, cut into groups of ``group`` batches, sort each group by length,
+    cut it into batches and shuffle the batches. Padding shrinks (clinical
+    lines run from 2 to 60 tokens) while every example is still seen once per
+    epoch in a seeded random order, as in Hugging Face's ``group_by_length``.
+    """
+    order = generator.permutation(len(lengths))
+    span = batch_size * group
+    chunks = []
+    for start in range(0, len(order), span):
+        part = order[start : start + span]
+        part = part[np.argsort(-lengths[part], kind="stable")]
+        chunks.extend(split_batches(part, batch_size))
+    return [chunks[i] for i in generator.permutation(len(chunks))]
+
+
+def make_optimizer(
+    model: nn.Module, lr: float, weight_decay: float, head_lr: float | None = None
+) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters.
+
+    The task head starts from random weights while the encoder is
+    pretrained, so the head gets its own, larger rate (``head_lr``, default
+    ten times ``lr``); otherwise a 50-code sigmoid head needs many epochs
+    before any score crosses 0.5. The fused kernel is used where torch has
+    one (on CPU it cuts the step from a third of a small batch's time to a
+    few percent).
+    """
+    head = [p for n, p in model.named_parameters() if p.requires_grad and n.startswith("head.")]
+    body = [p for n, p in model.named_parameters() if p.requires_grad and not n.startswith("head.")]
+    groups = [{"params": body, "lr": lr}, {"params": head, "lr": head_lr or 10 * lr}]
+    groups = [g for g in groups if g["params"]]
+    try:
+        return torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, fused=True)
+    except (RuntimeError, TypeError):  # pragma: no cover - older torch, other devices
+        return torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay)
 
 
 def train_epoch(
@@ -64,10 +109,10 @@ def train_epoch(
         Called with the number of examples after each step (progress bars).
     """
     model.train()
-    order = generator.permutation(len(dataset))
+    plan = length_grouped_batches(np.asarray(dataset["n_tokens"]), batch_size, generator)
     total_loss, tokens, steps = 0.0, 0, 0
     start = time.perf_counter()
-    for batch in batches(dataset, task, batch_size, order):
+    for batch in batches(dataset, task, plan):
         logits = model(**task.model_inputs(batch))
         loss = task.loss(logits, batch)
         optimizer.zero_grad(set_to_none=True)
@@ -104,7 +149,7 @@ def predict(
     order = np.argsort(np.asarray(dataset["n_tokens"]), kind="stable")
     results: list = [None] * len(dataset)
     position = 0
-    for batch in batches(dataset, task, batch_size, order):
+    for batch in batches(dataset, task, split_batches(order, batch_size)):
         outputs = task.outputs(model(**task.model_inputs(batch)), batch)
         for out in outputs:
             results[order[position]] = out

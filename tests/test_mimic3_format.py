@@ -181,3 +181,15 @@ def test_caml_split_files_decide_the_split(tmp_path):
     (tmp_path / "s" / "test_50_hadm_ids.csv").write_text("101\n")
     corpus = Mimic3Task(top_k=0, cache_dir=str(tmp_path / "c")).load(tmp_path / "s", ProblemLog())
     assert corpus.train["hadm_id"] == [100] and corpus.test["hadm_id"] == [101]
+
+
+def test_balanced_chunks_cover_every_token_within_the_window():
+    from clinfed.tasks.mimic3.adapter import balanced_chunks
+
+    for n in (0, 1, 253, 254, 255, 300, 1000):
+        ids = list(range(n))
+        chunks = balanced_chunks(ids, 254)
+        assert [t for c in chunks for t in c] == ids
+        assert all(len(c) <= 254 for c in chunks)
+        assert len(chunks) == max(1, -(-n // 254))
+        assert max(map(len, chunks)) - min(map(len, chunks)) <= 1

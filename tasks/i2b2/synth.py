@@ -296,6 +296,20 @@ CLINICS = ["cardiology", "renal", "diabetes", "pain", "heart failure", "stroke",
 
 HELD_OUT_SHARE = 0.25
 
+# Sentence shapes only test documents use: a model has to find concepts in
+# contexts it never saw, not just in the site's familiar template slots.
+TEST_ONLY_SENTENCES = [
+    ("{P} was felt to be secondary to {P} .", "present"),
+    ("Given her {P} , {R} was held .", "present"),
+    ("After {R} her {T} improved to {N} .", None),
+    ("{T} revealed no {P} but did show {P} .", "mixed_reveal"),
+    ("Despite {R} and {R} , the {P} persisted .", "present"),
+    ("PE : {P} , otherwise unremarkable .", "present"),
+    ("Her {E} dropped to {N} after {R} .", "electrolyte_test"),
+    ("Could not rule out {P} ; {T} is pending .", "possible"),
+]
+TEST_ONLY_RATE = 0.25
+
 # --------------------------------------------------------------------------
 # Templates. Slots: {P} problem, {T} test, {R} treatment, {E} electrolyte,
 # {C} clinic (not a concept), {N} a number. "P" slots carry an assertion.
@@ -415,8 +429,10 @@ class _Line:
 class _DocumentWriter:
     """Expands one site's templates into lines of tokens with spans."""
 
-    def __init__(self, rng: random.Random, style: dict, lexicon: _Lexicon, held_out_rate: float):
-        self.rng, self.style, self.lexicon, self.held_out_rate = rng, style, lexicon, held_out_rate
+    def __init__(self, rng: random.Random, style: dict, lexicon: _Lexicon, test: bool):
+        self.rng, self.style, self.lexicon = rng, style, lexicon
+        self.held_out_rate = 0.4 if test else 0.0
+        self.test_only_rate = TEST_ONLY_RATE if test else 0.0
 
     def surface(self, ctype: str, determiner: bool) -> list[str]:
         rng = self.rng
@@ -447,7 +463,10 @@ class _DocumentWriter:
 
     def sentence(self) -> _Line:
         rng = self.rng
-        template, kind = rng.choice(self.style["sentences"])
+        pool = self.style["sentences"]
+        if rng.random() < self.test_only_rate:
+            pool = TEST_ONLY_SENTENCES
+        template, kind = rng.choice(pool)
         line = _Line()
         for piece in template.split():
             slot = piece if piece in _SLOTS else None
@@ -489,6 +508,8 @@ class _DocumentWriter:
             }.get(kind or "", "present")
             if kind == "mixed":
                 assertion = "absent" if "denies" in line.tokens else "present"
+            elif kind == "mixed_reveal":
+                assertion = "present" if "show" in line.tokens else "absent"
         start = len(line.tokens)
         line.tokens.extend(words)
         line.spans.append((start, len(line.tokens) - 1, ctype, assertion))
@@ -607,9 +628,7 @@ def generate(
         n_test = max(1, round(docs * test_fraction))
         for d in range(docs):
             split = "test" if d >= docs - n_test else "train"
-            writer = _DocumentWriter(
-                rng, style, lexicon, held_out_rate=0.4 if split == "test" else 0.0
-            )
+            writer = _DocumentWriter(rng, style, lexicon, test=split == "test")
             text, con, ast = writer.document(sentences + rng.randint(-4, 4)).render()
             stem = _stem(s, d, rng)
             folder = out / split / site

@@ -1,0 +1,225 @@
+"""The clinfed command end to end, and how it fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from clinfed.cli import main
+
+from .conftest import CANARY
+
+
+def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """The installed entry point in a subprocess: exit status and output as a user sees them."""
+    code = "import sys; from clinfed.cli import main; sys.exit(main())"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=600,
+    )
+
+
+def test_help_on_every_command():
+    for args in (
+        [],
+        ["data"],
+        ["data", "synth"],
+        ["data", "check"],
+        ["score"],
+        ["train"],
+        ["baseline"],
+    ):
+        result = run_cli(*args, "--help")
+        assert result.returncode == 0, result.stderr
+        assert "Usage" in result.stdout
+
+
+def test_data_check_json_keys(i2b2_corpus, mimic_corpus, capsys):
+    assert main(["data", "check", str(i2b2_corpus / "train"), "--task", "i2b2", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert {"documents", "concepts", "sites"} <= set(summary)
+    assert set(summary["concepts"]) == {"problem", "test", "treatment"}
+    assert main(["data", "check", str(mimic_corpus), "--task", "mimic3", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert {"admissions", "notes", "label_counts"} <= set(summary)
+    assert all(isinstance(v, int) for v in summary["label_counts"].values())
+
+
+def test_train_centralized_i2b2_writes_a_complete_run_folder(i2b2_corpus, tmp_path):
+    run = tmp_path / "run"
+    result = run_cli(
+        "train",
+        "--task",
+        "i2b2",
+        "--data",
+        str(i2b2_corpus),
+        "--strategy",
+        "centralized",
+        "--model",
+        "tiny",
+        "--epochs",
+        "2",
+        "--out",
+        str(run),
+    )
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [1, 2]
+    assert all(0.0 <= r["f1"] <= 1.0 and r["tokens_per_s"] > 0 for r in records)
+    config = json.loads((run / "config.json").read_text())
+    assert config["strategy"] == "centralized" and config["max_length"] == 128
+    assert "head.weight" in load_file(str(run / "model" / "model.safetensors"))
+    predictions = sorted(p.stem for p in (run / "predictions").glob("*.con"))
+    assert predictions == sorted(p.stem for p in (i2b2_corpus / "test").rglob("*.txt"))
+    # the written predictions are scorable and agree with the last epoch's f1
+    scored = run_cli(
+        "score",
+        "--task",
+        "i2b2",
+        "--gold",
+        str(i2b2_corpus / "test"),
+        "--pred",
+        str(run / "predictions"),
+        "--json",
+    )
+    assert scored.returncode == 0, scored.stderr
+    assert json.loads(scored.stdout)["exact"]["micro"]["f1"] == pytest.approx(records[-1]["f1"])
+
+
+def test_train_centralized_mimic3_and_no_note_text_in_any_file(mimic_corpus, tmp_path):
+    run = tmp_path / "run"
+    result = run_cli(
+        "train",
+        "--task",
+        "mimic3",
+        "--data",
+        str(mimic_corpus),
+        "--model",
+        "tiny",
+        "--epochs",
+        "1",
+        "--top-k",
+        "10",
+        "--max-length",
+        "64",
+        "--max-chunks",
+        "3",
+        "--out",
+        str(run),
+    )
+    assert result.returncode == 0, result.stderr
+    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert {
+        "f1",
+        "micro_f1",
+        "macro_f1",
+        "macro_f1_mean",
+        "micro_auc",
+        "macro_auc",
+        "p_at_5",
+    } <= set(record)
+    header = (run / "predictions" / "predictions.csv").read_text().splitlines()[0].split(",")
+    assert header[:2] == ["HADM_ID", "CODES"] and len(header) == 12
+    for path in run.rglob("*"):
+        if path.is_file() and path.suffix != ".safetensors":
+            assert CANARY not in path.read_text(errors="ignore"), path
+    assert CANARY not in result.stdout + result.stderr
+
+
+def test_bad_data_exits_2_with_one_line_per_problem_and_no_traceback(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "record-1.txt").write_text("Secretword fever .\n")
+    (data / "record-1.con").write_text('c="fever" 1:7 1:7||t="problem"\nnonsense\n')
+    result = run_cli("data", "check", str(data), "--task", "i2b2")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines == [
+        f"error: {data / 'record-1.con'}:1: token offset 7 past the end of line 1 (3 tokens)",
+        f"error: {data / 'record-1.con'}:2: malformed concept line "
+        '(expected c="..." L:T L:T||t="...")',
+    ]
+    assert "Traceback" not in result.stderr and "secretword" not in result.stderr.lower()
+    skipped = run_cli("data", "check", str(data), "--task", "i2b2", "--on-error", "skip", "--json")
+    assert skipped.returncode == 0 and len(json.loads(skipped.stdout)["problems"]) == 2
+
+
+def test_an_existing_run_folder_is_never_touched(i2b2_corpus, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "keep.txt").write_text("earlier results")
+    result = run_cli(
+        "train", "--task", "i2b2", "--data", str(i2b2_corpus), "--model", "tiny", "--out", str(run)
+    )
+    assert result.returncode == 2 and "already exists" in result.stderr
+    assert [p.name for p in run.iterdir()] == ["keep.txt"]
+    assert (run / "keep.txt").read_text() == "earlier results"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--strategy", "fedavg"], "Invalid value for '--strategy'"),
+        (["--epochs", "0"], "--epochs must be at least 1"),
+        (["--max-length", "4"], "--max-length must be between 8 and 512"),
+        (["--model", "/no/such/model"], "not 'minilm', 'tiny' or a folder"),
+    ],
+)
+def test_bad_flags_exit_2(i2b2_corpus, tmp_path, args, message):
+    result = run_cli(
+        "train", "--task", "i2b2", "--data", str(i2b2_corpus), "--out", str(tmp_path / "run"), *args
+    )
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_baselines_cli(i2b2_corpus, mimic_corpus, capsys):
+    assert (
+        main(
+            [
+                "baseline",
+                "--task",
+                "i2b2",
+                "--data",
+                str(i2b2_corpus),
+                "--kind",
+                "dictionary",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    assert 0 < json.loads(capsys.readouterr().out)["f1"] < 1
+    for kind in ("frequency", "keyword"):
+        assert (
+            main(
+                [
+                    "baseline",
+                    "--task",
+                    "mimic3",
+                    "--data",
+                    str(mimic_corpus),
+                    "--kind",
+                    kind,
+                    "--top-k",
+                    "10",
+                    "--json",
+                ]
+            )
+            == 0
+        )
+        assert 0 <= json.loads(capsys.readouterr().out)["micro_f1"] <= 1
+    assert (
+        main(["baseline", "--task", "i2b2", "--data", str(i2b2_corpus), "--kind", "keyword"]) == 2
+    )
