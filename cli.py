@@ -245,10 +245,19 @@ def train(
         "minilm", "--model", help="minilm (bundled), tiny (random, tests) or a checkpoint folder."
     ),
     epochs: int = typer.Option(3, "--epochs", help="Passes over the training data."),
-    batch_size: int = typer.Option(16, "--batch-size", help="Examples per step."),
-    lr: float = typer.Option(1e-4, "--lr", help="AdamW learning rate (linear warm-up and decay)."),
+    batch_size: int = typer.Option(
+        None, "--batch-size", help="Examples per step (default: i2b2 16, mimic3 8)."
+    ),
+    lr: float = typer.Option(
+        None,
+        "--lr",
+        help="AdamW rate of the encoder, linear warm-up and decay "
+        "(default: i2b2 1e-4, mimic3 5e-5).",
+    ),
     head_lr: float = typer.Option(
-        None, "--head-lr", help="Learning rate of the task head (default: 10 x --lr)."
+        None,
+        "--head-lr",
+        help="Rate of the freshly initialised task head (default: i2b2 1e-3, mimic3 1e-2).",
     ),
     max_length: int = typer.Option(
         None, "--max-length", help="Encoder window in tokens (default: i2b2 128, mimic3 256)."

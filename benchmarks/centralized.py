@@ -30,10 +30,11 @@ from clinfed.tasks.i2b2.synth import generate as synth_i2b2
 from clinfed.tasks.mimic3.synth import generate as synth_mimic3
 
 
-def train(task: str, data: Path, out: Path, model: str, epochs: int, lr: float) -> dict:
+def train(task: str, data: Path, out: Path, model: str, epochs: int) -> dict:
+    """A centralized run with the task's default settings."""
     started = time.perf_counter()
     summary = run_training(
-        RunConfig(task=task, data=str(data), out=str(out), model=model, epochs=epochs, lr=lr)
+        RunConfig(task=task, data=str(data), out=str(out), model=model, epochs=epochs)
     )
     wall = time.perf_counter() - started
     records = read_jsonl(out / "metrics.jsonl")
@@ -55,6 +56,7 @@ def main() -> None:
     args = parser.parse_args()
     datasets.disable_progress_bars()
     transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
     model = "tiny" if args.quick else "minilm"
     sizes = {
         "i2b2_docs": 8 if args.quick else 40,
@@ -78,7 +80,7 @@ def main() -> None:
         task = get_task("i2b2", seed=args.seed)
         corpus = task.load(work / "i2b2", ProblemLog())
         dictionary = i2b2_dictionary(corpus.train, corpus.test)
-        run = train("i2b2", work / "i2b2", work / "run-i2b2", model, sizes["i2b2_epochs"], 1e-4)
+        run = train("i2b2", work / "i2b2", work / "run-i2b2", model, sizes["i2b2_epochs"])
         results["i2b2"] = {
             "dictionary_f1": dictionary["f1"],
             **run,
@@ -99,9 +101,7 @@ def main() -> None:
             corpus.test["codes"],
             task.labels,
         )
-        run = train(
-            "mimic3", work / "mimic3", work / "run-mimic3", model, sizes["mimic_epochs"], 2e-4
-        )
+        run = train("mimic3", work / "mimic3", work / "run-mimic3", model, sizes["mimic_epochs"])
         results["mimic3"] = {
             "frequency_micro_f1": frequency["micro_f1"],
             "keyword_micro_f1": keyword["micro_f1"],

@@ -136,38 +136,65 @@ class TokenTagger(nn.Module):
         return self.head(self.dropout(hidden))
 
 
-class ChunkPoolingClassifier(nn.Module):
+class LabelAttention(nn.Module):
+    """Label-wise attention (LAAT, Vu et al. 2020; PLM-ICD, Huang et al. 2022).
+
+    Each code attends over every token of the admission and gets its own
+    summary vector, so a code signalled by one phrase in a long note is not
+    averaged away: ``a = softmax(U tanh(W h))``, ``v_l = sum_t a_lt h_t``,
+    ``logit_l = <w_l, v_l> + b_l``.
+    """
+
+    def __init__(self, hidden: int, num_labels: int):
+        super().__init__()
+        self.project = nn.Linear(hidden, hidden)
+        self.query = nn.Linear(hidden, num_labels, bias=False)
+        self.weight = nn.Parameter(torch.empty(num_labels, hidden))
+        self.bias = nn.Parameter(torch.zeros(num_labels))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        scores = self.query(torch.tanh(self.project(hidden)))  # (B, T, L)
+        scores = scores.masked_fill(~mask.bool().unsqueeze(-1), torch.finfo(scores.dtype).min)
+        attention = scores.softmax(dim=1)
+        summary = torch.einsum("btl,bth->blh", attention, hidden)
+        return (summary * self.weight).sum(-1) + self.bias
+
+
+class ChunkedLabelAttentionClassifier(nn.Module):
     """Multi-label classifier for notes longer than the encoder's window.
 
-    An admission arrives as ``C`` chunks of at most ``T`` tokens. Each chunk is
-    encoded and mean-pooled (MiniLM's own pooling), the head gives per-chunk
-    logits, and a max over the admission's real chunks gives its logits: a
-    code is signalled if any part of the note signals it.
+    An admission arrives as ``C`` chunks of at most ``T`` tokens. Each chunk
+    is encoded on its own; the token states of all real chunks are then
+    pooled per admission by label-wise attention, so the pooling across
+    chunks is learned per code rather than fixed.
     """
 
     def __init__(self, encoder: nn.Module, num_labels: int, dropout: float = 0.1):
         super().__init__()
         self.encoder = encoder
         self.dropout = nn.Dropout(dropout)
-        self.head = nn.Linear(encoder.config.hidden_size, num_labels)
+        self.head = LabelAttention(encoder.config.hidden_size, num_labels)
         self._inputs = _EncoderInputs(encoder)
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, chunk_mask: torch.Tensor
     ) -> torch.Tensor:
-        """Logits ``(batch, labels)`` from ``(batch, chunks, tokens)`` inputs."""
+        """Logits ``(batch, labels)`` from ``(batch, chunks, tokens)`` inputs.
+
+        ``chunk_mask`` marks real chunks; padding chunks carry an all-zero
+        ``attention_mask`` and so receive no attention.
+        """
+        del chunk_mask  # implied by attention_mask; kept in the signature for clarity
         batch, chunks, length = input_ids.shape
         flat_ids = input_ids.reshape(batch * chunks, length)
         flat_mask = attention_mask.reshape(batch * chunks, length)
         hidden = self.encoder(**self._inputs(flat_ids, flat_mask)).last_hidden_state
-        weights = flat_mask.unsqueeze(-1).to(hidden.dtype)
-        pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1.0)
-        logits = self.head(self.dropout(pooled)).reshape(batch, chunks, -1)
-        logits = logits.masked_fill(~chunk_mask.bool().unsqueeze(-1), torch.finfo(logits.dtype).min)
-        return logits.max(dim=1).values
+        hidden = self.dropout(hidden).reshape(batch, chunks * length, -1)
+        return self.head(hidden, attention_mask.reshape(batch, chunks * length))
 
 
-HEADS = {"token": TokenTagger, "multilabel": ChunkPoolingClassifier}
+HEADS = {"token": TokenTagger, "multilabel": ChunkedLabelAttentionClassifier}
 
 
 def build_model(head: str, spec: str, num_labels: int, seed: int = 0) -> nn.Module:

@@ -72,10 +72,12 @@ def make_optimizer(
 
     The task head starts from random weights while the encoder is
     pretrained, so the head gets its own, larger rate (``head_lr``, default
-    ten times ``lr``); otherwise a 50-code sigmoid head needs many epochs
-    before any score crosses 0.5. The fused kernel is used where torch has
-    one (on CPU it cuts the step from a third of a small batch's time to a
-    few percent).
+    ten times ``lr``); otherwise a 50-code label-attention head needs many
+    epochs before any score crosses 0.5 (measured on synthetic MIMIC-III: no
+    code predicted after 150 steps at 1e-3, micro-F1 0.68 at 3e-3).
+
+    The fused kernel is used where torch has one (on CPU it cuts the step
+    from a third of a small batch's time to a few percent).
     """
     head = [p for n, p in model.named_parameters() if p.requires_grad and n.startswith("head.")]
     body = [p for n, p in model.named_parameters() if p.requires_grad and not n.startswith("head.")]

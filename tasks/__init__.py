@@ -6,6 +6,8 @@ Add a task by implementing :class:`clinfed.tasks.base.Task` in
 
 from __future__ import annotations
 
+import inspect
+
 from clinfed.errors import ClinfedError
 from clinfed.tasks.base import Corpus, Task
 from clinfed.tasks.i2b2.adapter import I2b2Task
@@ -15,14 +17,17 @@ TASKS: dict[str, type[Task]] = {"i2b2": I2b2Task, "mimic3": Mimic3Task}
 
 
 def get_task(name: str, **options) -> Task:
-    """A task adapter by name; ``options`` go to its constructor (i2b2 takes
-    ``seed``; mimic3 also ``codes``, ``top_k``, ``max_chunks``, ``cache_dir``)."""
+    """A task adapter by name.
+
+    ``options`` are the run's task settings (``seed``, ``codes``, ``top_k``,
+    ``max_chunks``, ``cache_dir``...); each task takes the ones its
+    constructor names, so one call serves every task.
+    """
     if name not in TASKS:
         raise ClinfedError(f"unknown task {name!r} (choose from {', '.join(TASKS)})")
     cls = TASKS[name]
-    if cls is I2b2Task:
-        options = {k: v for k, v in options.items() if k == "seed"}
-    return cls(**options)
+    accepted = inspect.signature(cls.__init__).parameters
+    return cls(**{k: v for k, v in options.items() if k in accepted})
 
 
 __all__ = ["Corpus", "Task", "TASKS", "get_task"]

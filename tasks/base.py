@@ -61,6 +61,10 @@ class Task(ABC):
         """Read and validate ``data``; fix ``self.labels``."""
 
     @abstractmethod
+    def read_documents(self, folder: Path, problems: ProblemLog) -> Any:
+        """Every record of one folder, unsplit (for scoring and prediction)."""
+
+    @abstractmethod
     def summarize(self, data: Path, problems: ProblemLog) -> dict[str, Any]:
         """Counts for ``clinfed data check``."""
 

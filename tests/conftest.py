@@ -17,20 +17,21 @@ datasets.disable_progress_bars()
 transformers.logging.set_verbosity_error()
 
 
-@pytest.fixture(scope="session")
-def cliner_dir() -> Path:
-    path = FIXTURES / "i2b2_cliner"
+def _fixture_dir(name: str) -> Path:
+    path = FIXTURES / name
     if not path.is_dir():
         pytest.fail(f"missing fixtures: {path} (shared/ must sit beside the checkout)")
     return path
+
+
+@pytest.fixture(scope="session")
+def cliner_dir() -> Path:
+    return _fixture_dir("i2b2_cliner")
 
 
 @pytest.fixture(scope="session")
 def mimic_demo_dir() -> Path:
-    path = FIXTURES / "mimic3_demo"
-    if not path.is_dir():
-        pytest.fail(f"missing fixtures: {path} (shared/ must sit beside the checkout)")
-    return path
+    return _fixture_dir("mimic3_demo")
 
 
 @pytest.fixture(scope="session")

@@ -135,6 +135,21 @@ def test_train_centralized_mimic3_and_no_note_text_in_any_file(mimic_corpus, tmp
         if path.is_file() and path.suffix != ".safetensors":
             assert CANARY not in path.read_text(errors="ignore"), path
     assert CANARY not in result.stdout + result.stderr
+    scored = run_cli(
+        "score",
+        "--task",
+        "mimic3",
+        "--gold",
+        str(mimic_corpus),
+        "--pred",
+        str(run / "predictions" / "predictions.csv"),
+        "--json",
+    )
+    assert scored.returncode == 0, scored.stderr
+    result = json.loads(scored.stdout)
+    assert result["labels"] == 10
+    for key in ("micro_f1", "macro_f1", "micro_auc", "p_at_5"):
+        assert result[key] == pytest.approx(record[key], abs=1e-4), key
 
 
 def test_bad_data_exits_2_with_one_line_per_problem_and_no_traceback(tmp_path):
@@ -182,6 +197,7 @@ def test_bad_flags_exit_2(i2b2_corpus, tmp_path, args, message):
     )
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_baselines_cli(i2b2_corpus, mimic_corpus, capsys):

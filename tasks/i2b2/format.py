@@ -209,22 +209,33 @@ def parse_span(
     return Concept((l1, t1), (l2, t2), ctype, expected)
 
 
-def read_con(path: Path, lines: list[list[str]], problems: ProblemLog) -> list[Concept]:
-    """Concepts of one ``.con`` file, validated against the document's tokens."""
+_CON_SHAPE = 'malformed concept line (expected c="..." L:T L:T||t="...")'
+_AST_SHAPE = 'malformed assertion line (expected c="..." L:T L:T||t="..."||a="...")'
+
+
+def _matched_lines(
+    path: Path, pattern: re.Pattern[str], problems: ProblemLog, malformed: str
+) -> Iterator[tuple[int, re.Match[str]]]:
+    """(line number, match) for each non-blank line of an annotation file;
+    lines that do not match are reported as ``malformed``."""
     text = decode_utf8(path, problems)
     if text is None:
-        return []
-    concepts: list[Concept] = []
+        return
     for line_no, raw in enumerate(text.split("\n"), start=1):
         raw = raw.strip()
         if not raw:
             continue
-        match = _CON_RE.match(raw)
+        match = pattern.match(raw)
         if match is None:
-            problems.add(
-                path, line_no, 'malformed concept line (expected c="..." L:T L:T||t="...")'
-            )
-            continue
+            problems.add(path, line_no, malformed)
+        else:
+            yield line_no, match
+
+
+def read_con(path: Path, lines: list[list[str]], problems: ProblemLog) -> list[Concept]:
+    """Concepts of one ``.con`` file, validated against the document's tokens."""
+    concepts: list[Concept] = []
+    for line_no, match in _matched_lines(path, _CON_RE, problems, _CON_SHAPE):
         concept = parse_span(match, lines, path, line_no, problems)
         if concept is not None:
             concepts.append(concept)
@@ -242,18 +253,8 @@ def read_con(path: Path, lines: list[list[str]], problems: ProblemLog) -> list[C
 
 def read_ast(path: Path, lines: list[list[str]], problems: ProblemLog) -> list[Assertion]:
     """Assertions of one ``.ast`` file."""
-    text = decode_utf8(path, problems)
-    if text is None:
-        return []
     assertions = []
-    for line_no, raw in enumerate(text.split("\n"), start=1):
-        raw = raw.strip()
-        if not raw:
-            continue
-        match = _AST_RE.match(raw)
-        if match is None:
-            problems.add(path, line_no, 'malformed assertion line (expected ...||t="..."||a="...")')
-            continue
+    for line_no, match in _matched_lines(path, _AST_RE, problems, _AST_SHAPE):
         if match["assertion"] not in ASSERTION_VALUES:
             problems.add(path, line_no, "unknown assertion value")
             continue

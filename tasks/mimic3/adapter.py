@@ -4,7 +4,8 @@ A data folder is one site (it holds ``NOTEEVENTS.csv``) or several (each
 sub-folder holding one is a site, named after the folder). An admission's
 discharge summary is cut into chunks of the encoder's window, at most
 ``max_chunks`` of them (later text is dropped, like CAML's truncation at
-2,500 tokens); the model pools chunk logits per admission.
+2,500 tokens); the model pools the chunks per admission with label-wise
+attention (``clinfed.models.ChunkedLabelAttentionClassifier``).
 """
 
 from __future__ import annotations
