@@ -55,6 +55,14 @@ class CodeKind(str, Enum):
 
 class Strategy(str, Enum):
     centralized = "centralized"
+    fedavg = "fedavg"
+    fedprox = "fedprox"
+    local = "local"
+
+
+class Partition(str, Enum):
+    iid = "iid"
+    dirichlet = "dirichlet"
 
 
 class BaselineKind(str, Enum):
@@ -229,6 +237,17 @@ class _ProgressReporter:
                 f"epoch {info['epoch']}: f1 {info['f1']:.4f}  loss {info['train_loss']:.4f}  "
                 f"{info['tokens_per_s']:.0f} tokens/s"
             )
+        elif event == "site_start":
+            if self.bar is not None:
+                p.remove_task(self.bar)
+            self.bar = p.add_task(f"round {info['round']} {info['client']}", total=None)
+        elif event == "site_end":
+            p.console.print(
+                f"round {info['round']} {info['client']}: loss {info['train_loss']:.4f}  "
+                f"up {info['bytes_up'] / 1e6:.1f} MB  {info['wall_s']:.0f} s"
+            )
+        elif event == "round_end":
+            p.console.print(f"[bold]round {info['round']}[/]: f1 {info['f1']:.4f}")
 
 
 @app.command("train")
@@ -271,6 +290,27 @@ def train(
         50, "--top-k", help="mimic3: keep the K most frequent codes (0: all)."
     ),
     max_chunks: int = typer.Option(8, "--max-chunks", help="mimic3: windows kept per admission."),
+    rounds: int = typer.Option(5, "--rounds", help="Federated rounds."),
+    local_epochs: int = typer.Option(
+        1, "--local-epochs", help="Passes over a site's data per round."
+    ),
+    sites_from_data: bool = typer.Option(
+        False,
+        "--sites-from-data",
+        help="One client per hospital, as the corpus says (the default).",
+    ),
+    clients: int = typer.Option(
+        0, "--clients", help="Instead of the corpus's sites: N clients made by --partition."
+    ),
+    partition_mode: Partition = typer.Option(
+        Partition.iid, "--partition", help="With --clients: iid, or dirichlet label skew."
+    ),
+    alpha: float = typer.Option(0.5, "--alpha", help="Dirichlet concentration (small: skewed)."),
+    fraction: float = typer.Option(1.0, "--fraction", help="Share of clients sampled per round."),
+    mu: float = typer.Option(0.01, "--mu", help="FedProx proximal weight."),
+    resume: bool = typer.Option(
+        False, "--resume", help="Continue the run in --out from its last completed round."
+    ),
     threads: int = typer.Option(0, "--threads", help="CPU threads (0: all cores)."),
     cache_dir: Path = typer.Option(
         None,
@@ -282,6 +322,8 @@ def train(
     """Train a model and write a run folder (config, metrics.jsonl, model, predictions)."""
     from clinfed.pipeline import RunConfig, run_training
 
+    if sites_from_data and clients:
+        raise ClinfedError("--sites-from-data and --clients exclude each other: choose one")
     config = RunConfig(
         task=task.value,
         data=str(data),
@@ -298,6 +340,14 @@ def train(
         codes=codes.value,
         top_k=top_k,
         max_chunks=max_chunks,
+        rounds=rounds,
+        local_epochs=local_epochs,
+        partition=partition_mode.value if clients else "sites",
+        clients=clients,
+        alpha=alpha,
+        fraction=fraction,
+        mu=mu,
+        resume=resume,
         threads=threads,
         cache_dir=str(cache_dir) if cache_dir else None,
     )
@@ -309,10 +359,17 @@ def train(
     ]
     with Progress(*columns, console=err, transient=True) as progress:
         summary = run_training(config, _ProgressReporter(progress, epochs))
-    out.print(
-        f"[bold]done[/]: held-out f1 {summary['f1']:.4f} "
-        f"({summary['tokens_per_s']:.0f} training tokens/s); run folder {out_dir}"
-    )
+    if "mb_up" in summary:
+        out.print(
+            f"[bold]done[/]: held-out f1 {summary['f1']:.4f}; uploaded {summary['mb_up']:.1f} MB, "
+            f"downloaded {summary['mb_down']:.1f} MB ({summary['ratio_to_fedavg_up']:.0%} of "
+            f"FedAvg's upload); run folder {out_dir}"
+        )
+    else:
+        out.print(
+            f"[bold]done[/]: held-out f1 {summary['f1']:.4f} "
+            f"({summary['tokens_per_s']:.0f} training tokens/s); run folder {out_dir}"
+        )
 
 
 # ------------------------------------------------------------- baseline

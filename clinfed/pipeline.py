@@ -3,17 +3,23 @@
 Run folder layout::
 
     RUN/config.json        the resolved configuration
-    RUN/metrics.jsonl      one JSON object per epoch (``epoch``, ``f1``, ...)
+    RUN/metrics.jsonl      centralized: one object per epoch (``epoch``, ``f1``...);
+                           federated: per round and client (``round``, ``client``,
+                           ``bytes_up``...) and per round (``round``, ``f1``...)
+    RUN/state.json         federated: the last committed round (for --resume)
+    RUN/checkpoints/       federated: global weights after that round
+    RUN/sites/             local: each site's own weights
     RUN/model/             model.safetensors, model.json, tokenizer/
     RUN/predictions/       test-split predictions in the task's real format
-    RUN/summary.json       final metrics
+    RUN/summary.json       final metrics (and, federated, communication totals)
 
-Only ``--strategy centralized`` (all sites' data pooled: the upper reference)
-is built so far; the federated strategies plug in beside it.
+``centralized`` trains on all sites' data pooled (the upper reference); the
+federated strategies run in the in-process simulator.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import time
@@ -24,25 +30,36 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from clinfed.errors import ClinfedError, ProblemLog
+from clinfed.federated import payload
+from clinfed.federated.client import LocalSettings
+from clinfed.federated.partition import PARTITIONS, partition
+from clinfed.federated.simulator import Federation, Simulator
+from clinfed.federated.strategies import STRATEGIES as FEDERATED
+from clinfed.federated.strategies import get_strategy
 from clinfed.models import build_model, load_tokenizer, save_model
 from clinfed.runs import (
     append_jsonl,
     atomic_write_json,
     create_run_folder,
     ensure_new_run_folder,
+    read_jsonl,
 )
 from clinfed.tasks import TASKS, get_task
+from clinfed.tasks.base import Corpus, Task
 from clinfed.training import linear_schedule, make_optimizer, predict, train_epoch
 
-STRATEGIES = ("centralized",)
+STRATEGIES = ("centralized", *FEDERATED)
 # Per-task defaults for settings left unset. MIMIC-III has few, long examples
 # and a 50-way sigmoid head: smaller batches (more steps) and a fast head.
 TASK_DEFAULTS = {
     "i2b2": {"max_length": 128, "batch_size": 16, "lr": 1e-4, "head_lr": 1e-3},
     "mimic3": {"max_length": 256, "batch_size": 8, "lr": 5e-5, "head_lr": 1e-2},
 }
+# Settings a resumed run may change without changing its results.
+RESUMABLE = {"resume", "threads", "cache_dir", "eval_batch_size"}
 
 
 @dataclass
@@ -66,6 +83,16 @@ class RunConfig:
     codes: str = "diagnoses"
     top_k: int = 50
     max_chunks: int = 8
+    # federated
+    rounds: int = 5
+    local_epochs: int = 1
+    fraction: float = 1.0
+    partition: str = "sites"
+    clients: int = 0
+    alpha: float = 0.5
+    mu: float = 0.01
+    resume: bool = False
+    # machine
     threads: int = 0
     cache_dir: str | None = None
     eval_batch_size: int = 64
@@ -79,7 +106,7 @@ class RunConfig:
             raise ClinfedError(
                 f"--strategy must be one of {', '.join(STRATEGIES)}, not {self.strategy!r}"
             )
-        for name in ("epochs", "batch_size", "eval_batch_size"):
+        for name in ("epochs", "batch_size", "eval_batch_size", "rounds", "local_epochs"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ClinfedError(f"--{name.replace('_', '-')} must be at least 1")
@@ -87,6 +114,14 @@ class RunConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ClinfedError(f"--{name.replace('_', '-')} must be positive")
+        if not 0 < self.fraction <= 1:
+            raise ClinfedError("--fraction must be in (0, 1]")
+        if self.partition not in PARTITIONS:
+            raise ClinfedError(f"--partition must be one of {', '.join(PARTITIONS)}")
+        if self.partition != "sites" and self.clients < 1:
+            raise ClinfedError(f"--partition {self.partition} needs --clients N")
+        if self.strategy == "local" and self.partition != "sites":
+            raise ClinfedError("--strategy local evaluates each site on its own data: use sites")
         if self.max_length is not None and not 8 <= self.max_length <= 512:
             raise ClinfedError("--max-length must be between 8 and 512")
         if not Path(self.data).is_dir():
@@ -108,14 +143,58 @@ def _quiet(event: str, info: dict[str, Any]) -> None:
     del event, info
 
 
+def _check_resume(config: RunConfig) -> None:
+    """A resumed run must be the same run: same settings, same data."""
+    out = Path(config.out)
+    saved_path = out / "config.json"
+    if not saved_path.is_file():
+        raise ClinfedError(f"{out}: no run to resume (no config.json)")
+    if config.strategy == "centralized":
+        raise ClinfedError("--resume applies to federated strategies (rounds), not centralized")
+    saved = json.loads(saved_path.read_text())
+    for key, value in asdict(config).items():
+        if key not in RESUMABLE and saved.get(key) != value:
+            raise ClinfedError(
+                f"--resume of {out} with a different config: {key} was {saved.get(key)!r}, "
+                f"now {value!r}"
+            )
+
+
+@dataclass
+class _Prepared:
+    task: Task
+    corpus: Corpus
+    tokenizer: Any
+    model: nn.Module
+    out: Path
+
+
+def _finish(
+    prep: _Prepared,
+    config: RunConfig,
+    test,
+    outputs: list,
+    record: dict,
+    metrics: dict,
+    extra: dict | None = None,
+) -> dict[str, Any]:
+    meta = prep.task.meta() | {"max_length": config.max_length, "encoder": config.model}
+    save_model(prep.model, prep.out / "model", meta, prep.tokenizer)
+    prep.task.write_predictions(prep.corpus.test, test, outputs, prep.out / "predictions")
+    summary = record | (extra or {}) | {"detail": metrics.get("scores")}
+    atomic_write_json(prep.out / "summary.json", summary)
+    return summary
+
+
 def run_training(config: RunConfig, report: Reporter = _quiet) -> dict[str, Any]:
-    """Train, evaluate each epoch and write the run folder.
+    """Train, evaluate and write the run folder.
 
     Parameters
     ----------
     report
         Called with progress events (``loaded``, ``epoch_start``, ``step``,
-        ``eval_start``, ``epoch_end``); the CLI draws progress bars from them.
+        ``eval_start``, ``epoch_end``, ``site_start``, ``site_end``,
+        ``round_end``); the CLI draws progress bars from them.
 
     Returns
     -------
@@ -124,7 +203,10 @@ def run_training(config: RunConfig, report: Reporter = _quiet) -> dict[str, Any]
     """
     config.validate()
     config = config.resolved()
-    ensure_new_run_folder(config.out)
+    if config.resume:
+        _check_resume(config)
+    else:
+        ensure_new_run_folder(config.out)
     torch.set_num_threads(config.threads or os.cpu_count() or 1)
     problems = ProblemLog(config.on_error)
     # Tokenized notes are protected health information: unless the user names
@@ -148,71 +230,124 @@ def run_training(config: RunConfig, report: Reporter = _quiet) -> dict[str, Any]
         # exists, so a failed start leaves nothing behind.
         tokenizer = load_tokenizer(config.model)
         model = build_model(task.head, config.model, len(task.labels), seed=config.seed)
-        out = create_run_folder(config.out)
-        atomic_write_json(
-            out / "config.json", asdict(config) | {"labels": task.labels, "sites": corpus.sites}
-        )
         train = task.encode(corpus.train, tokenizer, config.max_length, cache_dir)
         test = task.encode(corpus.test, tokenizer, config.max_length, cache_dir)
+        clients = None
+        if config.strategy != "centralized":
+            groups, labels = task.partition_keys(corpus.train, train)
+            clients = partition(
+                groups,
+                labels,
+                np.asarray(train["site"]),
+                config.partition,
+                config.clients,
+                config.alpha,
+                config.seed,
+            )
+        out = Path(config.out) if config.resume else create_run_folder(config.out)
+        if not config.resume:
+            atomic_write_json(out / "config.json", asdict(config))
+            atomic_write_json(out / "labels.json", {"labels": task.labels, "sites": corpus.sites})
         report(
             "loaded",
             {
                 "train": len(train),
                 "test": len(test),
                 "sites": corpus.sites,
+                "clients": sorted(clients) if clients else None,
                 "warnings": [str(p) for p in problems.problems],
             },
         )
+        prep = _Prepared(task, corpus, tokenizer, model, out)
+        if clients is None:
+            return _centralized(prep, config, train, test, report)
+        return _federated(prep, config, train, test, clients, report)
 
-        optimizer = make_optimizer(model, config.lr, config.weight_decay, config.head_lr)
-        steps = config.epochs * -(-len(train) // config.batch_size)
-        scheduler = linear_schedule(optimizer, steps, config.warmup)
-        order = np.random.default_rng(config.seed)
-        torch.manual_seed(config.seed)
-        record: dict[str, Any] = {}
-        metrics: dict[str, Any] = {}
-        outputs: list = []
-        for epoch in range(1, config.epochs + 1):
-            report("epoch_start", {"epoch": epoch, "examples": len(train)})
-            stats = train_epoch(
-                model,
-                task,
-                train,
-                optimizer,
-                config.batch_size,
-                order,
-                scheduler,
-                on_step=lambda n: report("step", {"examples": n}),
-            )
-            report("eval_start", {"epoch": epoch, "examples": len(test)})
-            started = time.perf_counter()
-            outputs = predict(
-                model,
-                task,
-                test,
-                config.eval_batch_size,
-                on_step=lambda n: report("eval_step", {"examples": n}),
-            )
-            metrics = task.evaluate(corpus.test, test, outputs)
-            record = {
-                "epoch": epoch,
-                "f1": metrics["f1"],
-                "train_loss": stats.loss,
-                "train_tokens": stats.tokens,
-                "train_seconds": round(stats.seconds, 3),
-                "tokens_per_s": round(stats.tokens_per_s, 1),
-                "eval_seconds": round(time.perf_counter() - started, 3),
-            } | {k: v for k, v in metrics.items() if k not in ("f1", "scores")}
-            append_jsonl(out / "metrics.jsonl", record)
-            report("epoch_end", record)
 
-        save_model(
+def _centralized(prep: _Prepared, config: RunConfig, train, test, report: Reporter) -> dict:
+    task, model = prep.task, prep.model
+    optimizer = make_optimizer(model, config.lr, config.weight_decay, config.head_lr)
+    steps = config.epochs * -(-len(train) // config.batch_size)
+    scheduler = linear_schedule(optimizer, steps, config.warmup)
+    order = np.random.default_rng(config.seed)
+    torch.manual_seed(config.seed)
+    record: dict[str, Any] = {}
+    metrics: dict[str, Any] = {}
+    outputs: list = []
+    for epoch in range(1, config.epochs + 1):
+        report("epoch_start", {"epoch": epoch, "examples": len(train)})
+        stats = train_epoch(
             model,
-            out / "model",
-            task.meta() | {"max_length": config.max_length, "encoder": config.model},
-            tokenizer,
+            task,
+            train,
+            optimizer,
+            config.batch_size,
+            order,
+            scheduler,
+            on_step=lambda n: report("step", {"examples": n}),
         )
-        task.write_predictions(corpus.test, test, outputs, out / "predictions")
-        summary = record | {"detail": metrics.get("scores")}
-        atomic_write_json(out / "summary.json", summary)
-        return summary
+        report("eval_start", {"epoch": epoch, "examples": len(test)})
+        started = time.perf_counter()
+        outputs = predict(
+            model,
+            task,
+            test,
+            config.eval_batch_size,
+            on_step=lambda n: report("eval_step", {"examples": n}),
+        )
+        metrics = task.evaluate(prep.corpus.test, test, outputs)
+        record = {
+            "epoch": epoch,
+            "f1": metrics["f1"],
+            "train_loss": stats.loss,
+            "train_tokens": stats.tokens,
+            "train_seconds": round(stats.seconds, 3),
+            "tokens_per_s": round(stats.tokens_per_s, 1),
+            "eval_seconds": round(time.perf_counter() - started, 3),
+        } | {k: v for k, v in metrics.items() if k not in ("f1", "scores")}
+        append_jsonl(prep.out / "metrics.jsonl", record)
+        report("epoch_end", record)
+    return _finish(prep, config, test, outputs, record, metrics)
+
+
+def _federated(
+    prep: _Prepared, config: RunConfig, train, test, clients: dict, report: Reporter
+) -> dict:
+    settings = LocalSettings(
+        epochs=config.local_epochs,
+        batch_size=config.batch_size,
+        lr=config.lr,
+        head_lr=config.head_lr,
+        weight_decay=config.weight_decay,
+    )
+    fed = Federation(
+        prep.task,
+        prep.model,
+        get_strategy(config.strategy, config.mu),
+        train,
+        test,
+        prep.corpus.test,
+        clients,
+        settings,
+        config.rounds,
+        config.fraction,
+        config.seed,
+        config.eval_batch_size,
+    )
+    # FedAvg's payload for this model: the yardstick for every strategy.
+    full_bytes = len(payload.encode(dict(prep.model.named_parameters())))
+    torch.manual_seed(config.seed)
+    simulator = Simulator(fed, prep.out, report)
+    if config.resume:
+        simulator.resume()
+    record = simulator.run()
+    sites = [r for r in read_jsonl(prep.out / "metrics.jsonl") if "client" in r]
+    up = sum(r["bytes_up"] for r in sites)
+    down = sum(r["bytes_down"] for r in sites)
+    extra = {
+        "mb_up": up / 1e6,
+        "mb_down": down / 1e6,
+        "fedavg_mb_up": full_bytes * len(sites) / 1e6,
+        "ratio_to_fedavg_up": up / (full_bytes * len(sites)) if sites else 0.0,
+    }
+    return _finish(prep, config, test, simulator.outputs, record, simulator.last_metrics, extra)

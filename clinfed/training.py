@@ -99,6 +99,7 @@ def train_epoch(
     scheduler=None,
     max_grad_norm: float | None = 1.0,
     on_step: Callable[[int], None] | None = None,
+    extra_loss: Callable[[], torch.Tensor] | None = None,
 ) -> EpochStats:
     """One pass over ``dataset`` in a seeded random order.
 
@@ -109,6 +110,8 @@ def train_epoch(
         draws the same orders as an uninterrupted one.
     on_step
         Called with the number of examples after each step (progress bars).
+    extra_loss
+        Added to every step's loss (FedProx's proximal term).
     """
     model.train()
     plan = length_grouped_batches(np.asarray(dataset["n_tokens"]), batch_size, generator)
@@ -117,6 +120,8 @@ def train_epoch(
     for batch in batches(dataset, task, plan):
         logits = model(**task.model_inputs(batch))
         loss = task.loss(logits, batch)
+        if extra_loss is not None:
+            loss = loss + extra_loss()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if max_grad_norm:

@@ -102,6 +102,11 @@ class Task(ABC):
     ) -> None:
         """Predictions in the task's real file format."""
 
+    @abstractmethod
+    def partition_keys(self, records: Any, examples: datasets.Dataset) -> tuple[Any, Any]:
+        """For partitioning: the group of each example (the document or
+        admission it comes from) and a label per group (for label skew)."""
+
     def meta(self) -> dict[str, Any]:
         """What a saved model needs to be used again (labels, options)."""
         return {"task": self.name, "head": self.head, "labels": list(self.labels)}

@@ -185,7 +185,7 @@ def test_an_existing_run_folder_is_never_touched(i2b2_corpus, tmp_path):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--strategy", "fedavg"], "Invalid value for '--strategy'"),
+        (["--strategy", "fedsomething"], "Invalid value for '--strategy'"),
         (["--epochs", "0"], "--epochs must be at least 1"),
         (["--max-length", "4"], "--max-length must be between 8 and 512"),
         (["--model", "/no/such/model"], "not 'minilm', 'tiny' or a folder"),

@@ -21,7 +21,7 @@ def test_unset_settings_take_the_task_defaults(tmp_path):
     ("changes", "message"),
     [
         ({"task": "radiology"}, "--task must be one of"),
-        ({"strategy": "fedavg"}, "--strategy must be one of"),
+        ({"strategy": "fedsomething"}, "--strategy must be one of"),
         ({"batch_size": 0}, "--batch-size must be at least 1"),
         ({"lr": -1.0}, "--lr must be positive"),
         ({"head_lr": 0.0}, "--head-lr must be positive"),

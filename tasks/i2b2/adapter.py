@@ -174,6 +174,16 @@ class I2b2Task(Task):
         predicted = logits.argmax(-1).cpu().numpy()
         return [predicted[i] for i in range(predicted.shape[0])]
 
+    def partition_keys(self, records: list[Document], examples: datasets.Dataset):
+        """Groups are documents; a document's label is its most frequent
+        concept type (0 problem, 1 test, 2 treatment; 3 when it has none)."""
+        labels = []
+        for doc in records:
+            counts = Counter(c.type for c in doc.concepts)
+            kinds = ("problem", "test", "treatment")
+            labels.append(max(range(3), key=lambda i: counts[kinds[i]]) if counts else 3)
+        return np.asarray(examples["doc"]), np.asarray(labels)
+
     # ------------------------------------------------------------- decoding
     def predicted_concepts(
         self, records: list[Document], examples: datasets.Dataset, outputs: list[Any]

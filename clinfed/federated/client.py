@@ -1,0 +1,96 @@
+"""The client update: one site's local training under a plan.
+
+The same function serves the in-process simulator and (later) the Flower
+ClientApp, so both produce the same update from the same inputs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import datasets
+import numpy as np
+import torch
+from torch import nn
+
+from clinfed.federated.plan import Plan
+from clinfed.tasks.base import Task
+from clinfed.training import EpochStats, make_optimizer, train_epoch
+
+
+@dataclass
+class LocalSettings:
+    """How a site trains in one round."""
+
+    epochs: int = 1
+    batch_size: int = 16
+    lr: float = 1e-4
+    head_lr: float | None = None
+    weight_decay: float = 0.01
+    max_grad_norm: float | None = 1.0
+
+
+@dataclass
+class ClientResult:
+    upload: dict[str, torch.Tensor]
+    num_examples: int
+    stats: list[EpochStats]
+    seconds: float
+    trainable_params: int
+
+
+def apply_plan(model: nn.Module, plan: Plan) -> int:
+    """Freeze everything the plan does not train; return the trainable count.
+
+    Decided before the optimizer is built, each round, so the optimizer (and
+    later the DP wrapper) only ever sees the planned parameters.
+    """
+    count = 0
+    for name, param in model.named_parameters():
+        param.requires_grad_(name in plan.trainable)
+        count += param.numel() if name in plan.trainable else 0
+    return count
+
+
+def client_update(
+    model: nn.Module,
+    task: Task,
+    dataset: datasets.Dataset,
+    plan: Plan,
+    settings: LocalSettings,
+    generator: np.random.Generator,
+) -> ClientResult:
+    """Train ``model`` (already holding the weights the site starts from) on
+    ``dataset`` under ``plan``; return the planned upload.
+
+    The optimizer is fresh every round, so nothing but the weights carries
+    over from one round to the next (as in FedAvg).
+    """
+    started = time.perf_counter()
+    trainable = apply_plan(model, plan)
+    optimizer = make_optimizer(model, settings.lr, settings.weight_decay, settings.head_lr)
+    extra_loss = None
+    if plan.proximal_mu > 0:
+        anchor = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        params = [(p, anchor[n]) for n, p in model.named_parameters() if p.requires_grad]
+        mu = plan.proximal_mu
+
+        def extra_loss() -> torch.Tensor:
+            return mu / 2 * sum(((p - a) ** 2).sum() for p, a in params)
+
+    stats = [
+        train_epoch(
+            model,
+            task,
+            dataset,
+            optimizer,
+            settings.batch_size,
+            generator,
+            max_grad_norm=settings.max_grad_norm,
+            extra_loss=extra_loss,
+        )
+        for _ in range(settings.epochs)
+    ]
+    upload = {n: p.detach().clone() for n, p in model.named_parameters() if n in plan.uploaded}
+    return ClientResult(upload, len(dataset), stats, time.perf_counter() - started, trainable)

@@ -1,0 +1,48 @@
+"""What a site does in one round: which parameters it trains, receives and sends."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from clinfed.blocks import Block, block_of
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One site's instructions for one round.
+
+    Attributes
+    ----------
+    trainable
+        Parameter names the site trains; every other parameter is frozen.
+    uploaded
+        Names the site sends back (a subset of ``trainable``: a frozen
+        parameter has nothing new to say).
+    downloaded
+        Names the site receives from the server before training.
+    proximal_mu
+        FedProx: weight of ``mu/2 * ||w - w_global||^2`` over ``trainable``.
+    """
+
+    trainable: frozenset[str]
+    uploaded: frozenset[str]
+    downloaded: frozenset[str]
+    proximal_mu: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.uploaded <= self.trainable:
+            extra = sorted(self.uploaded - self.trainable)[:3]
+            raise ValueError(f"plan uploads parameters it does not train: {extra}")
+
+
+def names_in(names: Iterable[str], blocks: Iterable[Block]) -> frozenset[str]:
+    """The parameter names that belong to any of ``blocks``."""
+    wanted = set(blocks)
+    return frozenset(n for n in names if block_of(n) in wanted)
+
+
+def full_plan(names: Iterable[str], proximal_mu: float = 0.0) -> Plan:
+    """Train, receive and send everything (FedAvg, FedProx)."""
+    everything = frozenset(names)
+    return Plan(everything, everything, everything, proximal_mu)

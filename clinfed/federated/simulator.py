@@ -1,0 +1,224 @@
+"""In-process simulation: many sites, one after another, in one process.
+
+One model object serves every site (weights are loaded into it, never
+copied per site), one optimizer is alive at a time, and aggregation keeps a
+running sum, so memory does not grow with the number of sites. Sites that
+keep a model of their own (``local``) keep it on disk in ``RUN/sites/``.
+
+Durability: after each round the global weights go to
+``RUN/checkpoints/round-NNNN.safetensors`` and then ``RUN/state.json`` (the
+commit point: round number, checkpoint name, every random generator's
+state, strategy state) is replaced atomically. ``--resume`` starts from the
+last committed round, drops any ``metrics.jsonl`` lines of the round that
+was in flight, and restores the generators, so a resumed run ends
+bit-identical to an uninterrupted one on CPU.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from clinfed.errors import ClinfedError
+from clinfed.federated import payload
+from clinfed.federated.aggregation import Aggregator
+from clinfed.federated.client import LocalSettings, client_update
+from clinfed.federated.strategies import Strategy
+from clinfed.runs import append_jsonl, atomic_write_json, atomic_write_text, read_jsonl
+from clinfed.tasks.base import Task
+from clinfed.training import predict
+
+STATE = "state.json"
+Reporter = Callable[[str, dict[str, Any]], None]
+
+
+@dataclass
+class Federation:
+    """Everything a simulated run needs, prepared by the pipeline."""
+
+    task: Task
+    model: nn.Module
+    strategy: Strategy
+    train: datasets.Dataset
+    test: datasets.Dataset
+    test_records: Any
+    clients: dict[str, np.ndarray]  # client -> training example indices
+    settings: LocalSettings
+    rounds: int
+    fraction: float
+    seed: int
+    eval_batch_size: int = 64
+
+
+def _save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
+    tmp.replace(path)
+
+
+def _rng_state(order: np.random.Generator, sampling: np.random.Generator) -> dict[str, Any]:
+    torch_state = base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
+    return {
+        "order": order.bit_generator.state,
+        "sampling": sampling.bit_generator.state,
+        "torch": torch_state,
+    }
+
+
+def _restore_rng(
+    state: dict[str, Any], order: np.random.Generator, sampling: np.random.Generator
+) -> None:
+    order.bit_generator.state = state["order"]
+    sampling.bit_generator.state = state["sampling"]
+    raw = np.frombuffer(base64.b64decode(state["torch"]), dtype=np.uint8).copy()
+    torch.set_rng_state(torch.from_numpy(raw))
+
+
+def sample_clients(names: list[str], fraction: float, rng: np.random.Generator) -> list[str]:
+    """The clients that train this round (at least one), in a stable order."""
+    count = max(1, round(fraction * len(names)))
+    if count >= len(names):
+        return list(names)
+    chosen = set(rng.choice(len(names), size=count, replace=False).tolist())
+    return [n for i, n in enumerate(names) if i in chosen]
+
+
+class Simulator:
+    """Runs the rounds of a :class:`Federation` into a run folder."""
+
+    def __init__(self, fed: Federation, out: Path, report: Reporter):
+        self.fed, self.out, self.report = fed, out, report
+        self.names = [n for n, _ in fed.model.named_parameters()]
+        self.order_rng = np.random.default_rng(fed.seed)
+        self.sampling_rng = np.random.default_rng([fed.seed, 1])
+        self.global_state = {k: v.detach().clone() for k, v in fed.model.state_dict().items()}
+        self.first_round = 1
+
+    # ---------------------------------------------------------- durability
+    def resume(self) -> None:
+        """Continue from the last committed round of ``self.out``."""
+        path = self.out / STATE
+        if not path.is_file():
+            raise ClinfedError(f"{self.out}: nothing to resume (no {STATE})")
+        state = json.loads(path.read_text())
+        self.global_state = load_file(str(self.out / state["checkpoint"]))
+        _restore_rng(state["rng"], self.order_rng, self.sampling_rng)
+        self.fed.strategy.load_state_dict(state["strategy"])
+        self.first_round = state["round"] + 1
+        metrics = self.out / "metrics.jsonl"
+        if metrics.exists():  # drop what the interrupted round had written
+            kept = [r for r in read_jsonl(metrics) if r["round"] <= state["round"]]
+            atomic_write_text(metrics, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
+
+    def _commit(self, round_number: int) -> None:
+        name = f"checkpoints/round-{round_number:04d}.safetensors"
+        _save_weights(self.global_state, self.out / name)
+        atomic_write_json(
+            self.out / STATE,
+            {
+                "round": round_number,
+                "checkpoint": name,
+                "rng": _rng_state(self.order_rng, self.sampling_rng),
+                "strategy": self.fed.strategy.state_dict(),
+            },
+        )
+        for old in (self.out / "checkpoints").glob("round-*.safetensors"):
+            if old.name != Path(name).name:
+                old.unlink()
+
+    # --------------------------------------------------------------- round
+    def _site_start(self, client: str) -> dict[str, torch.Tensor]:
+        """The weights a client starts the round from."""
+        if self.fed.strategy.shares_model:
+            return self.global_state
+        own = self.out / "sites" / f"{client}.safetensors"
+        return load_file(str(own)) if own.exists() else self.global_state
+
+    def run_round(self, round_number: int) -> dict[str, Any]:
+        fed = self.fed
+        clients = sample_clients(sorted(fed.clients), fed.fraction, self.sampling_rng)
+        aggregator = Aggregator()
+        for client in clients:
+            self.report("site_start", {"round": round_number, "client": client})
+            plan = fed.strategy.plan(round_number, client, self.names)
+            fed.model.load_state_dict(self._site_start(client))
+            down = payload.encode({n: self.global_state[n] for n in sorted(plan.downloaded)})
+            local = fed.train.select(fed.clients[client])
+            result = client_update(fed.model, fed.task, local, plan, fed.settings, self.order_rng)
+            up = payload.encode(result.upload)
+            if result.upload:
+                # The server averages exactly what came over the wire.
+                aggregator.add(payload.decode(up), result.num_examples)
+            if not fed.strategy.shares_model:
+                _save_weights(
+                    {k: v.detach().clone() for k, v in fed.model.state_dict().items()},
+                    self.out / "sites" / f"{client}.safetensors",
+                )
+            record = {
+                "round": round_number,
+                "client": client,
+                "bytes_up": len(up) if plan.uploaded else 0,
+                "bytes_down": len(down) if plan.downloaded else 0,
+                "trainable_params": result.trainable_params,
+                "uploaded_params": sum(t.numel() for t in result.upload.values()),
+                "examples": result.num_examples,
+                "train_loss": result.stats[-1].loss,
+                "train_tokens": sum(s.tokens for s in result.stats),
+                "wall_s": round(result.seconds, 3),
+            }
+            append_jsonl(self.out / "metrics.jsonl", record)
+            self.report("site_end", record)
+        self.global_state = aggregator.result(self.global_state)
+        return self.evaluate(round_number)
+
+    def evaluate(self, round_number: int) -> dict[str, Any]:
+        """Global evaluation record of a round (``round``, ``f1``, ...)."""
+        fed = self.fed
+        started = time.perf_counter()
+        if fed.strategy.shares_model:
+            fed.model.load_state_dict(self.global_state)
+            outputs = predict(fed.model, fed.task, fed.test, fed.eval_batch_size)
+        else:  # each site's own model on its own held-out examples
+            outputs: list = [None] * len(fed.test)
+            sites = np.asarray(fed.test["site"])
+            for site in sorted(set(sites.tolist())):
+                idx = np.flatnonzero(sites == site)
+                fed.model.load_state_dict(self._site_start(site))
+                for i, out in zip(
+                    idx, predict(fed.model, fed.task, fed.test.select(idx), fed.eval_batch_size)
+                ):
+                    outputs[i] = out
+        metrics = fed.task.evaluate(fed.test_records, fed.test, outputs)
+        self.outputs = outputs
+        record = {
+            "round": round_number,
+            "f1": metrics["f1"],
+            "eval_seconds": round(time.perf_counter() - started, 3),
+        }
+        record |= {k: v for k, v in metrics.items() if k not in ("f1", "scores")}
+        self.last_metrics = metrics
+        return record
+
+    def run(self) -> dict[str, Any]:
+        record: dict[str, Any] = {}
+        for round_number in range(self.first_round, self.fed.rounds + 1):
+            record = self.run_round(round_number)
+            append_jsonl(self.out / "metrics.jsonl", record)
+            self._commit(round_number)
+            self.report("round_end", record)
+        if not record:  # resumed a finished run: evaluate the final state
+            record = self.evaluate(self.fed.rounds)
+        self.fed.model.load_state_dict(self.global_state)
+        return record

@@ -1,0 +1,31 @@
+"""The strategy interface: a plan per round and site, and state for resume."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+from clinfed.federated.plan import Plan
+
+
+class Strategy(ABC):
+    """Decides, per round and site, what is trained and what travels.
+
+    ``shares_model`` is False for strategies where each site keeps a model of
+    its own (``local``); the runner then stores site state between rounds.
+    """
+
+    name: ClassVar[str]
+    shares_model: ClassVar[bool] = True
+
+    @abstractmethod
+    def plan(self, round_number: int, site: str, names: list[str]) -> Plan:
+        """The plan of ``site`` in round ``round_number`` (1-based) for a model
+        whose parameters are ``names``."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Strategy state saved after each round (for ``--resume``)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        del state

@@ -1,0 +1,15 @@
+"""Local training: each site trains its own model on its own data, nothing
+is exchanged. The lower reference a federation must beat."""
+
+from __future__ import annotations
+
+from clinfed.federated.plan import Plan
+from clinfed.federated.strategies.base import Strategy
+
+
+class Local(Strategy):
+    name = "local"
+    shares_model = False
+
+    def plan(self, round_number: int, site: str, names: list[str]) -> Plan:
+        return Plan(frozenset(names), frozenset(), frozenset())
