@@ -58,6 +58,7 @@ class Strategy(str, Enum):
     fedavg = "fedavg"
     fedprox = "fedprox"
     local = "local"
+    fedfrozen = "fedfrozen"
 
 
 class Partition(str, Enum):
@@ -209,6 +210,36 @@ def score(
 
 
 # ---------------------------------------------------------------- train
+def _load_config(ctx: typer.Context, param: click.Parameter, value: Path | None) -> Path | None:
+    """``--config FILE``: TOML keys named like the flags (``batch-size = 8``,
+    or under a ``[train]`` table) become the defaults; flags given on the
+    command line still win (click's ``default_map``)."""
+    del param
+    if value is None:
+        return None
+    import tomllib
+
+    try:
+        data = tomllib.loads(value.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise typer.BadParameter(f"{value}: {exc}") from None
+    table = data.get("train", data)
+    names = {
+        opt.lstrip("-").replace("-", "_"): p.name
+        for p in ctx.command.params
+        for opt in getattr(p, "opts", [])
+        if opt.startswith("--")
+    }
+    defaults = {}
+    for key, setting in table.items():
+        name = names.get(key.replace("-", "_"))
+        if name is None or name == "config":
+            raise typer.BadParameter(f"{value}: unknown setting {key!r}")
+        defaults[name] = setting.value if isinstance(setting, Enum) else setting
+    ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    return value
+
+
 class _ProgressReporter:
     """Draws rich progress bars from the pipeline's events."""
 
@@ -252,6 +283,15 @@ class _ProgressReporter:
 
 @app.command("train")
 def train(
+    config_file: Path = typer.Option(
+        None,
+        "--config",
+        help="TOML file of settings named like the flags; flags override it.",
+        is_eager=True,
+        callback=_load_config,
+        exists=True,
+        dir_okay=False,
+    ),
     task: TaskName = typer.Option(..., "--task", help="i2b2 or mimic3."),
     data: Path = typer.Option(
         ..., "--data", help="Corpus folder (train/ and test/, or one folder to split)."
@@ -308,6 +348,12 @@ def train(
     alpha: float = typer.Option(0.5, "--alpha", help="Dirichlet concentration (small: skewed)."),
     fraction: float = typer.Option(1.0, "--fraction", help="Share of clients sampled per round."),
     mu: float = typer.Option(0.01, "--mu", help="FedProx proximal weight."),
+    warmup: str = typer.Option(
+        "3", "--warmup", help="FedFrozen: round from which Q/K are frozen, or 'auto'."
+    ),
+    train_embeddings: bool = typer.Option(
+        False, "--train-embeddings", help="FedFrozen: train and exchange the embeddings too."
+    ),
     resume: bool = typer.Option(
         False, "--resume", help="Continue the run in --out from its last completed round."
     ),
@@ -347,6 +393,8 @@ def train(
         alpha=alpha,
         fraction=fraction,
         mu=mu,
+        warmup=warmup,
+        train_embeddings=train_embeddings,
         resume=resume,
         threads=threads,
         cache_dir=str(cache_dir) if cache_dir else None,
@@ -370,6 +418,44 @@ def train(
             f"[bold]done[/]: held-out f1 {summary['f1']:.4f} "
             f"({summary['tokens_per_s']:.0f} training tokens/s); run folder {out_dir}"
         )
+
+
+@app.command("evaluate")
+def evaluate(
+    run: Path = typer.Argument(..., help="A finished run folder."),
+    data: Path = typer.Option(..., "--data", help="Folder of annotated documents to score."),
+    on_error: OnError = ON_ERROR,
+    as_json: bool = JSON,
+) -> None:
+    """Score a run's final model on a folder of annotated data."""
+    from clinfed.inference import evaluate_run
+
+    metrics = evaluate_run(run, data, on_error.value)
+    _warn(metrics.pop("warnings"))
+    if as_json:
+        _print_json(metrics)
+        return
+    table = Table(title=f"{run} on {data}", show_header=False)
+    for key, value in metrics.items():
+        if isinstance(value, float):
+            table.add_row(key, f"{value:.4f}")
+        elif isinstance(value, dict) and key == "per_site_f1":
+            table.add_row(key, ", ".join(f"{k}: {v:.4f}" for k, v in value.items()))
+    out.print(table)
+
+
+@app.command("predict")
+def predict_cmd(
+    run: Path = typer.Argument(..., help="A finished run folder."),
+    data: Path = typer.Option(..., "--data", help="Folder of documents (i2b2) or CSVs (mimic3)."),
+    out_dir: Path = typer.Option(..., "--out", help="New folder for the predictions."),
+    on_error: OnError = ON_ERROR,
+) -> None:
+    """Write predictions in the real format: i2b2 .con files, mimic3 predictions.csv."""
+    from clinfed.inference import predict_run
+
+    count = predict_run(run, data, out_dir, on_error.value)
+    out.print(f"wrote predictions for {count} records to {out_dir}")
 
 
 # ------------------------------------------------------------- baseline

@@ -91,6 +91,8 @@ class RunConfig:
     clients: int = 0
     alpha: float = 0.5
     mu: float = 0.01
+    warmup: str = "3"
+    train_embeddings: bool = False
     resume: bool = False
     # machine
     threads: int = 0
@@ -114,6 +116,8 @@ class RunConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ClinfedError(f"--{name.replace('_', '-')} must be positive")
+        if self.warmup != "auto" and not (self.warmup.isdigit() and int(self.warmup) >= 1):
+            raise ClinfedError("--warmup must be a round number >= 1 or 'auto'")
         if not 0 < self.fraction <= 1:
             raise ClinfedError("--fraction must be in (0, 1]")
         if self.partition not in PARTITIONS:
@@ -320,10 +324,12 @@ def _federated(
         head_lr=config.head_lr,
         weight_decay=config.weight_decay,
     )
+    warmup = config.warmup if config.warmup == "auto" else int(config.warmup)
+    strategy = get_strategy(config.strategy, config.mu, warmup, config.train_embeddings)
     fed = Federation(
         prep.task,
         prep.model,
-        get_strategy(config.strategy, config.mu),
+        strategy,
         train,
         test,
         prep.corpus.test,

@@ -239,3 +239,33 @@ def test_baselines_cli(i2b2_corpus, mimic_corpus, capsys):
     assert (
         main(["baseline", "--task", "i2b2", "--data", str(i2b2_corpus), "--kind", "keyword"]) == 2
     )
+
+
+def test_config_file_evaluate_and_predict(i2b2_corpus, tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text(
+        f'[train]\ntask = "i2b2"\ndata = "{i2b2_corpus}"\nstrategy = "fedavg"\n'
+        'model = "tiny"\nrounds = 1\nbatch-size = 8\n'
+    )
+    run = tmp_path / "run"
+    result = run_cli("train", "--config", str(config), "--rounds", "2", "--out", str(run))
+    assert result.returncode == 0, result.stderr
+    saved = json.loads((run / "config.json").read_text())
+    assert (saved["strategy"], saved["rounds"], saved["batch_size"]) == ("fedavg", 2, 8)
+    final = json.loads((run / "summary.json").read_text())
+
+    evaluated = run_cli("evaluate", str(run), "--data", str(i2b2_corpus / "test"), "--json")
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert json.loads(evaluated.stdout)["f1"] == pytest.approx(final["f1"])
+
+    predicted = run_cli(
+        "predict", str(run), "--data", str(i2b2_corpus / "test"), "--out", str(tmp_path / "pred")
+    )
+    assert predicted.returncode == 0, predicted.stderr
+    assert sorted(p.name for p in (tmp_path / "pred").iterdir()) == sorted(
+        p.name for p in (run / "predictions").iterdir()
+    )
+
+    config.write_text("bogus = 1\n")
+    bad = run_cli("train", "--config", str(config), "--out", str(tmp_path / "other"))
+    assert bad.returncode == 2 and "unknown setting 'bogus'" in bad.stderr

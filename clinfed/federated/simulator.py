@@ -115,7 +115,7 @@ class Simulator:
         state = json.loads(path.read_text())
         self.global_state = load_file(str(self.out / state["checkpoint"]))
         _restore_rng(state["rng"], self.order_rng, self.sampling_rng)
-        self.fed.strategy.load_state_dict(state["strategy"])
+        self.fed.strategy.load_state_dict(state["strategy"], self.global_state)
         self.first_round = state["round"] + 1
         metrics = self.out / "metrics.jsonl"
         if metrics.exists():  # drop what the interrupted round had written
@@ -181,7 +181,8 @@ class Simulator:
             append_jsonl(self.out / "metrics.jsonl", record)
             self.report("site_end", record)
         self.global_state = aggregator.result(self.global_state)
-        return self.evaluate(round_number)
+        observed = fed.strategy.observe(round_number, self.global_state)
+        return self.evaluate(round_number) | observed
 
     def evaluate(self, round_number: int) -> dict[str, Any]:
         """Global evaluation record of a round (``round``, ``f1``, ...)."""

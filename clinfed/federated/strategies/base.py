@@ -5,6 +5,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
+import torch
+
 from clinfed.federated.plan import Plan
 
 
@@ -23,9 +25,20 @@ class Strategy(ABC):
         """The plan of ``site`` in round ``round_number`` (1-based) for a model
         whose parameters are ``names``."""
 
-    def state_dict(self) -> dict[str, Any]:
-        """Strategy state saved after each round (for ``--resume``)."""
+    def observe(self, round_number: int, global_state: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """See the new global model after a round's aggregation; what it
+        returns joins the round's record in ``metrics.jsonl``."""
+        del round_number, global_state
         return {}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        del state
+    def state_dict(self) -> dict[str, Any]:
+        """Strategy state saved after each round (for ``--resume``); kept
+        small: it goes into ``state.json``."""
+        return {}
+
+    def load_state_dict(
+        self, state: dict[str, Any], global_state: dict[str, torch.Tensor] | None = None
+    ) -> None:
+        """Restore :meth:`state_dict`; ``global_state`` is the checkpoint the
+        run resumes from."""
+        del state, global_state

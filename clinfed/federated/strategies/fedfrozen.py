@@ -1,0 +1,108 @@
+"""FedFrozen (after Du et al., arXiv 2605.06446): warm up, then freeze the
+attention kernel.
+
+Rounds before the warm-up ends train and exchange the whole model
+(embeddings only with ``train_embeddings``). From then on every layer's
+attention query and key weights and biases are frozen: never trained,
+uploaded or downloaded again, so the global Q/K stay bit-identical while
+values, feed-forward blocks and the head keep learning.
+
+``warmup="auto"`` freezes once the kernel has settled, judged on the
+released global models only (so it costs nothing under DP): the relative
+change of all Q/K weights between consecutive global models,
+``||QK_r - QK_{r-1}|| / ||QK_{r-1}||``, must stay below ``threshold`` for
+``patience`` rounds in a row. The measure is logged every round.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from clinfed.blocks import block_of
+from clinfed.errors import ClinfedError
+from clinfed.federated.plan import Plan
+from clinfed.federated.strategies.base import Strategy
+
+
+def is_query_key(name: str) -> bool:
+    return block_of(name).kind == "query_key"
+
+
+class FedFrozen(Strategy):
+    """Parameters
+    ----------
+    warmup
+        Round from which Q/K are frozen (an int >= 1; 1 freezes from the
+        start), or ``"auto"``.
+    train_embeddings
+        Train and exchange the embeddings too (they are half of MiniLM).
+    threshold, patience
+        ``auto``: freeze after ``patience`` consecutive rounds whose relative
+        Q/K change is below ``threshold``.
+    """
+
+    name = "fedfrozen"
+
+    def __init__(
+        self,
+        warmup: int | str = 3,
+        train_embeddings: bool = False,
+        threshold: float = 0.01,
+        patience: int = 2,
+    ):
+        if warmup != "auto" and (not isinstance(warmup, int) or warmup < 1):
+            raise ClinfedError("--warmup must be a round number >= 1 or 'auto'")
+        self.warmup, self.train_embeddings = warmup, train_embeddings
+        self.threshold, self.patience = threshold, patience
+        self.frozen_from: int | None = warmup if isinstance(warmup, int) else None
+        self._previous: torch.Tensor | None = None
+        self._calm_rounds = 0
+
+    def frozen(self, round_number: int) -> bool:
+        return self.frozen_from is not None and round_number >= self.frozen_from
+
+    def plan(self, round_number: int, site: str, names: list[str]) -> Plan:
+        moving = [n for n in names if self.train_embeddings or block_of(n).kind != "embeddings"]
+        if self.frozen(round_number):
+            moving = [n for n in moving if not is_query_key(n)]
+        chosen = frozenset(moving)
+        # Round 1 syncs the whole model; afterwards a site only needs what it
+        # trains (frozen weights are already identical everywhere).
+        received = frozenset(names) if round_number == 1 else chosen
+        return Plan(chosen, chosen, received)
+
+    @staticmethod
+    def _query_key(global_state: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.cat(
+            [
+                v.detach().flatten().double()
+                for k, v in sorted(global_state.items())
+                if is_query_key(k)
+            ]
+        )
+
+    def observe(self, round_number: int, global_state: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Measure the Q/K change of the new global model; decide ``auto``."""
+        qk = self._query_key(global_state)
+        change = None
+        if self._previous is not None:
+            change = float((qk - self._previous).norm() / self._previous.norm().clamp(min=1e-12))
+            if self.frozen_from is None:
+                self._calm_rounds = self._calm_rounds + 1 if change < self.threshold else 0
+                if self._calm_rounds >= self.patience:
+                    self.frozen_from = round_number + 1
+        self._previous = qk
+        return {"qk_change": change, "qk_frozen_from": self.frozen_from}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"frozen_from": self.frozen_from, "calm_rounds": self._calm_rounds}
+
+    def load_state_dict(
+        self, state: dict[str, Any], global_state: dict[str, torch.Tensor] | None = None
+    ) -> None:
+        self.frozen_from = state["frozen_from"]
+        self._calm_rounds = state["calm_rounds"]
+        # The last observed global model is the checkpoint resumed from.
+        self._previous = None if global_state is None else self._query_key(global_state)

@@ -1,0 +1,49 @@
+"""Use a finished run: evaluate its model on a folder, or write predictions."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from clinfed.errors import ClinfedError, ProblemLog
+from clinfed.models import load_saved_model
+from clinfed.runs import ensure_new_run_folder
+from clinfed.tasks import get_task
+from clinfed.training import predict
+
+
+def _outputs(run: Path, data: Path, problems: ProblemLog, cache_dir: str):
+    model_dir = Path(run) / "model"
+    if not model_dir.is_dir():
+        raise ClinfedError(f"{run}: no model/ folder (not a finished clinfed run?)")
+    model, tokenizer, meta = load_saved_model(model_dir)
+    options = {k: meta[k] for k in ("codes", "top_k", "max_chunks") if k in meta}
+    task = get_task(meta["task"], cache_dir=cache_dir, **options)
+    task.labels = list(meta["labels"])  # the model's label set, whatever the folder holds
+    records = task.read_documents(Path(data), problems)
+    examples = task.encode(records, tokenizer, meta["max_length"], cache_dir)
+    if len(examples) == 0:
+        raise ClinfedError(f"{data}: no documents to run the model on")
+    return task, records, examples, predict(model, task, examples)
+
+
+def evaluate_run(run: Path, data: Path, on_error: str = "strict") -> dict[str, Any]:
+    """Metrics of the run's final model on every annotated document of ``data``."""
+    problems = ProblemLog(on_error)
+    with tempfile.TemporaryDirectory(prefix="clinfed-cache-") as cache:
+        task, records, examples, outputs = _outputs(run, data, problems, cache)
+        metrics = task.evaluate(records, examples, outputs)
+    return metrics | {"warnings": [str(p) for p in problems.problems]}
+
+
+def predict_run(run: Path, data: Path, out: Path, on_error: str = "strict") -> int:
+    """Write predictions for every document of ``data`` to the new folder
+    ``out`` in the task's format; return how many records were predicted."""
+    ensure_new_run_folder(out)
+    problems = ProblemLog(on_error)
+    with tempfile.TemporaryDirectory(prefix="clinfed-cache-") as cache:
+        task, records, examples, outputs = _outputs(run, data, problems, cache)
+        Path(out).mkdir(parents=True, exist_ok=True)
+        task.write_predictions(records, examples, outputs, Path(out))
+    return len(records)

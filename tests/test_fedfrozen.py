@@ -1,0 +1,93 @@
+"""FedFrozen: after the warm-up, Q/K never change, travel or train."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from safetensors.torch import load_file
+
+from clinfed.federated import payload
+from clinfed.federated.strategies.fedfrozen import FedFrozen, is_query_key
+from clinfed.pipeline import RunConfig, run_training
+
+
+def test_plans_before_and_after_warmup():
+    names = [
+        "encoder.embeddings.word_embeddings.weight",
+        "encoder.encoder.layer.0.attention.self.query.weight",
+        "encoder.encoder.layer.0.attention.self.key.bias",
+        "encoder.encoder.layer.0.attention.self.value.weight",
+        "encoder.encoder.layer.0.output.dense.weight",
+        "head.weight",
+    ]
+    strategy = FedFrozen(warmup=2)
+    early, late = strategy.plan(1, "s", names), strategy.plan(2, "s", names)
+    assert any(is_query_key(n) for n in early.uploaded)
+    assert not any(is_query_key(n) for n in late.trainable | late.uploaded | late.downloaded)
+    assert "encoder.embeddings.word_embeddings.weight" not in early.trainable
+    assert early.downloaded == frozenset(names)  # round 1 syncs everything
+    with_embeddings = FedFrozen(warmup=2, train_embeddings=True).plan(3, "s", names)
+    assert "encoder.embeddings.word_embeddings.weight" in with_embeddings.uploaded
+
+
+def test_auto_warmup_freezes_once_qk_settles():
+    strategy = FedFrozen(warmup="auto", threshold=0.05, patience=2)
+    state = {"encoder.encoder.layer.0.attention.self.query.weight": torch.ones(4)}
+    steps = [1.0, 1.5, 1.52, 1.53, 1.531]  # change 0.5, ~0.013, ~0.007, ~0.0007
+    infos = []
+    for round_number, value in enumerate(steps, start=1):
+        state = {k: torch.full((4,), value) for k in state}
+        infos.append(strategy.observe(round_number, state))
+    assert infos[0]["qk_change"] is None and infos[1]["qk_change"] > 0.05
+    assert infos[2]["qk_frozen_from"] is None and infos[3]["qk_frozen_from"] == 5
+    assert strategy.frozen(5) and not strategy.frozen(4)
+
+
+def test_qk_bit_identical_after_warmup_and_never_uploaded(i2b2_corpus, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    checkpoints: dict[int, dict[str, torch.Tensor]] = {}
+    uploads: list[set[str]] = []
+    encode = payload.encode
+
+    def spy(tensors):
+        uploads.append(set(tensors))
+        return encode(tensors)
+
+    monkeypatch.setattr(payload, "encode", spy)
+
+    def report(event, info):
+        if event == "round_end":
+            state = json.loads((run / "state.json").read_text())
+            checkpoints[info["round"]] = load_file(str(run / state["checkpoint"]))
+
+    run_training(
+        RunConfig(
+            task="i2b2",
+            data=str(i2b2_corpus),
+            out=str(run),
+            strategy="fedfrozen",
+            model="tiny",
+            rounds=4,
+            warmup="2",
+        ),
+        report,
+    )
+    qk = [k for k in checkpoints[1] if is_query_key(k)]
+    assert qk
+    for later in (2, 3, 4):  # frozen from round 2: what round 1 produced stays, bit for bit
+        assert all(torch.equal(checkpoints[1][k], checkpoints[later][k]) for k in qk)
+    assert not all(torch.equal(checkpoints[1][k], checkpoints[4][k]) for k in checkpoints[1])
+    # the first payload is the full model, serialized once as FedAvg's yardstick;
+    # then each round: one download and one upload payload per site (3 sites)
+    uploads = uploads[1:]
+    per_round = [uploads[i : i + 6] for i in range(0, len(uploads), 6)]
+    assert len(per_round) == 4
+    assert any(is_query_key(k) for k in per_round[0][1])  # round 1 upload carries Q/K
+    for round_payloads in per_round[1:]:
+        for keys in round_payloads:
+            assert not any(is_query_key(k) for k in keys)
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    rounds = [r for r in records if "client" not in r]
+    assert [r["qk_frozen_from"] for r in rounds] == [2, 2, 2, 2]
+    assert rounds[2]["qk_change"] == 0.0
