@@ -59,6 +59,14 @@ class Strategy(str, Enum):
     fedprox = "fedprox"
     local = "local"
     fedfrozen = "fedfrozen"
+    safl = "safl"
+    safl_fedfrozen = "safl+fedfrozen"
+
+
+class Selection(str, Enum):
+    global_ = "global"
+    public = "public"
+    private = "private"
 
 
 class Partition(str, Enum):
@@ -352,7 +360,19 @@ def train(
         "3", "--warmup", help="FedFrozen: round from which Q/K are frozen, or 'auto'."
     ),
     train_embeddings: bool = typer.Option(
-        False, "--train-embeddings", help="FedFrozen: train and exchange the embeddings too."
+        False, "--train-embeddings", help="SAFL, FedFrozen: train and exchange the embeddings too."
+    ),
+    top_layers: int = typer.Option(
+        2, "--top-layers", help="SAFL: encoder layers each site trains and sends per round."
+    ),
+    selection: Selection = typer.Option(
+        Selection.global_,
+        "--selection",
+        help="SAFL layer choice from: global (released model, public probe; free), public "
+        "(site model, public probe; free) or private (site data, noised; has a privacy cost).",
+    ),
+    profile_examples: int = typer.Option(
+        16, "--profile-examples", help="SAFL: examples per attention profile."
     ),
     resume: bool = typer.Option(
         False, "--resume", help="Continue the run in --out from its last completed round."
@@ -395,6 +415,9 @@ def train(
         mu=mu,
         warmup=warmup,
         train_embeddings=train_embeddings,
+        top_layers=top_layers,
+        selection=selection.value,
+        profile_examples=profile_examples,
         resume=resume,
         threads=threads,
         cache_dir=str(cache_dir) if cache_dir else None,

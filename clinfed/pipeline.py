@@ -93,6 +93,9 @@ class RunConfig:
     mu: float = 0.01
     warmup: str = "3"
     train_embeddings: bool = False
+    top_layers: int = 2
+    selection: str = "global"
+    profile_examples: int = 16
     resume: bool = False
     # machine
     threads: int = 0
@@ -118,6 +121,10 @@ class RunConfig:
                 raise ClinfedError(f"--{name.replace('_', '-')} must be positive")
         if self.warmup != "auto" and not (self.warmup.isdigit() and int(self.warmup) >= 1):
             raise ClinfedError("--warmup must be a round number >= 1 or 'auto'")
+        if self.selection not in ("global", "public", "private"):
+            raise ClinfedError("--selection must be one of global, public, private")
+        if self.top_layers < 1 or self.profile_examples < 1:
+            raise ClinfedError("--top-layers and --profile-examples must be at least 1")
         if not 0 < self.fraction <= 1:
             raise ClinfedError("--fraction must be in (0, 1]")
         if self.partition not in PARTITIONS:
@@ -171,6 +178,7 @@ class _Prepared:
     tokenizer: Any
     model: nn.Module
     out: Path
+    cache_dir: str
 
 
 def _finish(
@@ -262,7 +270,7 @@ def run_training(config: RunConfig, report: Reporter = _quiet) -> dict[str, Any]
                 "warnings": [str(p) for p in problems.problems],
             },
         )
-        prep = _Prepared(task, corpus, tokenizer, model, out)
+        prep = _Prepared(task, corpus, tokenizer, model, out, cache_dir)
         if clients is None:
             return _centralized(prep, config, train, test, report)
         return _federated(prep, config, train, test, clients, report)
@@ -314,6 +322,28 @@ def _centralized(prep: _Prepared, config: RunConfig, train, test, report: Report
     return _finish(prep, config, test, outputs, record, metrics)
 
 
+PROBE_SEED = 20_101
+
+
+def _public_probe(prep: _Prepared, config: RunConfig):
+    """A public probe set for SAFL's free selection modes: a small synthetic
+    corpus of the same task, generated here with a fixed seed, so no
+    private example shapes the layer choice."""
+    folder = Path(prep.cache_dir) / "probe"
+    if config.task == "i2b2":
+        from clinfed.tasks.i2b2.synth import generate
+
+        generate(folder, sites=3, docs=4, seed=PROBE_SEED)
+        records = prep.task.read_documents(folder / "train", ProblemLog())
+    else:
+        from clinfed.tasks.mimic3.synth import generate
+
+        generate(folder, sites=1, docs=24, seed=PROBE_SEED)
+        records = prep.task.read_documents(folder, ProblemLog())
+    examples = prep.task.encode(records, prep.tokenizer, config.max_length, prep.cache_dir)
+    return examples.shuffle(seed=PROBE_SEED)
+
+
 def _federated(
     prep: _Prepared, config: RunConfig, train, test, clients: dict, report: Reporter
 ) -> dict:
@@ -325,7 +355,20 @@ def _federated(
         weight_decay=config.weight_decay,
     )
     warmup = config.warmup if config.warmup == "auto" else int(config.warmup)
-    strategy = get_strategy(config.strategy, config.mu, warmup, config.train_embeddings)
+    probe = None
+    if config.strategy.startswith("safl") and config.selection != "private":
+        probe = _public_probe(prep, config)
+    strategy = get_strategy(
+        config.strategy,
+        config.mu,
+        warmup,
+        config.train_embeddings,
+        config.top_layers,
+        config.selection,
+        probe,
+        config.profile_examples,
+        config.seed,
+    )
     fed = Federation(
         prep.task,
         prep.model,

@@ -103,6 +103,11 @@ class Task(ABC):
         """Predictions in the task's real file format."""
 
     @abstractmethod
+    def relevant_tokens(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """0/1 mask, shaped like ``batch["attention_mask"]``, of the tokens
+        SAFL's attention profile counts as task-relevant."""
+
+    @abstractmethod
     def partition_keys(self, records: Any, examples: datasets.Dataset) -> tuple[Any, Any]:
         """For partitioning: the group of each example (the document or
         admission it comes from) and a label per group (for label skew)."""

@@ -152,10 +152,11 @@ class Simulator:
         aggregator = Aggregator()
         for client in clients:
             self.report("site_start", {"round": round_number, "client": client})
-            plan = fed.strategy.plan(round_number, client, self.names)
             fed.model.load_state_dict(self._site_start(client))
-            down = payload.encode({n: self.global_state[n] for n in sorted(plan.downloaded)})
             local = fed.train.select(fed.clients[client])
+            chosen = fed.strategy.select(round_number, client, fed.model, fed.task, local)
+            plan = fed.strategy.plan(round_number, client, self.names)
+            down = payload.encode({n: self.global_state[n] for n in sorted(plan.downloaded)})
             result = client_update(fed.model, fed.task, local, plan, fed.settings, self.order_rng)
             up = payload.encode(result.upload)
             if result.upload:
@@ -177,7 +178,7 @@ class Simulator:
                 "train_loss": result.stats[-1].loss,
                 "train_tokens": sum(s.tokens for s in result.stats),
                 "wall_s": round(result.seconds, 3),
-            }
+            } | chosen
             append_jsonl(self.out / "metrics.jsonl", record)
             self.report("site_end", record)
         self.global_state = aggregator.result(self.global_state)
@@ -214,6 +215,8 @@ class Simulator:
 
     def run(self) -> dict[str, Any]:
         record: dict[str, Any] = {}
+        if self.first_round == 1:  # let the strategy see the model every site starts from
+            self.fed.strategy.observe(0, self.global_state)
         for round_number in range(self.first_round, self.fed.rounds + 1):
             record = self.run_round(round_number)
             append_jsonl(self.out / "metrics.jsonl", record)

@@ -27,6 +27,7 @@ from clinfed.tasks.i2b2.format import Document, read_corpus, write_con
 from clinfed.tasks.i2b2.metrics import score_concepts
 
 IGNORE = -100
+OUTSIDE_ID = LABEL_TO_ID[OUTSIDE]
 LINE_FEATURES = datasets.Features(
     {
         "doc": datasets.Value("int32"),
@@ -132,16 +133,19 @@ class I2b2Task(Task):
                 for token_id, w in zip(ids, word_ids):
                     pieces[w].append(token_id)
                 for start, end in window_words([len(p) for p in pieces], capacity):
-                    input_ids, labels, positions = [], [], []
+                    input_ids, labels, positions, in_concept = [], [], [], []
                     for w in range(start, end):
                         kept = pieces[w][:capacity] or [tokenizer.unk_token_id]
-                        labels += [int(batch["tags"][i][w])] + [IGNORE] * (len(kept) - 1)
+                        tag = int(batch["tags"][i][w])
+                        labels += [tag] + [IGNORE] * (len(kept) - 1)
                         positions += [w - start] + [-1] * (len(kept) - 1)
+                        in_concept += [int(tag != OUTSIDE_ID)] * len(kept)
                         input_ids += kept
                     input_ids = prefix + input_ids + suffix
                     out["input_ids"].append(input_ids)
                     out["labels"].append([IGNORE] * before + labels + [IGNORE] * after)
                     out["word_index"].append([-1] * before + positions + [-1] * after)
+                    out["concept_mask"].append([0] * before + in_concept + [0] * after)
                     out["word_start"].append(start)
                     out["n_tokens"].append(len(input_ids))
                     for key in ("doc", "line", "site"):
@@ -158,11 +162,23 @@ class I2b2Task(Task):
         input_ids = torch.full((n, width), self.pad_id, dtype=torch.long)
         labels = torch.full((n, width), IGNORE, dtype=torch.long)
         mask = torch.zeros((n, width), dtype=torch.long)
+        relevant = torch.zeros((n, width), dtype=torch.long)
         for i, (ids, lab) in enumerate(zip(batch["input_ids"], batch["labels"])):
             input_ids[i, : len(ids)] = torch.tensor(ids)
             labels[i, : len(lab)] = torch.tensor(lab)
             mask[i, : len(ids)] = 1
-        return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+            relevant[i, : len(ids)] = torch.tensor(batch["concept_mask"][i])
+        relevant[:, 0] = 1  # [CLS]
+        return {
+            "input_ids": input_ids,
+            "attention_mask": mask,
+            "labels": labels,
+            "relevant": relevant,
+        }
+
+    def relevant_tokens(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Sub-words of words inside a gold concept span, and [CLS]."""
+        return batch["relevant"]
 
     def model_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}

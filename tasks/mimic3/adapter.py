@@ -231,6 +231,12 @@ class Mimic3Task(Task):
     def model_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: batch[k] for k in ("input_ids", "attention_mask", "chunk_mask")}
 
+    def relevant_tokens(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[CLS] of every real chunk: the token a classifier reads from."""
+        relevant = torch.zeros_like(batch["attention_mask"])
+        relevant[..., 0] = batch["attention_mask"][..., 0]
+        return relevant
+
     def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return F.binary_cross_entropy_with_logits(logits, batch["targets"])
 

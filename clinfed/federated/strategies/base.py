@@ -25,6 +25,15 @@ class Strategy(ABC):
         """The plan of ``site`` in round ``round_number`` (1-based) for a model
         whose parameters are ``names``."""
 
+    def select(
+        self, round_number: int, site: str, model: Any, task: Any, local: Any
+    ) -> dict[str, Any]:
+        """Data-dependent choices made at the site before :meth:`plan` (SAFL's
+        attention profile); ``model`` holds the weights the site starts the
+        round from. What it returns joins the site's record."""
+        del round_number, site, model, task, local
+        return {}
+
     def observe(self, round_number: int, global_state: dict[str, torch.Tensor]) -> dict[str, Any]:
         """See the new global model after a round's aggregation; what it
         returns joins the round's record in ``metrics.jsonl``."""

@@ -1,0 +1,174 @@
+"""SAFL (after Li and Zhang, arXiv 2504.11793): send only the layers that
+attend most to task-relevant tokens.
+
+Each round a site profiles its copy of the model (see
+``clinfed.federated.attention``), keeps the top-K encoder layers by score,
+trains those layers plus the task head (embeddings only with
+``train_embeddings``) and uploads just them.
+
+The layer choice is itself released information (DESIGN.md section 4), so
+where the profile comes from is a setting:
+
+* ``global`` (default): the downloaded global model profiled on a public
+  probe set. Uses only released and public data, so it costs no privacy;
+  every site then picks the same layers in a round.
+* ``public``: each site profiles its model on the public probe set. Free as
+  well; differs from ``global`` once sites hold different weights.
+* ``private``: each site profiles on ``profile_examples`` of its own
+  examples. Per-example scores lie in [0, 1]; their per-layer sums get
+  Gaussian noise of standard deviation ``noise * sqrt(layers)`` (one example
+  moves the vector of sums by at most ``sqrt(layers)`` in L2) before top-K.
+  The mechanism's parameters are recorded per site and round so the privacy
+  ledger can charge them.
+
+With ``freezer`` (``safl+fedfrozen``), query/key blocks inside the selected
+layers stop training and travelling once the freezer's warm-up is over.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any
+
+import datasets
+import numpy as np
+import torch
+from torch import nn
+
+from clinfed.blocks import EMBEDDINGS, HEAD, Block, block_of, num_layers, parameter_blocks
+from clinfed.errors import ClinfedError
+from clinfed.federated.attention import profile, top_k_layers
+from clinfed.federated.plan import Plan, names_in
+from clinfed.federated.strategies.base import Strategy
+from clinfed.federated.strategies.fedfrozen import FedFrozen
+from clinfed.tasks.base import Task
+
+SELECTIONS = ("global", "public", "private")
+
+
+class SAFL(Strategy):
+    """Parameters
+    ----------
+    top_k
+        Encoder layers each site trains and sends per round.
+    selection
+        ``global``, ``public`` or ``private`` (see the module docstring).
+    probe
+        Public, already-encoded examples for ``global``/``public``.
+    profile_examples
+        How many examples a profile looks at.
+    noise
+        ``private``: noise multiplier of the Gaussian on the score sums.
+    freezer
+        A :class:`FedFrozen` whose warm-up decides when Q/K freeze.
+    """
+
+    name = "safl"
+
+    def __init__(
+        self,
+        top_k: int = 2,
+        selection: str = "global",
+        probe: datasets.Dataset | None = None,
+        profile_examples: int = 16,
+        train_embeddings: bool = False,
+        noise: float = 1.0,
+        seed: int = 0,
+        freezer: FedFrozen | None = None,
+    ):
+        if top_k < 1:
+            raise ClinfedError("--top-k must be at least 1")
+        if selection not in SELECTIONS:
+            raise ClinfedError(f"--selection must be one of {', '.join(SELECTIONS)}")
+        if selection != "private" and probe is None:
+            raise ValueError("global and public selection need a probe set")
+        self.top_k, self.selection, self.probe = top_k, selection, probe
+        self.profile_examples, self.train_embeddings = profile_examples, train_embeddings
+        self.noise, self.seed, self.freezer = noise, seed, freezer
+        self.name = "safl+fedfrozen" if freezer is not None else "safl"
+        self._chosen: dict[str, list[int]] = {}
+        self._global_choice: tuple[int, list[int], list[float]] | None = None
+
+    # ------------------------------------------------------------ selection
+    def select(
+        self, round_number: int, site: str, model: nn.Module, task: Task, local: datasets.Dataset
+    ) -> dict[str, Any]:
+        layers_total = num_layers(parameter_blocks([n for n, _ in model.named_parameters()]))
+        if self.top_k > layers_total:
+            raise ClinfedError(f"--top-k {self.top_k} exceeds the model's {layers_total} layers")
+        info: dict[str, Any] = {"selection": self.selection}
+        if (
+            self.selection == "global"
+            and self._global_choice is not None
+            and self._global_choice[0] == round_number
+        ):
+            _, layers, scores = self._global_choice
+        elif self.selection in ("global", "public"):
+            sample = self.probe.select(range(min(self.profile_examples, len(self.probe))))
+            scores = profile(model, task, sample).mean(axis=0).tolist()
+            layers = top_k_layers(scores, self.top_k)
+            if self.selection == "global":
+                self._global_choice = (round_number, layers, scores)
+        else:
+            # The noise depends only on (seed, round, site): resume-safe, and
+            # independent of the data-order generator.
+            rng = np.random.default_rng([self.seed, round_number, _site_key(site)])
+            idx = rng.choice(len(local), size=min(self.profile_examples, len(local)), replace=False)
+            per_example = np.clip(profile(model, task, local.select(np.sort(idx))), 0.0, 1.0)
+            sigma = self.noise * math.sqrt(layers_total)
+            noisy = per_example.sum(axis=0) + rng.normal(0.0, sigma, size=layers_total)
+            scores = (noisy / len(idx)).tolist()
+            layers = top_k_layers(scores, self.top_k)
+            info["selection_mechanism"] = {
+                "type": "gaussian",
+                "l2_sensitivity": math.sqrt(layers_total),
+                "sigma": sigma,
+                "examples": int(len(idx)),
+                "sample_size": int(len(local)),
+            }
+        self._chosen[site] = layers
+        return info | {"layers": layers, "scores": [round(s, 6) for s in scores]}
+
+    # ----------------------------------------------------------------- plan
+    def plan(self, round_number: int, site: str, names: list[str]) -> Plan:
+        if site not in self._chosen:
+            raise RuntimeError("SAFL.select must run before SAFL.plan")
+        layers = self._chosen[site]
+        frozen_qk = self.freezer is not None and self.freezer.frozen(round_number)
+        kinds = ("value", "rest") if frozen_qk else ("query_key", "value", "rest")
+        blocks = {Block(kind, layer) for layer in layers for kind in kinds} | {HEAD}
+        if self.train_embeddings:
+            blocks.add(EMBEDDINGS)
+        chosen = names_in(names, blocks)
+
+        # A site needs the current global value of everything that can have
+        # changed: all but what nobody trains (embeddings when frozen, and
+        # Q/K once frozen). Round 1 syncs the whole model.
+        def changing(name: str) -> bool:
+            block = block_of(name)
+            if block == EMBEDDINGS:
+                return self.train_embeddings
+            return not (frozen_qk and block.kind == "query_key")
+
+        received = (
+            frozenset(names) if round_number == 1 else frozenset(n for n in names if changing(n))
+        )
+        return Plan(chosen, chosen, received)
+
+    def observe(self, round_number: int, global_state: dict[str, torch.Tensor]) -> dict[str, Any]:
+        return self.freezer.observe(round_number, global_state) if self.freezer else {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"freezer": self.freezer.state_dict() if self.freezer else None}
+
+    def load_state_dict(
+        self, state: dict[str, Any], global_state: dict[str, torch.Tensor] | None = None
+    ) -> None:
+        if self.freezer is not None and state.get("freezer") is not None:
+            self.freezer.load_state_dict(state["freezer"], global_state)
+
+
+def _site_key(site: str) -> int:
+    """A stable integer for a site name (Python's hash() is salted per process)."""
+    return int.from_bytes(hashlib.sha256(site.encode("utf-8")).digest()[:8], "little")
