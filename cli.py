@@ -413,7 +413,7 @@ def train(
         alpha=alpha,
         fraction=fraction,
         mu=mu,
-        warmup=warmup,
+        freeze_warmup=warmup,
         train_embeddings=train_embeddings,
         top_layers=top_layers,
         selection=selection.value,

@@ -91,7 +91,7 @@ class RunConfig:
     clients: int = 0
     alpha: float = 0.5
     mu: float = 0.01
-    warmup: str = "3"
+    freeze_warmup: str = "3"  # FedFrozen's --warmup (a round, or "auto")
     train_embeddings: bool = False
     top_layers: int = 2
     selection: str = "global"
@@ -119,7 +119,10 @@ class RunConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ClinfedError(f"--{name.replace('_', '-')} must be positive")
-        if self.warmup != "auto" and not (self.warmup.isdigit() and int(self.warmup) >= 1):
+        if not 0 <= self.warmup < 1:
+            raise ClinfedError("the learning-rate warm-up share must be in [0, 1)")
+        fw = self.freeze_warmup
+        if fw != "auto" and not (fw.isdigit() and int(fw) >= 1):
             raise ClinfedError("--warmup must be a round number >= 1 or 'auto'")
         if self.selection not in ("global", "public", "private"):
             raise ClinfedError("--selection must be one of global, public, private")
@@ -354,7 +357,8 @@ def _federated(
         head_lr=config.head_lr,
         weight_decay=config.weight_decay,
     )
-    warmup = config.warmup if config.warmup == "auto" else int(config.warmup)
+    fw = config.freeze_warmup
+    warmup = fw if fw == "auto" else int(fw)
     probe = None
     if config.strategy.startswith("safl") and config.selection != "private":
         probe = _public_probe(prep, config)

@@ -169,7 +169,10 @@ def predict(
 def linear_schedule(
     optimizer: torch.optim.Optimizer, total_steps: int, warmup: float = 0.1
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up over ``warmup`` of the steps, then linear decay to 0."""
+    """Linear warm-up over ``warmup`` (a share in [0, 1)) of the steps, then
+    linear decay to 0."""
+    if not isinstance(warmup, (int, float)) or not 0 <= warmup < 1:
+        raise ValueError(f"warm-up must be a share of the steps in [0, 1), not {warmup!r}")
     warm = max(1, int(total_steps * warmup))
 
     def factor(step: int) -> float:

@@ -69,7 +69,7 @@ def test_qk_bit_identical_after_warmup_and_never_uploaded(i2b2_corpus, tmp_path,
             strategy="fedfrozen",
             model="tiny",
             rounds=4,
-            warmup="2",
+            freeze_warmup="2",
         ),
         report,
     )

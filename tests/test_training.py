@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from clinfed.errors import ProblemLog
@@ -54,3 +55,15 @@ def test_same_seed_same_weights_and_predictions(i2b2_corpus, tmp_path):
     second, out2 = train_once(i2b2_corpus, str(tmp_path / "b"))
     assert all(torch.equal(first[k], second[k]) for k in first)
     assert all(np.array_equal(a, b) for a, b in zip(out1, out2))
+
+
+def test_linear_schedule_rejects_a_warmup_that_is_not_a_share():
+    from clinfed.training import linear_schedule
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    for bad in ("3", 3, 1.0, -0.1):
+        with pytest.raises(ValueError, match="warm-up"):
+            linear_schedule(optimizer, 100, bad)
+    schedule = linear_schedule(optimizer, 100, 0.1)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1)  # step 0 of a 10-step warm-up
+    del schedule
