@@ -289,6 +289,26 @@ class _ProgressReporter:
             p.console.print(f"[bold]round {info['round']}[/]: f1 {info['f1']:.4f}")
 
 
+def _round_table(run: Path) -> None:
+    """Per-round summary of a federated run, read back from its metrics.jsonl."""
+    from clinfed.runs import read_jsonl
+
+    records = read_jsonl(run / "metrics.jsonl")
+    table = Table(title=f"{run}")
+    for column in ("round", "f1", "clients", "MB up", "MB down"):
+        table.add_column(column, justify="right")
+    for record in (r for r in records if "client" not in r):
+        sites = [r for r in records if r.get("client") and r["round"] == record["round"]]
+        table.add_row(
+            str(record["round"]),
+            f"{record['f1']:.4f}",
+            str(len(sites)),
+            f"{sum(r['bytes_up'] for r in sites) / 1e6:.1f}",
+            f"{sum(r['bytes_down'] for r in sites) / 1e6:.1f}",
+        )
+    out.print(table)
+
+
 @app.command("train")
 def train(
     config_file: Path = typer.Option(
@@ -431,6 +451,7 @@ def train(
     with Progress(*columns, console=err, transient=True) as progress:
         summary = run_training(config, _ProgressReporter(progress, epochs))
     if "mb_up" in summary:
+        _round_table(out_dir)
         out.print(
             f"[bold]done[/]: held-out f1 {summary['f1']:.4f}; uploaded {summary['mb_up']:.1f} MB, "
             f"downloaded {summary['mb_down']:.1f} MB ({summary['ratio_to_fedavg_up']:.0%} of "
