@@ -24,7 +24,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +101,6 @@ class RunConfig:
     threads: int = 0
     cache_dir: str | None = None
     eval_batch_size: int = 64
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
         """Reject impossible settings before anything is read or written."""

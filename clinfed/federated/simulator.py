@@ -105,6 +105,8 @@ class Simulator:
         self.sampling_rng = np.random.default_rng([fed.seed, 1])
         self.global_state = {k: v.detach().clone() for k, v in fed.model.state_dict().items()}
         self.first_round = 1
+        self.outputs: list = []  # test-set outputs and metrics of the last evaluation
+        self.last_metrics: dict[str, Any] = {}
 
     # ---------------------------------------------------------- durability
     def resume(self) -> None:
@@ -193,7 +195,7 @@ class Simulator:
             fed.model.load_state_dict(self.global_state)
             outputs = predict(fed.model, fed.task, fed.test, fed.eval_batch_size)
         else:  # each site's own model on its own held-out examples
-            outputs: list = [None] * len(fed.test)
+            outputs = [None] * len(fed.test)
             sites = np.asarray(fed.test["site"])
             for site in sorted(set(sites.tolist())):
                 idx = np.flatnonzero(sites == site)

@@ -245,9 +245,8 @@ class Mimic3Task(Task):
         return [probs[i] for i in range(probs.shape[0])]
 
     def partition_keys(self, records: datasets.Dataset, examples: datasets.Dataset):
-        """Groups are admissions; an admission's label is its most frequent
-        code (by training frequency, the first in ``self.labels`` order of
-        frequency among its codes)."""
+        """Groups are admissions; an admission's label is, among its codes,
+        the one most frequent in ``examples`` (for label skew)."""
         targets = np.asarray(examples["targets"])
         frequency = targets.sum(axis=0)
         labels = np.argmax(targets * (frequency + 1), axis=1)
