@@ -69,6 +69,12 @@ class Selection(str, Enum):
     private = "private"
 
 
+class Clipping(str, Enum):
+    auto = "auto"
+    hooks = "hooks"
+    ghost = "ghost"
+
+
 class Partition(str, Enum):
     iid = "iid"
     dirichlet = "dirichlet"
@@ -281,10 +287,23 @@ class _ProgressReporter:
                 p.remove_task(self.bar)
             self.bar = p.add_task(f"round {info['round']} {info['client']}", total=None)
         elif event == "site_end":
+            # Under DP the training loss is not released; epsilon is shown instead.
+            detail = (
+                f"epsilon {info['epsilon']:.3f}"
+                if "epsilon" in info
+                else f"loss {info['train_loss']:.4f}"
+            )
             p.console.print(
-                f"round {info['round']} {info['client']}: loss {info['train_loss']:.4f}  "
+                f"round {info['round']} {info['client']}: {detail}  "
                 f"up {info['bytes_up'] / 1e6:.1f} MB  {info['wall_s']:.0f} s"
             )
+        elif event == "site_refused":
+            p.console.print(
+                f"[yellow]round {info['round']} {info['client']}: refused, epsilon would reach "
+                f"{info['epsilon_if_trained']:.3f} (spent {info['epsilon']:.3f})[/]"
+            )
+        elif event == "stopped":
+            p.console.print(f"[yellow]{info['reason']}[/]")
         elif event == "round_end":
             p.console.print(f"[bold]round {info['round']}[/]: f1 {info['f1']:.4f}")
 
@@ -295,17 +314,22 @@ def _round_table(run: Path) -> None:
 
     records = read_jsonl(run / "metrics.jsonl")
     table = Table(title=f"{run}")
-    for column in ("round", "f1", "clients", "MB up", "MB down"):
+    private = any("epsilon" in r for r in records)
+    columns = ("round", "f1", "clients", "MB up", "MB down") + (("max epsilon",) if private else ())
+    for column in columns:
         table.add_column(column, justify="right")
     for record in (r for r in records if "client" not in r):
-        sites = [r for r in records if r.get("client") and r["round"] == record["round"]]
-        table.add_row(
+        sites = [r for r in records if "bytes_up" in r and r["round"] == record["round"]]
+        row = [
             str(record["round"]),
             f"{record['f1']:.4f}",
             str(len(sites)),
             f"{sum(r['bytes_up'] for r in sites) / 1e6:.1f}",
             f"{sum(r['bytes_down'] for r in sites) / 1e6:.1f}",
-        )
+        ]
+        if private:
+            row.append(f"{max((r.get('epsilon', 0.0) for r in sites), default=0.0):.3f}")
+        table.add_row(*row)
     out.print(table)
 
 
@@ -394,6 +418,33 @@ def train(
     profile_examples: int = typer.Option(
         16, "--profile-examples", help="SAFL: examples per attention profile."
     ),
+    target_epsilon: float = typer.Option(
+        None,
+        "--target-epsilon",
+        help="DP-SGD at every site, each site's noise calibrated so the planned rounds end at "
+        "or just under this epsilon; sites refuse rounds past it ('inf': no DP).",
+    ),
+    delta: float = typer.Option(1e-5, "--delta", help="DP delta (below 1 / site examples)."),
+    noise_multiplier: float = typer.Option(
+        None,
+        "--noise-multiplier",
+        help="DP-SGD with this noise multiplier at every site instead of calibrating one.",
+    ),
+    max_grad_norm: float = typer.Option(
+        1.0, "--max-grad-norm", help="DP-SGD per-example clipping norm."
+    ),
+    clipping: Clipping = typer.Option(
+        Clipping.auto,
+        "--clipping",
+        help="DP-SGD per-example clipping: hooks, ghost, or auto (ghost when embeddings train "
+        "and examples are single rows, else hooks).",
+    ),
+    selection_noise: float = typer.Option(
+        1.0,
+        "--selection-noise",
+        help="SAFL --selection private: noise multiplier of the layer choice (charged to the "
+        "privacy ledger every round).",
+    ),
     resume: bool = typer.Option(
         False, "--resume", help="Continue the run in --out from its last completed round."
     ),
@@ -438,6 +489,12 @@ def train(
         top_layers=top_layers,
         selection=selection.value,
         profile_examples=profile_examples,
+        target_epsilon=target_epsilon,
+        delta=delta,
+        noise_multiplier=noise_multiplier,
+        max_grad_norm=max_grad_norm,
+        clipping=clipping.value,
+        selection_noise=selection_noise,
         resume=resume,
         threads=threads,
         cache_dir=str(cache_dir) if cache_dir else None,
@@ -452,6 +509,11 @@ def train(
         summary = run_training(config, _ProgressReporter(progress, epochs))
     if "mb_up" in summary:
         _round_table(out_dir)
+        if summary.get("stopped"):
+            out.print(f"[yellow]{summary['stopped']}[/]")
+        if "epsilon" in summary:
+            spent = ", ".join(f"{k} {v:.3f}" for k, v in summary["epsilon"].items())
+            out.print(f"privacy spent (epsilon at delta {summary['delta']:g}): {spent}")
         out.print(
             f"[bold]done[/]: held-out f1 {summary['f1']:.4f}; uploaded {summary['mb_up']:.1f} MB, "
             f"downloaded {summary['mb_down']:.1f} MB ({summary['ratio_to_fedavg_up']:.0%} of "
@@ -462,6 +524,87 @@ def train(
             f"[bold]done[/]: held-out f1 {summary['f1']:.4f} "
             f"({summary['tokens_per_s']:.0f} training tokens/s); run folder {out_dir}"
         )
+
+
+privacy_app = typer.Typer(
+    help="The privacy accountant as a calculator (RDP of the subsampled Gaussian).",
+    no_args_is_help=True,
+)
+app.add_typer(privacy_app, name="privacy")
+
+
+@privacy_app.command("epsilon")
+def privacy_epsilon(
+    sample_rate: float = typer.Option(..., "--sample-rate", help="Poisson rate q = batch / n."),
+    noise_multiplier: float = typer.Option(..., "--noise-multiplier", help="Noise over clip."),
+    steps: int = typer.Option(..., "--steps", help="DP-SGD steps."),
+    delta: float = typer.Option(..., "--delta", help="Target delta."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON (key: epsilon)."),
+) -> None:
+    """Epsilon spent by STEPS steps of DP-SGD at rate Q and noise S."""
+    from clinfed.privacy.calculator import epsilon_for
+
+    result = epsilon_for(sample_rate, noise_multiplier, steps, delta)
+    if as_json:
+        _print_json(result)
+    else:
+        out.print(
+            f"epsilon {result['epsilon']:.4f} at delta {delta:g} "
+            f"(PLD, tighter: {result['epsilon_pld']:.4f}); {result['accountant']}"
+        )
+
+
+@privacy_app.command("noise")
+def privacy_noise(
+    target_epsilon: float = typer.Option(..., "--target-epsilon", help="Budget epsilon."),
+    delta: float = typer.Option(..., "--delta", help="Target delta."),
+    sample_rate: float = typer.Option(..., "--sample-rate", help="Poisson rate q = batch / n."),
+    steps: int = typer.Option(..., "--steps", help="DP-SGD steps."),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print JSON (keys: noise_multiplier, epsilon)."
+    ),
+) -> None:
+    """The smallest noise multiplier that keeps STEPS steps within the target."""
+    from clinfed.privacy.calculator import noise_for
+
+    result = noise_for(target_epsilon, delta, sample_rate, steps)
+    if as_json:
+        _print_json(result)
+    else:
+        out.print(
+            f"noise multiplier {result['noise_multiplier']:.4f} gives epsilon "
+            f"{result['epsilon']:.4f} at delta {delta:g}"
+        )
+
+
+@app.command("report")
+def report_cmd(
+    run: Path = typer.Argument(..., help="A run folder.", exists=True, file_okay=False),
+) -> None:
+    """Write RUN/report/ (report.html, report.md, privacy.json): what the run
+    released, what it cost in epsilon per site, layers sent, F1."""
+    from clinfed.privacy.report import write_report
+
+    folder = write_report(run)
+    out.print(f"[bold]report[/]: {folder / 'report.html'}")
+
+
+@app.command("audit")
+def audit_cmd(
+    run: Path = typer.Argument(..., help="A finished run folder.", exists=True, file_okay=False),
+    max_examples: int = typer.Option(
+        400, "--max-examples", help="Training and held-out examples each."
+    ),
+) -> None:
+    """Loss-threshold membership-inference attack on the run's model; writes
+    RUN/audit.json (shown by clinfed report)."""
+    from clinfed.privacy.audit import audit
+
+    result = audit(run, max_examples)
+    out.print(
+        f"membership-inference AUC {result['auc']:.3f} ({result['members']} training vs "
+        f"{result['non_members']} held-out examples; 0.5 = no better than chance)"
+    )
 
 
 @app.command("evaluate")

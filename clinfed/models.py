@@ -149,15 +149,30 @@ class LabelAttention(nn.Module):
         super().__init__()
         self.project = nn.Linear(hidden, hidden)
         self.query = nn.Linear(hidden, num_labels, bias=False)
-        self.weight = nn.Parameter(torch.empty(num_labels, hidden))
-        self.bias = nn.Parameter(torch.zeros(num_labels))
-        nn.init.normal_(self.weight, std=0.02)
+        self.output = LabelwiseLinear(hidden, num_labels)
 
     def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         scores = self.query(torch.tanh(self.project(hidden)))  # (B, T, L)
         scores = scores.masked_fill(~mask.bool().unsqueeze(-1), torch.finfo(scores.dtype).min)
         attention = scores.softmax(dim=1)
         summary = torch.einsum("btl,bth->blh", attention, hidden)
+        return self.output(summary)
+
+
+class LabelwiseLinear(nn.Module):
+    """One linear score per label over that label's own summary vector:
+    ``logit_l = <w_l, v_l> + b_l`` for ``v`` of shape ``(B, L, H)``.
+
+    A module of its own so DP-SGD can register its per-example gradient
+    (``clinfed.privacy.dpsgd``)."""
+
+    def __init__(self, hidden: int, num_labels: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_labels, hidden))
+        self.bias = nn.Parameter(torch.zeros(num_labels))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, summary: torch.Tensor) -> torch.Tensor:
         return (summary * self.weight).sum(-1) + self.bias
 
 

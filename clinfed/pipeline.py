@@ -20,6 +20,7 @@ federated strategies run in the in-process simulator.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 import time
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from clinfed.blocks import num_layers, parameter_blocks
 from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.federated import payload
 from clinfed.federated.client import LocalSettings
@@ -40,6 +42,8 @@ from clinfed.federated.simulator import Federation, Simulator
 from clinfed.federated.strategies import STRATEGIES as FEDERATED
 from clinfed.federated.strategies import get_strategy
 from clinfed.models import build_model, load_tokenizer, save_model
+from clinfed.privacy.accountant import Mechanism
+from clinfed.privacy.policy import PrivacyPolicy, check_settings
 from clinfed.runs import (
     append_jsonl,
     atomic_write_json,
@@ -97,6 +101,13 @@ class RunConfig:
     selection: str = "global"
     profile_examples: int = 16
     resume: bool = False
+    # privacy (DP-SGD at every site; off unless a target or a noise is given)
+    target_epsilon: float | None = None
+    delta: float = 1e-5
+    noise_multiplier: float | None = None
+    max_grad_norm: float = 1.0
+    clipping: str = "auto"
+    selection_noise: float = 1.0
     # machine
     threads: int = 0
     cache_dir: str | None = None
@@ -137,8 +148,28 @@ class RunConfig:
             raise ClinfedError("--strategy local evaluates each site on its own data: use sites")
         if self.max_length is not None and not 8 <= self.max_length <= 512:
             raise ClinfedError("--max-length must be between 8 and 512")
+        if self.dp:
+            check_settings(
+                self.target_epsilon,
+                self.delta,
+                self.noise_multiplier,
+                self.max_grad_norm,
+                self.clipping,
+            )
+            if self.strategy == "centralized":
+                raise ClinfedError(
+                    "DP-SGD runs at the sites of a federated strategy, not --strategy centralized"
+                )
+        if not self.selection_noise > 0:
+            raise ClinfedError("--selection-noise must be positive")
         if not Path(self.data).is_dir():
             raise ClinfedError(f"--data {self.data}: not a folder")
+
+    @property
+    def dp(self) -> bool:
+        """Whether sites train under DP-SGD (``--target-epsilon inf`` is no DP)."""
+        finite_target = self.target_epsilon is not None and not math.isinf(self.target_epsilon)
+        return finite_target or self.noise_multiplier is not None
 
     def resolved(self) -> RunConfig:
         """A copy with every unset setting filled from the task's defaults."""
@@ -244,6 +275,12 @@ def run_training(config: RunConfig, report: Reporter = _quiet) -> dict[str, Any]
         # exists, so a failed start leaves nothing behind.
         tokenizer = load_tokenizer(config.model)
         model = build_model(task.head, config.model, len(task.labels), seed=config.seed)
+        if config.strategy.startswith("safl"):
+            layers = num_layers(parameter_blocks([n for n, _ in model.named_parameters()]))
+            if config.top_layers > layers:
+                raise ClinfedError(
+                    f"--top-layers {config.top_layers} exceeds the model's {layers} layers"
+                )
         train = task.encode(corpus.train, tokenizer, config.max_length, cache_dir)
         test = task.encode(corpus.test, tokenizer, config.max_length, cache_dir)
         clients = None
@@ -258,6 +295,10 @@ def run_training(config: RunConfig, report: Reporter = _quiet) -> dict[str, Any]
                 config.alpha,
                 config.seed,
             )
+        policy = None
+        if config.dp:
+            policy = _privacy_policy(config, clients, Path(config.out) / "privacy")
+            problems.problems.extend(policy.warnings)
         out = Path(config.out) if config.resume else create_run_folder(config.out)
         if not config.resume:
             atomic_write_json(out / "config.json", asdict(config))
@@ -275,7 +316,29 @@ def run_training(config: RunConfig, report: Reporter = _quiet) -> dict[str, Any]
         prep = _Prepared(task, corpus, tokenizer, model, out, cache_dir)
         if clients is None:
             return _centralized(prep, config, train, test, report)
-        return _federated(prep, config, train, test, clients, report)
+        if policy is not None and not config.resume:
+            atomic_write_json(out / "privacy" / "policy.json", policy.describe())
+        return _federated(prep, config, train, test, clients, report, policy)
+
+
+def _privacy_policy(config: RunConfig, clients: dict, folder: Path) -> PrivacyPolicy:
+    selection = None
+    if config.strategy.startswith("safl") and config.selection == "private":
+        selection = Mechanism("safl-selection", config.selection_noise, 1.0, 1)
+    target = config.target_epsilon
+    return PrivacyPolicy.build(
+        folder,
+        {client: len(idx) for client, idx in clients.items()},
+        config.batch_size,
+        config.local_epochs,
+        config.rounds,
+        config.delta,
+        None if target is None or math.isinf(target) else target,
+        config.noise_multiplier,
+        config.max_grad_norm,
+        config.clipping,
+        selection,
+    )
 
 
 def _centralized(prep: _Prepared, config: RunConfig, train, test, report: Reporter) -> dict:
@@ -347,7 +410,13 @@ def _public_probe(prep: _Prepared, config: RunConfig):
 
 
 def _federated(
-    prep: _Prepared, config: RunConfig, train, test, clients: dict, report: Reporter
+    prep: _Prepared,
+    config: RunConfig,
+    train,
+    test,
+    clients: dict,
+    report: Reporter,
+    policy: PrivacyPolicy | None = None,
 ) -> dict:
     settings = LocalSettings(
         epochs=config.local_epochs,
@@ -371,6 +440,7 @@ def _federated(
         probe,
         config.profile_examples,
         config.seed,
+        config.selection_noise,
     )
     fed = Federation(
         prep.task,
@@ -385,6 +455,7 @@ def _federated(
         config.fraction,
         config.seed,
         config.eval_batch_size,
+        policy,
     )
     # FedAvg's payload for this model: the yardstick for every strategy.
     full_bytes = len(payload.encode(dict(prep.model.named_parameters())))
@@ -393,7 +464,7 @@ def _federated(
     if config.resume:
         simulator.resume()
     record = simulator.run()
-    sites = [r for r in read_jsonl(prep.out / "metrics.jsonl") if "client" in r]
+    sites = [r for r in read_jsonl(prep.out / "metrics.jsonl") if "bytes_up" in r]
     up = sum(r["bytes_up"] for r in sites)
     down = sum(r["bytes_down"] for r in sites)
     extra = {
@@ -402,4 +473,9 @@ def _federated(
         "fedavg_mb_up": full_bytes * len(sites) / 1e6,
         "ratio_to_fedavg_up": up / (full_bytes * len(sites)) if sites else 0.0,
     }
+    if simulator.stopped:
+        extra["stopped"] = simulator.stopped
+    if policy is not None:
+        extra["epsilon"] = {site: policy.ledger(site).spent for site in sorted(clients)}
+        extra["delta"] = config.delta
     return _finish(prep, config, test, simulator.outputs, record, simulator.last_metrics, extra)

@@ -87,6 +87,12 @@ class Task(ABC):
         """Mean loss of a batch."""
 
     @abstractmethod
+    def example_losses(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Loss of each example, shape ``(batch,)``, each depending on its own
+        example only (DP-SGD clips per example, so no example may scale
+        another's loss, as a mean over the batch's tokens would)."""
+
+    @abstractmethod
     def outputs(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> list[Any]:
         """Per-example predictions (plain Python / numpy), in batch order."""
 

@@ -39,6 +39,11 @@ def test_help_on_every_command():
         ["score"],
         ["train"],
         ["baseline"],
+        ["privacy"],
+        ["privacy", "epsilon"],
+        ["privacy", "noise"],
+        ["report"],
+        ["audit"],
     ):
         result = run_cli(*args, "--help")
         assert result.returncode == 0, result.stderr
@@ -189,6 +194,10 @@ def test_an_existing_run_folder_is_never_touched(i2b2_corpus, tmp_path):
         (["--epochs", "0"], "--epochs must be at least 1"),
         (["--max-length", "4"], "--max-length must be between 8 and 512"),
         (["--model", "/no/such/model"], "not 'minilm', 'tiny' or a folder"),
+        (
+            ["--model", "tiny", "--strategy", "safl", "--top-layers", "3"],
+            "--top-layers 3 exceeds the model's 2 layers",
+        ),
     ],
 )
 def test_bad_flags_exit_2(i2b2_corpus, tmp_path, args, message):

@@ -113,7 +113,7 @@ def test_label_attention_matches_a_direct_computation():
         a = (head.query(torch.tanh(head.project(h)))).softmax(0)  # (n, L)
         for label in range(3):
             v = (a[:, label : label + 1] * h).sum(0)
-            expected = v @ head.weight[label] + head.bias[label]
+            expected = v @ head.output.weight[label] + head.output.bias[label]
             assert torch.allclose(logits[b, label], expected, atol=1e-5)
 
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from clinfed.federated.plan import Plan
+from clinfed.privacy.dpsgd import DPSettings, train_private
 from clinfed.tasks.base import Task
 from clinfed.training import EpochStats, make_optimizer, train_epoch
 
@@ -38,6 +39,7 @@ class ClientResult:
     stats: list[EpochStats]
     seconds: float
     trainable_params: int
+    clipping: str | None = None  # DP-SGD's clipping mode, None without DP
 
 
 def apply_plan(model: nn.Module, plan: Plan) -> int:
@@ -60,37 +62,64 @@ def client_update(
     plan: Plan,
     settings: LocalSettings,
     generator: np.random.Generator,
+    dp: DPSettings | None = None,
 ) -> ClientResult:
     """Train ``model`` (already holding the weights the site starts from) on
     ``dataset`` under ``plan``; return the planned upload.
 
     The optimizer is fresh every round, so nothing but the weights carries
-    over from one round to the next (as in FedAvg).
+    over from one round to the next (as in FedAvg). With ``dp``, every
+    trainable parameter trains under DP-SGD (``clinfed.privacy.dpsgd``).
     """
     started = time.perf_counter()
     trainable = apply_plan(model, plan)
     optimizer = make_optimizer(model, settings.lr, settings.weight_decay, settings.head_lr)
-    extra_loss = None
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    anchor = {}
     if plan.proximal_mu > 0:
-        anchor = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-        params = [(p, anchor[n]) for n, p in model.named_parameters() if p.requires_grad]
-        mu = plan.proximal_mu
+        anchor = {n: p.detach().clone() for n, p in params}
+    mu = plan.proximal_mu
+    clipping = None
+    if dp is not None:
 
-        def extra_loss() -> torch.Tensor:
-            return mu / 2 * sum(((p - a) ** 2).sum() for p, a in params)
+        def extra_grad() -> None:
+            # The proximal gradient mu * (w - w_global) uses no data.
+            with torch.no_grad():
+                for n, p in params:
+                    p.grad.add_(p - anchor[n], alpha=mu)
 
-    stats = [
-        train_epoch(
+        stats, clipping = train_private(
             model,
             task,
             dataset,
             optimizer,
             settings.batch_size,
+            settings.epochs,
+            dp,
             generator,
-            max_grad_norm=settings.max_grad_norm,
-            extra_loss=extra_loss,
+            extra_grad if anchor else None,
         )
-        for _ in range(settings.epochs)
-    ]
+    else:
+        extra_loss = None
+        if anchor:
+
+            def extra_loss() -> torch.Tensor:
+                return mu / 2 * sum(((p - anchor[n]) ** 2).sum() for n, p in params)
+
+        stats = [
+            train_epoch(
+                model,
+                task,
+                dataset,
+                optimizer,
+                settings.batch_size,
+                generator,
+                max_grad_norm=settings.max_grad_norm,
+                extra_loss=extra_loss,
+            )
+            for _ in range(settings.epochs)
+        ]
     upload = {n: p.detach().clone() for n, p in model.named_parameters() if n in plan.uploaded}
-    return ClientResult(upload, len(dataset), stats, time.perf_counter() - started, trainable)
+    return ClientResult(
+        upload, len(dataset), stats, time.perf_counter() - started, trainable, clipping
+    )

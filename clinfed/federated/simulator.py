@@ -35,6 +35,7 @@ from clinfed.federated import payload
 from clinfed.federated.aggregation import Aggregator
 from clinfed.federated.client import LocalSettings, client_update
 from clinfed.federated.strategies import Strategy
+from clinfed.privacy.policy import PrivacyPolicy
 from clinfed.runs import append_jsonl, atomic_write_json, atomic_write_text, read_jsonl
 from clinfed.tasks.base import Task
 from clinfed.training import predict
@@ -59,6 +60,7 @@ class Federation:
     fraction: float
     seed: int
     eval_batch_size: int = 64
+    privacy: PrivacyPolicy | None = None  # DP-SGD, ledgers and budgets; None: no DP
 
 
 def _save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
@@ -107,6 +109,7 @@ class Simulator:
         self.first_round = 1
         self.outputs: list = []  # test-set outputs and metrics of the last evaluation
         self.last_metrics: dict[str, Any] = {}
+        self.stopped: str | None = None  # why the run ended before its last round
 
     # ---------------------------------------------------------- durability
     def resume(self) -> None:
@@ -148,18 +151,44 @@ class Simulator:
         own = self.out / "sites" / f"{client}.safetensors"
         return load_file(str(own)) if own.exists() else self.global_state
 
-    def run_round(self, round_number: int) -> dict[str, Any]:
+    def run_round(self, round_number: int) -> dict[str, Any] | None:
+        """One round; ``None`` when every sampled site refused to train."""
         fed = self.fed
         clients = sample_clients(sorted(fed.clients), fed.fraction, self.sampling_rng)
         aggregator = Aggregator()
+        trained = 0
         for client in clients:
+            privacy: dict[str, Any] = {}
+            if fed.privacy is not None:
+                # Write-ahead: the site checks its budget and records the
+                # round's cost before it computes anything it will release.
+                ledger = fed.privacy.ledger(client)
+                mechanisms = fed.privacy.round_mechanisms(client)
+                if not ledger.affords(mechanisms):
+                    refusal = {
+                        "round": round_number,
+                        "client": client,
+                        "refused": "privacy budget",
+                        "epsilon": ledger.spent,
+                        "epsilon_if_trained": ledger.after(mechanisms),
+                    }
+                    append_jsonl(self.out / "metrics.jsonl", refusal)
+                    self.report("site_refused", refusal)
+                    continue
+                privacy = {"epsilon": ledger.record(round_number, mechanisms)}
+            trained += 1
             self.report("site_start", {"round": round_number, "client": client})
             fed.model.load_state_dict(self._site_start(client))
             local = fed.train.select(fed.clients[client])
             chosen = fed.strategy.select(round_number, client, fed.model, fed.task, local)
             plan = fed.strategy.plan(round_number, client, self.names)
             down = payload.encode({n: self.global_state[n] for n in sorted(plan.downloaded)})
-            result = client_update(fed.model, fed.task, local, plan, fed.settings, self.order_rng)
+            dp = fed.privacy.settings(client) if fed.privacy is not None else None
+            result = client_update(
+                fed.model, fed.task, local, plan, fed.settings, self.order_rng, dp
+            )
+            if result.clipping is not None:
+                privacy["clipping"] = result.clipping
             up = payload.encode(result.upload)
             if result.upload:
                 # The server averages exactly what came over the wire.
@@ -169,20 +198,29 @@ class Simulator:
                     {k: v.detach().clone() for k, v in fed.model.state_dict().items()},
                     self.out / "sites" / f"{client}.safetensors",
                 )
-            record = {
-                "round": round_number,
-                "client": client,
-                "bytes_up": len(up) if plan.uploaded else 0,
-                "bytes_down": len(down) if plan.downloaded else 0,
-                "trainable_params": result.trainable_params,
-                "uploaded_params": sum(t.numel() for t in result.upload.values()),
-                "examples": result.num_examples,
-                "train_loss": result.stats[-1].loss,
-                "train_tokens": sum(s.tokens for s in result.stats),
-                "wall_s": round(result.seconds, 3),
-            } | chosen
+            record = (
+                {
+                    "round": round_number,
+                    "client": client,
+                    "bytes_up": len(up) if plan.uploaded else 0,
+                    "bytes_down": len(down) if plan.downloaded else 0,
+                    "trainable_params": result.trainable_params,
+                    "uploaded_params": sum(t.numel() for t in result.upload.values()),
+                    "examples": result.num_examples,
+                    "train_tokens": sum(s.tokens for s in result.stats),
+                    "wall_s": round(result.seconds, 3),
+                }
+                | chosen
+                | privacy
+            )
+            if dp is None:
+                # The training loss is computed on private examples; under DP
+                # it is not released (it is not covered by the accounting).
+                record["train_loss"] = result.stats[-1].loss
             append_jsonl(self.out / "metrics.jsonl", record)
             self.report("site_end", record)
+        if not trained:
+            return None
         self.global_state = aggregator.result(self.global_state)
         observed = fed.strategy.observe(round_number, self.global_state)
         return self.evaluate(round_number) | observed
@@ -220,11 +258,19 @@ class Simulator:
         if self.first_round == 1:  # let the strategy see the model every site starts from
             self.fed.strategy.observe(0, self.global_state)
         for round_number in range(self.first_round, self.fed.rounds + 1):
-            record = self.run_round(round_number)
+            result = self.run_round(round_number)
+            if result is None:
+                self.stopped = (
+                    f"stopped before round {round_number}: no site can train "
+                    "within its privacy budget"
+                )
+                self.report("stopped", {"round": round_number, "reason": self.stopped})
+                break
+            record = result
             append_jsonl(self.out / "metrics.jsonl", record)
             self._commit(round_number)
             self.report("round_end", record)
-        if not record:  # resumed a finished run: evaluate the final state
-            record = self.evaluate(self.fed.rounds)
+        if not record:  # resumed a finished (or stopped) run: evaluate the final state
+            record = self.evaluate(max(self.first_round - 1, 0))
         self.fed.model.load_state_dict(self.global_state)
         return record

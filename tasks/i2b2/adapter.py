@@ -186,6 +186,14 @@ class I2b2Task(Task):
     def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE)
 
+    def example_losses(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        labels = batch["labels"]
+        per_token = F.cross_entropy(
+            logits.transpose(1, 2), labels, ignore_index=IGNORE, reduction="none"
+        )
+        labelled = (labels != IGNORE).sum(dim=1).clamp(min=1)
+        return per_token.sum(dim=1) / labelled
+
     def outputs(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> list[Any]:
         predicted = logits.argmax(-1).cpu().numpy()
         return [predicted[i] for i in range(predicted.shape[0])]

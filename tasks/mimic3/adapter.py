@@ -240,6 +240,10 @@ class Mimic3Task(Task):
     def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return F.binary_cross_entropy_with_logits(logits, batch["targets"])
 
+    def example_losses(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        losses = F.binary_cross_entropy_with_logits(logits, batch["targets"], reduction="none")
+        return losses.mean(dim=1)
+
     def outputs(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> list[Any]:
         probs = torch.sigmoid(logits).cpu().numpy()
         return [probs[i] for i in range(probs.shape[0])]

@@ -30,6 +30,7 @@ def get_strategy(
     probe=None,
     profile_examples: int = 16,
     seed: int = 0,
+    selection_noise: float = 1.0,
 ) -> Strategy:
     """A strategy by name, with the run's strategy options."""
     if name not in STRATEGIES:
@@ -46,6 +47,7 @@ def get_strategy(
             probe,
             profile_examples,
             train_embeddings,
+            noise=selection_noise,
             seed=seed,
             freezer=freezer,
         )

@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 import torch
 
 from clinfed.federated.plan import Plan
+from clinfed.privacy.accountant import Mechanism
 
 
 class Strategy(ABC):
@@ -33,6 +34,11 @@ class Strategy(ABC):
         round from. What it returns joins the site's record."""
         del round_number, site, model, task, local
         return {}
+
+    def selection_mechanism(self) -> Mechanism | None:
+        """The privacy cost, per site and round, of what :meth:`select`
+        releases about local data (``None``: nothing data-dependent)."""
+        return None
 
     def observe(self, round_number: int, global_state: dict[str, torch.Tensor]) -> dict[str, Any]:
         """See the new global model after a round's aggregation; what it

@@ -42,6 +42,7 @@ from clinfed.federated.attention import profile, top_k_layers
 from clinfed.federated.plan import Plan, names_in
 from clinfed.federated.strategies.base import Strategy
 from clinfed.federated.strategies.fedfrozen import FedFrozen
+from clinfed.privacy.accountant import Mechanism
 from clinfed.tasks.base import Task
 
 SELECTIONS = ("global", "public", "private")
@@ -78,7 +79,7 @@ class SAFL(Strategy):
         freezer: FedFrozen | None = None,
     ):
         if top_k < 1:
-            raise ClinfedError("--top-k must be at least 1")
+            raise ClinfedError("--top-layers must be at least 1")
         if selection not in SELECTIONS:
             raise ClinfedError(f"--selection must be one of {', '.join(SELECTIONS)}")
         if selection != "private" and probe is None:
@@ -96,7 +97,9 @@ class SAFL(Strategy):
     ) -> dict[str, Any]:
         layers_total = num_layers(parameter_blocks([n for n, _ in model.named_parameters()]))
         if self.top_k > layers_total:
-            raise ClinfedError(f"--top-k {self.top_k} exceeds the model's {layers_total} layers")
+            raise ClinfedError(
+                f"--top-layers {self.top_k} exceeds the model's {layers_total} layers"
+            )
         info: dict[str, Any] = {"selection": self.selection}
         if (
             self.selection == "global"
@@ -129,6 +132,16 @@ class SAFL(Strategy):
             }
         self._chosen[site] = layers
         return info | {"layers": layers, "scores": [round(s, 6) for s in scores]}
+
+    def selection_mechanism(self) -> Mechanism | None:
+        """Private selection adds Gaussian noise of sigma = noise * sqrt(L) to
+        a sum of per-example score vectors in [0, 1]^L (L2 sensitivity
+        sqrt(L)): a Gaussian mechanism with noise multiplier ``noise``. The
+        profiled subset is not counted as subsampling (no amplification
+        claimed)."""
+        if self.selection != "private":
+            return None
+        return Mechanism("safl-selection", self.noise, 1.0, 1)
 
     # ----------------------------------------------------------------- plan
     def plan(self, round_number: int, site: str, names: list[str]) -> Plan:

@@ -1,0 +1,52 @@
+"""``clinfed privacy epsilon|noise``: the accountant with checked inputs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from clinfed.errors import ClinfedError
+from clinfed.privacy.accountant import ACCOUNTANT, Mechanism, calibrate_noise, epsilon, pld_epsilon
+
+
+def _check(sample_rate: float, steps: int, delta: float) -> None:
+    if not 0 < sample_rate <= 1:
+        raise ClinfedError(f"--sample-rate must be in (0, 1], not {sample_rate}")
+    if steps < 1:
+        raise ClinfedError(f"--steps must be at least 1, not {steps}")
+    if not 0 < delta < 1:
+        raise ClinfedError(f"--delta must be in (0, 1), not {delta}")
+
+
+def epsilon_for(sample_rate: float, noise: float, steps: int, delta: float) -> dict[str, Any]:
+    """Epsilon (RDP, and PLD beside it) of ``steps`` subsampled Gaussian steps."""
+    _check(sample_rate, steps, delta)
+    if not noise > 0:
+        raise ClinfedError(f"--noise-multiplier must be positive, not {noise}")
+    mechanism = [Mechanism("dp-sgd", noise, sample_rate, steps)]
+    return {
+        "epsilon": epsilon(mechanism, delta),
+        "epsilon_pld": pld_epsilon(mechanism, delta),
+        "delta": delta,
+        "accountant": ACCOUNTANT,
+    }
+
+
+def noise_for(target: float, delta: float, sample_rate: float, steps: int) -> dict[str, Any]:
+    """The smallest noise multiplier whose epsilon is at most ``target``."""
+    _check(sample_rate, steps, delta)
+    if not target > 0:
+        raise ClinfedError(f"--target-epsilon must be positive, not {target}")
+
+    def one_step(sigma: float) -> list[Mechanism]:
+        return [Mechanism("dp-sgd", sigma, sample_rate, steps)]
+
+    try:
+        sigma = calibrate_noise(target, delta, one_step, rounds=1)
+    except ValueError as err:
+        raise ClinfedError(str(err)) from None
+    return {
+        "noise_multiplier": sigma,
+        "epsilon": epsilon(one_step(sigma), delta),
+        "delta": delta,
+        "accountant": ACCOUNTANT,
+    }

@@ -1,0 +1,185 @@
+"""A run's privacy policy: each site's noise, budget, ledger and round cost.
+
+Built once before the run folder exists (so a budget that cannot be met
+fails before anything is written): with ``--target-epsilon`` it calibrates
+each site's DP-SGD noise multiplier for the planned rounds (sites differ in
+size, hence in sampling rate); with ``--noise-multiplier`` it uses that
+noise everywhere and, if a target is also known, only enforces it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from clinfed.errors import ClinfedError
+from clinfed.privacy.accountant import ACCOUNTANT, Mechanism, calibrate_noise, epsilon
+from clinfed.privacy.dpsgd import CLIPPINGS, DPSettings, round_mechanism
+from clinfed.privacy.ledger import Ledger
+
+UNIT = "one training example (an i2b2 sentence window; a MIMIC-III admission)"
+PATIENT_CAVEAT = (
+    "The guarantee protects single examples. A patient with several notes, sentences or "
+    "admissions at a site contributes several examples; their protection is weaker, roughly "
+    "k times epsilon for k examples (group privacy)."
+)
+
+
+def check_settings(
+    target_epsilon: float | None,
+    delta: float,
+    noise_multiplier: float | None,
+    max_grad_norm: float,
+    clipping: str,
+) -> None:
+    """Reject impossible privacy settings with a one-line error."""
+    if target_epsilon is not None and not target_epsilon > 0:
+        raise ClinfedError(f"--target-epsilon must be positive, not {target_epsilon}")
+    if not 0 < delta < 1:
+        raise ClinfedError(f"--delta must be in (0, 1), not {delta}")
+    if noise_multiplier is not None and not noise_multiplier > 0:
+        raise ClinfedError(f"--noise-multiplier must be positive, not {noise_multiplier}")
+    if not max_grad_norm > 0:
+        raise ClinfedError(f"--max-grad-norm must be positive, not {max_grad_norm}")
+    if clipping not in CLIPPINGS:
+        raise ClinfedError(f"--clipping must be one of {', '.join(CLIPPINGS)}")
+
+
+@dataclass
+class PrivacyPolicy:
+    """Per-site DP settings and ledgers of one run.
+
+    Attributes
+    ----------
+    folder
+        Where the ledgers live (``RUN/privacy/``; a node's state folder under Flower).
+    sizes
+        Training examples per site (decides each site's sampling rate).
+    noise
+        DP-SGD noise multiplier per site.
+    budget
+        Epsilon no site may exceed (``None``: recorded, not enforced).
+    selection
+        The per-round cost of a private layer selection, if any.
+    """
+
+    folder: Path
+    sizes: dict[str, int]
+    batch_size: int
+    epochs: int
+    rounds: int
+    delta: float
+    noise: dict[str, float]
+    max_grad_norm: float
+    clipping: str
+    budget: float | None
+    selection: Mechanism | None = None
+    warnings: list[str] = field(default_factory=list)
+    _ledgers: dict[str, Ledger] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def build(
+        cls,
+        folder: Path,
+        sizes: dict[str, int],
+        batch_size: int,
+        epochs: int,
+        rounds: int,
+        delta: float,
+        target_epsilon: float | None,
+        noise_multiplier: float | None,
+        max_grad_norm: float = 1.0,
+        clipping: str = "auto",
+        selection: Mechanism | None = None,
+    ) -> PrivacyPolicy:
+        """Calibrate (or take) each site's noise for the planned rounds."""
+        check_settings(target_epsilon, delta, noise_multiplier, max_grad_norm, clipping)
+        if target_epsilon is None and noise_multiplier is None:
+            raise ClinfedError("DP needs --target-epsilon or --noise-multiplier")
+        warnings = [
+            f"--delta {delta:g} is not below 1/n = {1 / n:.2g} for {site} ({n} examples): "
+            "a delta that large allows releasing an example outright"
+            for site, n in sorted(sizes.items())
+            if delta >= 1 / n
+        ]
+        noise: dict[str, float] = {}
+        for site, n in sizes.items():
+            if noise_multiplier is not None:
+                noise[site] = noise_multiplier
+                continue
+
+            def per_round(sigma: float, n: int = n) -> list[Mechanism]:
+                extra = [selection] if selection is not None else []
+                return [round_mechanism(n, batch_size, epochs, sigma), *extra]
+
+            try:
+                noise[site] = calibrate_noise(target_epsilon, delta, per_round, rounds)
+            except ValueError as err:
+                raise ClinfedError(f"{site}: {err}") from None
+        policy = cls(
+            Path(folder),
+            dict(sizes),
+            batch_size,
+            epochs,
+            rounds,
+            delta,
+            noise,
+            max_grad_norm,
+            clipping,
+            target_epsilon,
+            selection,
+            warnings,
+        )
+        if target_epsilon is not None and noise_multiplier is not None:
+            for site in sizes:
+                planned = epsilon(policy.round_mechanisms(site) * rounds, delta)
+                if planned > target_epsilon:
+                    policy.warnings.append(
+                        f"{site}: --noise-multiplier {noise_multiplier} reaches epsilon "
+                        f"{target_epsilon} before round {rounds}; later rounds will be refused"
+                    )
+        return policy
+
+    def settings(self, site: str) -> DPSettings:
+        return DPSettings(self.noise[site], self.max_grad_norm, self.clipping)
+
+    def round_mechanisms(self, site: str) -> list[Mechanism]:
+        """What one round costs ``site``: its DP-SGD and any private selection."""
+        sgd = round_mechanism(self.sizes[site], self.batch_size, self.epochs, self.noise[site])
+        return [sgd, self.selection] if self.selection is not None else [sgd]
+
+    def ledger(self, site: str) -> Ledger:
+        if site not in self._ledgers:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._ledgers[site] = Ledger(
+                self.folder / f"{site}.jsonl", site, self.delta, self.budget
+            )
+        return self._ledgers[site]
+
+    def describe(self) -> dict[str, Any]:
+        """The policy as written to ``RUN/privacy/policy.json``."""
+        return {
+            "unit": UNIT,
+            "patient_caveat": PATIENT_CAVEAT,
+            "accountant": ACCOUNTANT,
+            "delta": self.delta,
+            "target_epsilon": self.budget,
+            "max_grad_norm": self.max_grad_norm,
+            "clipping": self.clipping,
+            "planned_rounds": self.rounds,
+            "selection": self.selection.as_dict() if self.selection else None,
+            "sites": {site: self._describe_site(site) for site in sorted(self.sizes)},
+            "warnings": self.warnings,
+        }
+
+    def _describe_site(self, site: str) -> dict[str, Any]:
+        sgd = round_mechanism(self.sizes[site], self.batch_size, self.epochs, self.noise[site])
+        planned = epsilon(self.round_mechanisms(site) * self.rounds, self.delta)
+        return {
+            "examples": self.sizes[site],
+            "noise_multiplier": sgd.noise_multiplier,
+            "sample_rate": sgd.sample_rate,
+            "steps_per_round": sgd.steps,
+            "planned_epsilon": planned,
+        }

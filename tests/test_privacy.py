@@ -1,0 +1,447 @@
+"""Privacy: accountant, calibration, ledger, DP-SGD clipping and budgets."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import dp_accounting
+import numpy as np
+import pytest
+import torch
+from dp_accounting.rdp import RdpAccountant
+from torch import nn
+
+from clinfed.errors import ProblemLog
+from clinfed.federated.client import apply_plan
+from clinfed.federated.plan import Plan
+from clinfed.models import build_model, load_tokenizer
+from clinfed.pipeline import RunConfig, run_training
+from clinfed.privacy.accountant import Mechanism, calibrate_noise, epsilon
+from clinfed.privacy.dpsgd import DPSettings, choose_clipping, train_private
+from clinfed.privacy.ledger import Ledger
+from clinfed.runs import read_jsonl
+from clinfed.tasks.i2b2.adapter import I2b2Task
+from clinfed.tasks.mimic3.adapter import Mimic3Task
+
+from .test_cli import run_cli
+
+
+@pytest.mark.parametrize(
+    ("q", "sigma", "steps", "delta"),
+    [
+        (0.01, 1.1, 1000, 1e-5),
+        (0.05, 0.8, 300, 1e-5),
+        (0.16, 3.1, 18, 1e-5),
+        (0.5, 2.0, 40, 1e-6),
+        (1.0, 5.0, 10, 1e-5),
+    ],
+)
+def test_epsilon_agrees_with_dp_accounting_rdp(q, sigma, steps, delta):
+    ours = epsilon([Mechanism("dp-sgd", sigma, q, steps)], delta)
+    theirs = RdpAccountant()
+    theirs.compose(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps
+    )
+    reference = theirs.get_epsilon(delta)
+    assert ours == pytest.approx(reference, rel=0.02)
+
+
+def test_composition_and_calibration_end_just_under_the_target():
+    def per_round(sigma):
+        return [Mechanism("dp-sgd", sigma, 0.1, 10), Mechanism("safl-selection", 30.0, 1.0, 1)]
+
+    sigma = calibrate_noise(1.0, 1e-5, per_round, rounds=5)
+    planned = epsilon(per_round(sigma) * 5, 1e-5)
+    assert 0.98 <= planned <= 1.0
+    # the selection's cost is counted: without it the same noise spends less
+    assert epsilon([per_round(sigma)[0]] * 5, 1e-5) < planned
+    with pytest.raises(ValueError, match="out of reach"):
+        calibrate_noise(0.01, 1e-5, lambda s: [Mechanism("x", 0.5, 1.0, 1)], rounds=3)
+
+
+def test_ledger_is_append_only_reloads_and_enforces_its_budget(tmp_path):
+    path = tmp_path / "site1.jsonl"
+    round_cost = [Mechanism("dp-sgd", 2.0, 0.1, 10)]
+    ledger = Ledger(path, "site1", 1e-5, budget=1.0)
+    spent = []
+    round_number = 0
+    while ledger.affords(round_cost):
+        round_number += 1
+        spent.append(ledger.record(round_number, round_cost))
+    assert spent == sorted(spent) and spent[-1] <= 1.0 < ledger.after(round_cost)
+    lines = read_jsonl(path)
+    assert [line["round"] for line in lines] == list(range(1, round_number + 1))
+    assert set(lines[0]) >= {
+        "client",
+        "round",
+        "epsilon",
+        "delta",
+        "noise_multiplier",
+        "sample_rate",
+        "steps",
+        "mechanism",
+    }
+    again = Ledger(path, "site1", 1e-5, budget=1.0)  # a restarted site
+    assert again.spent == pytest.approx(spent[-1]) and not again.affords(round_cost)
+
+
+def _no_dropout(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        if hasattr(module, "dropout_prob"):
+            module.dropout_prob = 0.0
+
+
+def _expected_update(model, task, examples, params, clip):
+    """sum_i clip(g_i) / B with each g_i from a backward pass of example i alone."""
+    total = [torch.zeros_like(p) for p in params]
+    for i in range(len(examples)):
+        model.zero_grad(set_to_none=True)
+        batch = task.collate(examples[[i]])
+        task.example_losses(model(**task.model_inputs(batch)), batch).sum().backward()
+        grads = [p.grad.detach().clone() for p in params]
+        norm = torch.sqrt(sum((g**2).sum() for g in grads))
+        factor = min(1.0, clip / (float(norm) + 1e-6))
+        for t, g in zip(total, grads):
+            t += factor * g
+    model.zero_grad(set_to_none=True)
+    return [t / len(examples) for t in total]
+
+
+@pytest.mark.parametrize(
+    ("task_name", "trainable", "clipping"),
+    [
+        ("i2b2", "top", "hooks"),
+        ("i2b2", "all", "ghost"),
+        ("mimic3", "top", "hooks"),  # chunks folded into admissions
+    ],
+)
+def test_dp_step_clips_each_example_jointly(
+    task_name, trainable, clipping, i2b2_corpus, mimic_corpus, tmp_path
+):
+    tokenizer = load_tokenizer("tiny")
+    if task_name == "i2b2":
+        task = I2b2Task()
+        records = task.read_documents(i2b2_corpus / "train", ProblemLog())
+        examples = task.encode(records, tokenizer, 32, str(tmp_path)).select(range(6))
+    else:
+        task = Mimic3Task(top_k=5, max_chunks=3, cache_dir=str(tmp_path))
+        corpus = task.load(mimic_corpus, ProblemLog())
+        examples = task.encode(corpus.train, tokenizer, 16, str(tmp_path)).select(range(4))
+        assert len(task.labels) == 5 and max(len(c) for c in examples["input_ids"]) > 1
+    model = build_model(task.head, "tiny", len(task.labels), seed=0)
+    _no_dropout(model)
+    names = [n for n, _ in model.named_parameters()]
+    chosen = frozenset(
+        n
+        for n in names
+        if trainable == "all" or n.startswith(("head.", "encoder.encoder.layer.1."))
+    )
+    apply_plan(model, Plan(chosen, chosen, frozenset(names)))
+    assert choose_clipping(model, task, "auto") == clipping
+    params = [p for p in model.parameters() if p.requires_grad]
+    clip = 0.05  # small enough that every example is clipped
+    expected = _expected_update(model, task, examples, params, clip)
+    before = [p.detach().clone() for p in params]
+    optimizer = torch.optim.SGD(params, lr=1.0)
+    # batch = n: every example is sampled (q = 1) and one step makes the epoch
+    stats, mode = train_private(
+        model,
+        task,
+        examples,
+        optimizer,
+        batch_size=len(examples),
+        epochs=1,
+        dp=DPSettings(noise_multiplier=0.0, max_grad_norm=clip, clipping=clipping),
+        generator=np.random.default_rng(0),
+    )
+    assert mode == clipping and stats[0].examples == len(examples)
+    for b, p, e in zip(before, params, expected):
+        torch.testing.assert_close(b - p.detach(), e, rtol=1e-3, atol=1e-6)
+    assert not any(hasattr(p, "grad_sample") for p in model.parameters())  # hooks removed
+
+
+def test_ghost_clipping_is_refused_for_chunked_examples():
+    from clinfed.errors import ClinfedError
+
+    model = build_model("multilabel", "tiny", 3)
+    with pytest.raises(ClinfedError, match="ghost"):
+        choose_clipping(model, Mimic3Task(top_k=3), "ghost")
+
+
+def test_target_epsilon_run_ends_just_under_it_at_every_site(i2b2_corpus, tmp_path):
+    config = RunConfig(
+        task="i2b2",
+        data=str(i2b2_corpus),
+        out=str(tmp_path / "run"),
+        strategy="safl+fedfrozen",
+        model="tiny",
+        rounds=3,
+        max_length=32,
+        freeze_warmup="1",
+        top_layers=1,
+        target_epsilon=1.0,
+        delta=1e-5,
+        threads=1,
+    )
+    summary = run_training(config)
+    for site, spent in summary["epsilon"].items():
+        lines = read_jsonl(tmp_path / "run" / "privacy" / f"{site}.jsonl")
+        assert [line["round"] for line in lines] == [1, 2, 3]
+        assert all(line["epsilon"] <= 1.0 for line in lines)
+        assert 0.98 <= spent <= 1.0 and lines[-1]["epsilon"] == pytest.approx(spent)
+    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    sites = [r for r in records if "bytes_up" in r]
+    assert sites and all("train_loss" not in r and "epsilon" in r for r in sites)
+    policy = json.loads((tmp_path / "run" / "privacy" / "policy.json").read_text())
+    assert policy["target_epsilon"] == 1.0 and "patient" in policy["patient_caveat"]
+
+
+def test_sites_refuse_rounds_past_the_budget_and_the_run_stops_cleanly(i2b2_corpus, tmp_path):
+    result = run_cli(
+        "train",
+        "--task",
+        "i2b2",
+        "--strategy",
+        "fedavg",
+        "--model",
+        "tiny",
+        "--max-length",
+        "32",
+        "--rounds",
+        "4",
+        "--threads",
+        "1",
+        "--noise-multiplier",
+        "0.6",
+        "--target-epsilon",
+        "8",
+        "--data",
+        str(i2b2_corpus),
+        "--out",
+        str(tmp_path / "run"),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "no site can train within its privacy budget" in result.stdout + result.stderr
+    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    refused = [r for r in records if r.get("refused")]
+    assert refused and all(r["epsilon_if_trained"] > 8 for r in refused)
+    for ledger in (tmp_path / "run" / "privacy").glob("*.jsonl"):
+        assert all(line["epsilon"] <= 8 for line in read_jsonl(ledger))
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["stopped"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--target-epsilon", "0"], "--target-epsilon must be positive"),
+        (["--target-epsilon", "1", "--delta", "1"], "--delta must be in (0, 1)"),
+        (["--noise-multiplier", "-1"], "--noise-multiplier must be positive"),
+        (["--target-epsilon", "0.001", "--strategy", "safl", "--selection", "private"], "reach"),
+        (["--target-epsilon", "1", "--strategy", "centralized"], "not --strategy centralized"),
+    ],
+)
+def test_bad_privacy_settings_exit_2_and_write_nothing(i2b2_corpus, tmp_path, args, message):
+    result = run_cli(
+        "train",
+        "--task",
+        "i2b2",
+        "--model",
+        "tiny",
+        "--strategy",
+        "fedavg",
+        "--data",
+        str(i2b2_corpus),
+        "--out",
+        str(tmp_path / "run"),
+        *args,
+    )
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_large_delta_warns(i2b2_corpus, tmp_path):
+    result = run_cli(
+        "train",
+        "--task",
+        "i2b2",
+        "--model",
+        "tiny",
+        "--strategy",
+        "fedavg",
+        "--rounds",
+        "1",
+        "--max-length",
+        "32",
+        "--noise-multiplier",
+        "1",
+        "--delta",
+        "0.5",
+        "--data",
+        str(i2b2_corpus),
+        "--out",
+        str(tmp_path / "run"),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "is not below 1/n" in result.stderr
+
+
+def test_privacy_calculator_commands():
+    eps = run_cli(
+        "privacy",
+        "epsilon",
+        "--sample-rate",
+        "0.01",
+        "--noise-multiplier",
+        "1.1",
+        "--steps",
+        "1000",
+        "--delta",
+        "1e-5",
+        "--json",
+    )
+    assert eps.returncode == 0, eps.stderr
+    value = json.loads(eps.stdout)["epsilon"]
+    assert value == pytest.approx(epsilon([Mechanism("dp-sgd", 1.1, 0.01, 1000)], 1e-5), rel=1e-9)
+    noise = run_cli(
+        "privacy",
+        "noise",
+        "--target-epsilon",
+        str(value),
+        "--delta",
+        "1e-5",
+        "--sample-rate",
+        "0.01",
+        "--steps",
+        "1000",
+        "--json",
+    )
+    assert noise.returncode == 0, noise.stderr
+    result = json.loads(noise.stdout)
+    assert result["noise_multiplier"] == pytest.approx(1.1, rel=0.02)
+    assert result["epsilon"] <= value
+    bad = run_cli("privacy", "epsilon", "--sample-rate", "0", "--noise-multiplier", "1",
+                  "--steps", "1", "--delta", "1e-5")  # fmt: skip
+    assert bad.returncode == 2 and "--sample-rate must be in (0, 1]" in bad.stderr
+
+
+def test_sigkill_during_a_dp_run_then_resume_keeps_the_ledger(i2b2_corpus, tmp_path):
+    args = [
+        "train",
+        "--task",
+        "i2b2",
+        "--strategy",
+        "fedavg",
+        "--model",
+        "tiny",
+        "--rounds",
+        "3",
+        "--max-length",
+        "32",
+        "--threads",
+        "1",
+        "--noise-multiplier",
+        "1.0",
+        "--data",
+        str(i2b2_corpus),
+        "--out",
+        str(tmp_path / "run"),
+    ]
+    code = "import sys; from clinfed.cli import main; sys.exit(main())"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    ledgers = tmp_path / "run" / "privacy"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if ledgers.is_dir() and any(
+            line["round"] == 2 for p in ledgers.glob("*.jsonl") for line in read_jsonl(p)
+        ):
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = {p.name: p.read_text() for p in ledgers.glob("*.jsonl")}
+    resumed = run_cli(*args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    sites = sorted(p.stem for p in ledgers.glob("*.jsonl"))
+    assert len(sites) == 3
+    for site in sites:
+        text = (ledgers / f"{site}.jsonl").read_text()
+        assert text.startswith(before.get(f"{site}.jsonl", ""))  # nothing rewritten
+        lines = read_jsonl(ledgers / f"{site}.jsonl")
+        rounds = [line["round"] for line in lines]
+        assert set(rounds) == {1, 2, 3} and rounds == sorted(rounds)  # no round lost
+        eps = [line["epsilon"] for line in lines]
+        assert eps == sorted(eps)
+        # never under-counted: at least what an uninterrupted run spends
+        first = lines[0]
+        one_round = Mechanism(
+            "dp-sgd", first["noise_multiplier"], first["sample_rate"], first["steps"]
+        )
+        assert eps[-1] >= epsilon([one_round] * 3, 1e-5) * (1 - 1e-9)
+
+
+def test_dp_run_report_and_audit_never_contain_note_text(mimic_corpus, tmp_path):
+    from .conftest import CANARY
+
+    run = tmp_path / "run"
+    trained = run_cli(
+        "train",
+        "--task",
+        "mimic3",
+        "--strategy",
+        "safl",
+        "--selection",
+        "private",
+        "--selection-noise",
+        "5",
+        "--top-layers",
+        "1",
+        "--model",
+        "tiny",
+        "--rounds",
+        "2",
+        "--top-k",
+        "5",
+        "--max-length",
+        "32",
+        "--max-chunks",
+        "2",
+        "--threads",
+        "1",
+        "--target-epsilon",
+        "4",
+        "--data",
+        str(mimic_corpus),
+        "--out",
+        str(run),
+    )
+    assert trained.returncode == 0, trained.stderr
+    audited = run_cli("audit", str(run))
+    assert audited.returncode == 0, audited.stderr
+    reported = run_cli("report", str(run))
+    assert reported.returncode == 0, reported.stderr
+    audit = json.loads((run / "audit.json").read_text())
+    assert 0 <= audit["auc"] <= 1 and audit["members"] > 0 and audit["non_members"] > 0
+    content = json.loads((run / "report" / "privacy.json").read_text())
+    assert content["differential_privacy"] and len(content["sites"]) == 2
+    for row in content["sites"]:
+        assert 0 < row["epsilon"] <= 4 and row["epsilon_pld"] <= row["epsilon"]
+    ledger = read_jsonl(run / "privacy" / "site1.jsonl")
+    assert {line["mechanism"] for line in ledger} == {"dp-sgd", "safl-selection"}
+    page = (run / "report" / "report.html").read_text()
+    assert "data:image/png;base64," in page and "safl-selection" in page
+    outputs = [trained, audited, reported]
+    assert not any(CANARY in r.stdout + r.stderr for r in outputs)
+    for path in run.rglob("*"):
+        if path.is_file() and path.suffix != ".safetensors":
+            assert CANARY.encode() not in path.read_bytes(), path
