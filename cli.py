@@ -607,6 +607,58 @@ def audit_cmd(
     )
 
 
+@app.command("sweep")
+def sweep_cmd(
+    task: TaskName = typer.Option(..., "--task", help="i2b2 or mimic3."),
+    data: Path = typer.Option(..., "--data", help="Corpus folder."),
+    out_dir: Path = typer.Option(..., "--out", help="Sweep folder (one run folder per cell)."),
+    strategies: str = typer.Option(
+        "fedavg,safl,fedfrozen,safl+fedfrozen", "--strategies", help="Comma-separated."
+    ),
+    epsilons: str = typer.Option(
+        "0.5,1,2,4,8,inf", "--epsilons", help="Target epsilons, comma-separated; inf = no DP."
+    ),
+    seeds: int = typer.Option(1, "--seeds", help="Seeds per cell (0..N-1)."),
+    model: str = typer.Option("minilm", "--model", help="minilm, tiny or a checkpoint folder."),
+    rounds: int = typer.Option(5, "--rounds", help="Federated rounds per cell."),
+    delta: float = typer.Option(1e-5, "--delta", help="DP delta."),
+    max_length: int = typer.Option(None, "--max-length", help="Encoder window in tokens."),
+    top_layers: int = typer.Option(2, "--top-layers", help="SAFL layers per site."),
+    warmup: str = typer.Option("3", "--warmup", help="FedFrozen warm-up round or 'auto'."),
+    top_k: int = typer.Option(50, "--top-k", help="mimic3: most frequent codes kept."),
+    max_chunks: int = typer.Option(8, "--max-chunks", help="mimic3: windows per admission."),
+    threads: int = typer.Option(0, "--threads", help="CPU threads (0: all cores)."),
+) -> None:
+    """F1 at fixed epsilon budgets: one run per strategy x epsilon x seed,
+    resumable, summarised in sweep.csv, sweep.md and sweep.png."""
+    from clinfed.pipeline import RunConfig
+    from clinfed.sweep import parse_epsilons, run_sweep
+
+    base = RunConfig(
+        task=task.value,
+        data=str(data),
+        out=str(out_dir),
+        model=model,
+        rounds=rounds,
+        delta=delta,
+        max_length=max_length,
+        top_layers=top_layers,
+        freeze_warmup=warmup,
+        top_k=top_k,
+        max_chunks=max_chunks,
+        threads=threads,
+    )
+    names = [s.strip() for s in strategies.split(",") if s.strip()]
+
+    def show(event: str, info: dict[str, Any]) -> None:
+        if event == "cell_start":
+            err.print(f"sweep: running {info['cell']}")
+
+    run_sweep(base, out_dir, names, parse_epsilons(epsilons), seeds, show)
+    out.print((out_dir / "sweep.md").read_text())
+    out.print(f"[bold]sweep[/]: {out_dir / 'sweep.csv'}, {out_dir / 'sweep.png'}")
+
+
 @app.command("evaluate")
 def evaluate(
     run: Path = typer.Argument(..., help="A finished run folder."),

@@ -445,3 +445,44 @@ def test_dp_run_report_and_audit_never_contain_note_text(mimic_corpus, tmp_path)
     for path in run.rglob("*"):
         if path.is_file() and path.suffix != ".safetensors":
             assert CANARY.encode() not in path.read_bytes(), path
+
+
+def test_sweep_writes_a_table_and_skips_finished_cells(i2b2_corpus, tmp_path):
+    args = [
+        "sweep",
+        "--task",
+        "i2b2",
+        "--data",
+        str(i2b2_corpus),
+        "--out",
+        str(tmp_path / "sweep"),
+        "--strategies",
+        "fedavg,safl",
+        "--epsilons",
+        "2,inf",
+        "--model",
+        "tiny",
+        "--rounds",
+        "1",
+        "--max-length",
+        "32",
+        "--top-layers",
+        "1",
+        "--threads",
+        "1",
+    ]
+    first = run_cli(*args)
+    assert first.returncode == 0, first.stderr
+    rows = (tmp_path / "sweep" / "sweep.csv").read_text().splitlines()
+    assert len(rows) == 1 + 4
+    table = (tmp_path / "sweep" / "sweep.md").read_text()
+    assert "eps 2" in table and "eps inf" in table and "| safl |" in table
+    assert (tmp_path / "sweep" / "sweep.png").stat().st_size > 0
+    dp_cell = json.loads((tmp_path / "sweep" / "fedavg-eps2-seed0" / "summary.json").read_text())
+    assert max(dp_cell["epsilon"].values()) <= 2
+    stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "sweep").glob("*/summary.json")}
+    again = run_cli(*args)
+    assert again.returncode == 0, again.stderr
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps  # nothing rerun
+    bad = run_cli(*args[:-2], "--epsilons", "0,1")
+    assert bad.returncode == 2 and "not positive" in bad.stderr

@@ -1,0 +1,149 @@
+"""``clinfed sweep``: F1 at fixed privacy budgets, per strategy.
+
+Every cell (strategy, epsilon, seed) is an ordinary run folder under the
+sweep folder, named ``<strategy>-eps<epsilon>-seed<seed>``. A cell with a
+``summary.json`` is finished and never rerun; a cell interrupted after a
+committed round is resumed; anything else is started again. The table
+(``sweep.csv``, ``sweep.md``) and the plot (``sweep.png``) are rewritten
+from all finished cells after every cell.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import shutil
+import statistics
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+from clinfed.errors import ClinfedError
+from clinfed.pipeline import STRATEGIES, RunConfig, run_training
+from clinfed.runs import atomic_write_text
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def parse_epsilons(text: str) -> list[float]:
+    """``"0.5,1,inf"`` -> ``[0.5, 1.0, inf]``; every value positive."""
+    values = []
+    for part in text.split(","):
+        try:
+            value = float(part.strip())
+        except ValueError:
+            raise ClinfedError(f"--epsilons: {part.strip()!r} is not a number or 'inf'") from None
+        if not value > 0:
+            raise ClinfedError(f"--epsilons: {value} is not positive")
+        values.append(value)
+    return values
+
+
+def cell_name(strategy: str, eps: float, seed: int) -> str:
+    label = "inf" if math.isinf(eps) else f"{eps:g}"
+    return f"{strategy.replace('+', '-')}-eps{label}-seed{seed}"
+
+
+def run_sweep(
+    base: RunConfig,
+    out: Path,
+    strategies: list[str],
+    epsilons: list[float],
+    seeds: int,
+    report: Callable[[str, dict[str, Any]], None] = lambda e, i: None,
+) -> list[dict[str, Any]]:
+    """Run every missing cell; return one row per finished cell."""
+    for strategy in strategies:
+        if strategy not in STRATEGIES or strategy == "centralized":
+            raise ClinfedError(f"--strategies: {strategy!r} is not a federated strategy")
+    if seeds < 1:
+        raise ClinfedError("--seeds must be at least 1")
+    out.mkdir(parents=True, exist_ok=True)
+    for strategy in strategies:
+        for eps in epsilons:
+            for seed in range(seeds):
+                folder = out / cell_name(strategy, eps, seed)
+                if (folder / "summary.json").is_file():
+                    continue
+                resume = (folder / "state.json").is_file()
+                if folder.exists() and not resume:
+                    shutil.rmtree(folder)  # started, nothing committed: start again
+                config = replace(
+                    base,
+                    out=str(folder),
+                    strategy=strategy,
+                    seed=seed,
+                    target_epsilon=None if math.isinf(eps) else eps,
+                    resume=resume,
+                )
+                report("cell_start", {"cell": folder.name})
+                run_training(config)
+                write_table(out, collect(out))
+                report("cell_end", {"cell": folder.name})
+    rows = collect(out)
+    write_table(out, rows)
+    return rows
+
+
+def collect(out: Path) -> list[dict[str, Any]]:
+    rows = []
+    for summary_path in sorted(out.glob("*/summary.json")):
+        config = json.loads((summary_path.parent / "config.json").read_text())
+        summary = json.loads(summary_path.read_text())
+        target = config.get("target_epsilon")
+        spent = summary.get("epsilon") or {}
+        rows.append(
+            {
+                "strategy": config["strategy"],
+                "target_epsilon": math.inf if target is None else target,
+                "seed": config["seed"],
+                "f1": summary["f1"],
+                "max_epsilon_spent": max(spent.values()) if spent else math.inf,
+                "mb_up": summary.get("mb_up"),
+                "run": summary_path.parent.name,
+            }
+        )
+    return rows
+
+
+def write_table(out: Path, rows: list[dict[str, Any]]) -> None:
+    buffer = io.StringIO()
+    fields = ["strategy", "target_epsilon", "seed", "f1", "max_epsilon_spent", "mb_up", "run"]
+    writer = csv.DictWriter(buffer, fieldnames=fields)
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_text(out / "sweep.csv", buffer.getvalue())
+    cells: dict[tuple[str, float], list[float]] = {}
+    for row in rows:
+        cells.setdefault((row["strategy"], row["target_epsilon"]), []).append(row["f1"])
+    strategies = sorted({s for s, _ in cells})
+    epsilons = sorted({e for _, e in cells})
+    header = "| strategy | " + " | ".join(f"eps {e:g}" for e in epsilons) + " |"
+    lines = [header, "|---" * (len(epsilons) + 1) + "|"]
+    for strategy in strategies:
+        values = []
+        for eps in epsilons:
+            f1s = cells.get((strategy, eps))
+            values.append(f"{statistics.fmean(f1s):.3f}" if f1s else "-")
+        lines.append(f"| {strategy} | " + " | ".join(values) + " |")
+    atomic_write_text(out / "sweep.md", "\n".join(lines) + "\n")
+    if not rows:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    finite = [e for e in epsilons if not math.isinf(e)]
+    inf_x = (max(finite) * 2) if finite else 1.0
+    for strategy in strategies:
+        xs = [e for e in epsilons if (strategy, e) in cells]
+        ys = [statistics.fmean(cells[(strategy, e)]) for e in xs]
+        ax.plot([inf_x if math.isinf(e) else e for e in xs], ys, marker="o", label=strategy)
+    ax.set_xscale("log")
+    ax.set(xlabel="target epsilon (rightmost: no DP)", ylabel="held-out F1", ylim=(0, 1))
+    ax.legend(fontsize=8)
+    fig.savefig(out / "sweep.png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
