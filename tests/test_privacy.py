@@ -31,6 +31,14 @@ from clinfed.tasks.mimic3.adapter import Mimic3Task
 from .test_cli import run_cli
 
 
+def train_tiny(data, out, *extra: str):
+    """``clinfed train`` of FedAvg on the tiny model (later flags win)."""
+    return run_cli(
+        "train", "--task", "i2b2", "--model", "tiny", "--strategy", "fedavg",
+        "--max-length", "32", "--threads", "1", "--data", str(data), "--out", str(out), *extra,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("q", "sigma", "steps", "delta"),
     [
@@ -248,46 +256,15 @@ def test_sites_refuse_rounds_past_the_budget_and_the_run_stops_cleanly(i2b2_corp
     ],
 )
 def test_bad_privacy_settings_exit_2_and_write_nothing(i2b2_corpus, tmp_path, args, message):
-    result = run_cli(
-        "train",
-        "--task",
-        "i2b2",
-        "--model",
-        "tiny",
-        "--strategy",
-        "fedavg",
-        "--data",
-        str(i2b2_corpus),
-        "--out",
-        str(tmp_path / "run"),
-        *args,
-    )
+    result = train_tiny(i2b2_corpus, tmp_path / "run", *args)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "run").exists()
 
 
 def test_large_delta_warns(i2b2_corpus, tmp_path):
-    result = run_cli(
-        "train",
-        "--task",
-        "i2b2",
-        "--model",
-        "tiny",
-        "--strategy",
-        "fedavg",
-        "--rounds",
-        "1",
-        "--max-length",
-        "32",
-        "--noise-multiplier",
-        "1",
-        "--delta",
-        "0.5",
-        "--data",
-        str(i2b2_corpus),
-        "--out",
-        str(tmp_path / "run"),
+    result = train_tiny(
+        i2b2_corpus, tmp_path / "run", "--rounds", "1", "--noise-multiplier", "1", "--delta", "0.5"
     )
     assert result.returncode == 0, result.stderr
     assert "is not below 1/n" in result.stderr
