@@ -627,6 +627,12 @@ def sweep_cmd(
     warmup: str = typer.Option("3", "--warmup", help="FedFrozen warm-up round or 'auto'."),
     top_k: int = typer.Option(50, "--top-k", help="mimic3: most frequent codes kept."),
     max_chunks: int = typer.Option(8, "--max-chunks", help="mimic3: windows per admission."),
+    batch_size: int = typer.Option(
+        None, "--batch-size", help="Expected batch per step (default: the task's)."
+    ),
+    lr: float = typer.Option(None, "--lr", help="Encoder learning rate (default: the task's)."),
+    local_epochs: int = typer.Option(1, "--local-epochs", help="Local epochs per round."),
+    max_grad_norm: float = typer.Option(1.0, "--max-grad-norm", help="DP clipping norm."),
     threads: int = typer.Option(0, "--threads", help="CPU threads (0: all cores)."),
 ) -> None:
     """F1 at fixed epsilon budgets: one run per strategy x epsilon x seed,
@@ -646,6 +652,10 @@ def sweep_cmd(
         freeze_warmup=warmup,
         top_k=top_k,
         max_chunks=max_chunks,
+        batch_size=batch_size,
+        lr=lr,
+        local_epochs=local_epochs,
+        max_grad_norm=max_grad_norm,
         threads=threads,
     )
     names = [s.strip() for s in strategies.split(",") if s.strip()]

@@ -22,7 +22,13 @@ from clinfed.federated.plan import Plan
 from clinfed.models import build_model, load_tokenizer
 from clinfed.pipeline import RunConfig, run_training
 from clinfed.privacy.accountant import Mechanism, calibrate_noise, epsilon
-from clinfed.privacy.dpsgd import DPSettings, choose_clipping, train_private
+from clinfed.privacy.dpsgd import (
+    MICROBATCH_OVERHEAD_TOKENS,
+    DPSettings,
+    choose_clipping,
+    microbatches,
+    train_private,
+)
 from clinfed.privacy.ledger import Ledger
 from clinfed.runs import read_jsonl
 from clinfed.tasks.i2b2.adapter import I2b2Task
@@ -122,6 +128,16 @@ def _expected_update(model, task, examples, params, clip):
     return [t / len(examples) for t in total]
 
 
+def test_microbatches_cover_the_batch_once_and_group_by_length():
+    lengths = np.array([5, 40, 6, 38, 5, 41])
+    groups = microbatches(lengths, overhead_tokens=8)
+    assert sorted(np.concatenate(groups).tolist()) == list(range(6))
+    assert [sorted(lengths[g].tolist()) for g in groups] == [[38, 40, 41], [5, 5, 6]]
+    assert len(microbatches(lengths, overhead_tokens=10_000)) == 1  # passes too dear
+    assert len(microbatches(lengths, overhead_tokens=0)) == 5  # one per distinct length
+
+
+@pytest.mark.parametrize("overhead", [0, MICROBATCH_OVERHEAD_TOKENS])  # 0: one pass per length
 @pytest.mark.parametrize(
     ("task_name", "trainable", "clipping"),
     [
@@ -131,7 +147,7 @@ def _expected_update(model, task, examples, params, clip):
     ],
 )
 def test_dp_step_clips_each_example_jointly(
-    task_name, trainable, clipping, i2b2_corpus, mimic_corpus, tmp_path
+    task_name, trainable, clipping, overhead, i2b2_corpus, mimic_corpus, tmp_path
 ):
     tokenizer = load_tokenizer("tiny")
     if task_name == "i2b2":
@@ -141,7 +157,10 @@ def test_dp_step_clips_each_example_jointly(
     else:
         task = Mimic3Task(top_k=5, max_chunks=3, cache_dir=str(tmp_path))
         corpus = task.load(mimic_corpus, ProblemLog())
-        examples = task.encode(corpus.train, tokenizer, 16, str(tmp_path)).select(range(4))
+        encoded = task.encode(corpus.train, tokenizer, 128, str(tmp_path))
+        by_length = np.argsort(encoded["n_tokens"], kind="stable")
+        # the two shortest and two longest admissions: several chunk counts
+        examples = encoded.select([*by_length[:2], *by_length[-2:]])
         assert len(task.labels) == 5 and max(len(c) for c in examples["input_ids"]) > 1
     model = build_model(task.head, "tiny", len(task.labels), seed=0)
     _no_dropout(model)
@@ -153,6 +172,8 @@ def test_dp_step_clips_each_example_jointly(
     )
     apply_plan(model, Plan(chosen, chosen, frozenset(names)))
     assert choose_clipping(model, task, "auto") == clipping
+    if overhead == 0:  # the step below really runs in several passes
+        assert len(microbatches(np.asarray(examples["n_tokens"]), 0)) > 1
     params = [p for p in model.parameters() if p.requires_grad]
     clip = 0.05  # small enough that every example is clipped
     expected = _expected_update(model, task, examples, params, clip)
@@ -168,6 +189,7 @@ def test_dp_step_clips_each_example_jointly(
         epochs=1,
         dp=DPSettings(noise_multiplier=0.0, max_grad_norm=clip, clipping=clipping),
         generator=np.random.default_rng(0),
+        microbatch_overhead=overhead,
     )
     assert mode == clipping and stats[0].examples == len(examples)
     for b, p, e in zip(before, params, expected):
