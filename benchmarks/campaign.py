@@ -200,6 +200,9 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--quick", action="store_true", help="tiny model and corpora")
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: all cores)")
+    parser.add_argument(
+        "--rounds", type=int, help="override the task's rounds (runs and results get an -rN tag)"
+    )
     args = parser.parse_args()
     datasets.disable_progress_bars()
     warnings.filterwarnings("ignore", category=FutureWarning, module="pyarrow")
@@ -214,9 +217,10 @@ def main() -> None:
     model, sizes = ("tiny", QUICK) if args.quick else ("minilm", SIZES)
     tasks = ("i2b2", "mimic3") if args.task == "both" else (args.task,)
     suffix = "-quick" if args.quick else ""
+    tag = suffix + (f"-r{args.rounds}" if args.rounds else "")
     started = time.perf_counter()
     for task in tasks:
-        size = sizes[task]
+        size = sizes[task] | ({"rounds": args.rounds} if args.rounds else {})
         data = args.work / f"{task}{suffix}-data"
         # One corpus per task: seeds vary initialisation, sampling and order.
         generate(task, data, size["docs"], seed=0)
@@ -224,7 +228,7 @@ def main() -> None:
         for name in names:
             runs[name] = []
             for seed in range(args.seeds):
-                out = args.work / f"{task}{suffix}" / f"{slug(name)}-seed{seed}"
+                out = args.work / f"{task}{tag}" / f"{slug(name)}-seed{seed}"
                 run = one_run(task, data, out, name, size, model, seed, args.threads)
                 runs[name].append(run)
                 print(
@@ -236,12 +240,12 @@ def main() -> None:
         stats = {name: summarize(seeds) for name, seeds in runs.items()}
         args.results.mkdir(parents=True, exist_ok=True)
         atomic_write_json(
-            args.results / f"campaign-{task}{suffix}.json",
+            args.results / f"campaign-{task}{tag}.json",
             {"model": model, "size": size, "seeds": args.seeds, "stats": stats, "runs": runs},
         )
         md = table(task, stats, size, args.seeds)
-        atomic_write_text(args.results / f"campaign-{task}{suffix}.md", md)
-        plot(f"{task}{suffix}", runs, args.results)
+        atomic_write_text(args.results / f"campaign-{task}{tag}.md", md)
+        plot(f"{task}{tag}", runs, args.results)
         print(md, flush=True)
     print(f"campaign wall time {(time.perf_counter() - started) / 60:.1f} min")
 
