@@ -40,7 +40,7 @@ from clinfed.federated.client import LocalSettings
 from clinfed.federated.partition import PARTITIONS, partition
 from clinfed.federated.simulator import Federation, Simulator
 from clinfed.federated.strategies import STRATEGIES as FEDERATED
-from clinfed.federated.strategies import get_strategy
+from clinfed.federated.strategies import Strategy, get_strategy
 from clinfed.models import build_model, load_tokenizer, save_model
 from clinfed.privacy.accountant import Mechanism
 from clinfed.privacy.policy import PrivacyPolicy, check_settings
@@ -113,8 +113,9 @@ class RunConfig:
     cache_dir: str | None = None
     eval_batch_size: int = 64
 
-    def validate(self) -> None:
-        """Reject impossible settings before anything is read or written."""
+    def validate(self, check_data: bool = True) -> None:
+        """Reject impossible settings before anything is read or written
+        (``check_data=False``: the data is elsewhere, at Flower nodes)."""
         if self.task not in TASKS:
             raise ClinfedError(f"--task must be one of {', '.join(TASKS)}, not {self.task!r}")
         if self.strategy not in STRATEGIES:
@@ -162,7 +163,7 @@ class RunConfig:
                 )
         if not self.selection_noise > 0:
             raise ClinfedError("--selection-noise must be positive")
-        if not Path(self.data).is_dir():
+        if check_data and not Path(self.data).is_dir():
             raise ClinfedError(f"--data {self.data}: not a folder")
 
     @property
@@ -258,14 +259,7 @@ def run_training(config: RunConfig, report: Reporter = _quiet) -> dict[str, Any]
     # a cache folder, they live in a temporary one removed after the run.
     with tempfile.TemporaryDirectory(prefix="clinfed-cache-") as tmp:
         cache_dir = config.cache_dir or tmp
-        task = get_task(
-            config.task,
-            seed=config.seed,
-            codes=config.codes,
-            top_k=config.top_k,
-            max_chunks=config.max_chunks,
-            cache_dir=cache_dir,
-        )
+        task = make_task(config, cache_dir)
         corpus = task.load(Path(config.data), problems)
         if len(corpus.train) == 0:
             raise ClinfedError(f"{config.data}: no annotated training examples")
@@ -297,7 +291,8 @@ def run_training(config: RunConfig, report: Reporter = _quiet) -> dict[str, Any]
             )
         policy = None
         if config.dp:
-            policy = _privacy_policy(config, clients, Path(config.out) / "privacy")
+            sizes = {client: len(idx) for client, idx in clients.items()}
+            policy = privacy_policy(config, sizes, Path(config.out) / "privacy")
             problems.problems.extend(policy.warnings)
         out = Path(config.out) if config.resume else create_run_folder(config.out)
         if not config.resume:
@@ -321,14 +316,29 @@ def run_training(config: RunConfig, report: Reporter = _quiet) -> dict[str, Any]
         return _federated(prep, config, train, test, clients, report, policy)
 
 
-def _privacy_policy(config: RunConfig, clients: dict, folder: Path) -> PrivacyPolicy:
+def make_task(config: RunConfig, cache_dir: str) -> Task:
+    """The run's task adapter, with its options."""
+    return get_task(
+        config.task,
+        seed=config.seed,
+        codes=config.codes,
+        top_k=config.top_k,
+        max_chunks=config.max_chunks,
+        cache_dir=cache_dir,
+    )
+
+
+def privacy_policy(config: RunConfig, sizes: dict[str, int], folder: Path) -> PrivacyPolicy:
+    """Each site's DP-SGD settings and ledger for a run (``sizes``: training
+    examples per site). A site calibrates from its own size only, so the
+    simulator and a Flower SuperNode get the same noise."""
     selection = None
     if config.strategy.startswith("safl") and config.selection == "private":
         selection = Mechanism("safl-selection", config.selection_noise, 1.0, 1)
     target = config.target_epsilon
     return PrivacyPolicy.build(
         folder,
-        {client: len(idx) for client, idx in clients.items()},
+        sizes,
         config.batch_size,
         config.local_epochs,
         config.rounds,
@@ -390,47 +400,46 @@ def _centralized(prep: _Prepared, config: RunConfig, train, test, report: Report
 PROBE_SEED = 20_101
 
 
-def _public_probe(prep: _Prepared, config: RunConfig):
+def _public_probe(task: Task, tokenizer: Any, config: RunConfig, cache_dir: str):
     """A public probe set for SAFL's free selection modes: a small synthetic
     corpus of the same task, generated here with a fixed seed, so no
     private example shapes the layer choice."""
-    folder = Path(prep.cache_dir) / "probe"
+    folder = Path(cache_dir) / "probe"
     if config.task == "i2b2":
         from clinfed.tasks.i2b2.synth import generate
 
         generate(folder, sites=3, docs=4, seed=PROBE_SEED)
-        records = prep.task.read_documents(folder / "train", ProblemLog())
+        records = task.read_documents(folder / "train", ProblemLog())
     else:
         from clinfed.tasks.mimic3.synth import generate
 
         generate(folder, sites=1, docs=24, seed=PROBE_SEED)
-        records = prep.task.read_documents(folder, ProblemLog())
-    examples = prep.task.encode(records, prep.tokenizer, config.max_length, prep.cache_dir)
+        records = task.read_documents(folder, ProblemLog())
+    examples = task.encode(records, tokenizer, config.max_length, cache_dir)
     return examples.shuffle(seed=PROBE_SEED)
 
 
-def _federated(
-    prep: _Prepared,
-    config: RunConfig,
-    train,
-    test,
-    clients: dict,
-    report: Reporter,
-    policy: PrivacyPolicy | None = None,
-) -> dict:
-    settings = LocalSettings(
+def local_settings(config: RunConfig) -> LocalSettings:
+    """How every site trains in a round (``config`` resolved)."""
+    return LocalSettings(
         epochs=config.local_epochs,
         batch_size=config.batch_size,
         lr=config.lr,
         head_lr=config.head_lr,
         weight_decay=config.weight_decay,
     )
+
+
+def make_strategy(config: RunConfig, task: Task, tokenizer: Any, cache_dir: str) -> Strategy:
+    """The run's federated strategy (with SAFL's public probe set when its
+    selection needs one); the simulator and every Flower node build it the
+    same way from the same config."""
     fw = config.freeze_warmup
     warmup = fw if fw == "auto" else int(fw)
     probe = None
     if config.strategy.startswith("safl") and config.selection != "private":
-        probe = _public_probe(prep, config)
-    strategy = get_strategy(
+        probe = _public_probe(task, tokenizer, config, cache_dir)
+    return get_strategy(
         config.strategy,
         config.mu,
         warmup,
@@ -442,6 +451,18 @@ def _federated(
         config.seed,
         config.selection_noise,
     )
+
+
+def _federated(
+    prep: _Prepared,
+    config: RunConfig,
+    train,
+    test,
+    clients: dict,
+    report: Reporter,
+    policy: PrivacyPolicy | None = None,
+) -> dict:
+    strategy = make_strategy(config, prep.task, prep.tokenizer, prep.cache_dir)
     fed = Federation(
         prep.task,
         prep.model,
@@ -450,7 +471,7 @@ def _federated(
         test,
         prep.corpus.test,
         clients,
-        settings,
+        local_settings(config),
         config.rounds,
         config.fraction,
         config.seed,

@@ -180,6 +180,12 @@ def build(run: Path) -> dict[str, Any]:
         "delta": (policy or {}).get("delta"),
         "max_grad_norm": (policy or {}).get("max_grad_norm"),
         "sites": _site_rows(run_data),
+        "ledger_source": (
+            "Ledgers as reported by the sites over Flower (the ledgers that bind, and the "
+            "budgets they enforce, stay at the sites)."
+            if (policy or {}).get("reported_by_sites")
+            else "Ledgers as written by the sites during the run (in-process simulation)."
+        ),
         "selection": _selection_text(config, policy),
         "releases": releases,
         "final_f1": summary.get("f1"),
@@ -215,7 +221,7 @@ def _markdown(content: dict[str, Any], images: dict[str, str]) -> str:
             "**This run did not use differential privacy**: the updates carry no formal "
             "guarantee (epsilon is infinite)."
         ]
-    lines += ["", "## Per site", ""]
+    lines += ["", "## Per site", "", content["ledger_source"], ""]
     if content["sites"]:
         lines += [
             "| site | examples | noise multiplier | sample rate | steps / round | rounds "

@@ -103,6 +103,18 @@ class Task(ABC):
         """Metrics of ``outputs`` against the gold ``records``; includes ``f1``."""
 
     @abstractmethod
+    def evaluation_counts(
+        self, records: Any, examples: datasets.Dataset, outputs: list[Any]
+    ) -> dict[str, list[float]]:
+        """Summable counts behind the headline metrics (evaluation spread over
+        sites: the server adds the sites' counts and calls
+        :meth:`metrics_from_counts`). Counts, never examples: no text leaves."""
+
+    @abstractmethod
+    def metrics_from_counts(self, counts: dict[str, list[float]]) -> dict[str, float]:
+        """Metrics (with ``f1``) from :meth:`evaluation_counts`, possibly summed."""
+
+    @abstractmethod
     def write_predictions(
         self, records: Any, examples: datasets.Dataset, outputs: list[Any], folder: Path
     ) -> None:

@@ -22,8 +22,12 @@ def test_plans_before_and_after_warmup():
         "head.weight",
     ]
     strategy = FedFrozen(warmup=2)
-    early, late = strategy.plan(1, "s", names), strategy.plan(2, "s", names)
+    early, first, late = (strategy.plan(r, "s", names) for r in (1, 2, 3))
     assert any(is_query_key(n) for n in early.uploaded)
+    assert not any(is_query_key(n) for n in first.trainable | first.uploaded)
+    # The first frozen round delivers the Q/K averaged at the end of the
+    # warm-up (a site holding its own copy must take them); later rounds never.
+    assert {n for n in first.downloaded if is_query_key(n)} == {n for n in names if is_query_key(n)}
     assert not any(is_query_key(n) for n in late.trainable | late.uploaded | late.downloaded)
     assert "encoder.embeddings.word_embeddings.weight" not in early.trainable
     assert early.downloaded == frozenset(names)  # round 1 syncs everything
@@ -84,7 +88,12 @@ def test_qk_bit_identical_after_warmup_and_never_uploaded(i2b2_corpus, tmp_path,
     per_round = [uploads[i : i + 6] for i in range(0, len(uploads), 6)]
     assert len(per_round) == 4
     assert any(is_query_key(k) for k in per_round[0][1])  # round 1 upload carries Q/K
-    for round_payloads in per_round[1:]:
+    # Round 2 (the first frozen one) still delivers the Q/K averaged at the
+    # end of round 1; no upload carries them, and from round 3 nothing does.
+    downloads, uploads_2 = per_round[1][0::2], per_round[1][1::2]
+    assert all(any(is_query_key(k) for k in keys) for keys in downloads)
+    assert not any(is_query_key(k) for keys in uploads_2 for k in keys)
+    for round_payloads in per_round[2:]:
         for keys in round_payloads:
             assert not any(is_query_key(k) for k in keys)
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]

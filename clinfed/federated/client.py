@@ -6,6 +6,7 @@ ClientApp, so both produce the same update from the same inputs.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 
@@ -40,6 +41,25 @@ class ClientResult:
     seconds: float
     trainable_params: int
     clipping: str | None = None  # DP-SGD's clipping mode, None without DP
+
+
+def site_key(site: str) -> int:
+    """A stable integer for a site name (Python's hash() is salted per process)."""
+    return int.from_bytes(hashlib.sha256(site.encode("utf-8")).digest()[:8], "little")
+
+
+def site_generator(seed: int, round_number: int, site: str) -> np.random.Generator:
+    """The random stream of ``site`` in round ``round_number``; also seeds torch.
+
+    Data order and Poisson sampling draw from the returned generator, dropout
+    and DP-SGD noise from torch's, seeded here from it. Both depend on
+    (seed, round, site) only, so a site computes the same update whichever
+    runner drives it (simulator or Flower), in whatever order sites run, and
+    after any restart.
+    """
+    generator = np.random.default_rng([seed, round_number, site_key(site)])
+    torch.manual_seed(int(generator.integers(2**62)))
+    return generator
 
 
 def apply_plan(model: nn.Module, plan: Plan) -> int:

@@ -7,16 +7,16 @@ keep a model of their own (``local``) keep it on disk in ``RUN/sites/``.
 
 Durability: after each round the global weights go to
 ``RUN/checkpoints/round-NNNN.safetensors`` and then ``RUN/state.json`` (the
-commit point: round number, checkpoint name, every random generator's
-state, strategy state) is replaced atomically. ``--resume`` starts from the
+commit point: round number, checkpoint name, the client-sampling
+generator's state, strategy state) is replaced atomically. ``--resume`` starts from the
 last committed round, drops any ``metrics.jsonl`` lines of the round that
-was in flight, and restores the generators, so a resumed run ends
+was in flight, and restores the sampling generator; every site's own
+randomness is derived from (seed, round, site), so a resumed run ends
 bit-identical to an uninterrupted one on CPU.
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import time
 from collections.abc import Callable
@@ -33,7 +33,7 @@ from torch import nn
 from clinfed.errors import ClinfedError
 from clinfed.federated import payload
 from clinfed.federated.aggregation import Aggregator
-from clinfed.federated.client import LocalSettings, client_update
+from clinfed.federated.client import LocalSettings, client_update, site_generator
 from clinfed.federated.strategies import Strategy
 from clinfed.privacy.policy import PrivacyPolicy
 from clinfed.runs import append_jsonl, atomic_write_json, atomic_write_text, read_jsonl
@@ -70,22 +70,14 @@ def _save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
     tmp.replace(path)
 
 
-def _rng_state(order: np.random.Generator, sampling: np.random.Generator) -> dict[str, Any]:
-    torch_state = base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
-    return {
-        "order": order.bit_generator.state,
-        "sampling": sampling.bit_generator.state,
-        "torch": torch_state,
-    }
+def _rng_state(sampling: np.random.Generator) -> dict[str, Any]:
+    # Site-side randomness is derived per (seed, round, site) by
+    # client.site_generator; only the server's client sampling has a state.
+    return {"sampling": sampling.bit_generator.state}
 
 
-def _restore_rng(
-    state: dict[str, Any], order: np.random.Generator, sampling: np.random.Generator
-) -> None:
-    order.bit_generator.state = state["order"]
+def _restore_rng(state: dict[str, Any], sampling: np.random.Generator) -> None:
     sampling.bit_generator.state = state["sampling"]
-    raw = np.frombuffer(base64.b64decode(state["torch"]), dtype=np.uint8).copy()
-    torch.set_rng_state(torch.from_numpy(raw))
 
 
 def sample_clients(names: list[str], fraction: float, rng: np.random.Generator) -> list[str]:
@@ -103,7 +95,6 @@ class Simulator:
     def __init__(self, fed: Federation, out: Path, report: Reporter):
         self.fed, self.out, self.report = fed, out, report
         self.names = [n for n, _ in fed.model.named_parameters()]
-        self.order_rng = np.random.default_rng(fed.seed)
         self.sampling_rng = np.random.default_rng([fed.seed, 1])
         self.global_state = {k: v.detach().clone() for k, v in fed.model.state_dict().items()}
         self.first_round = 1
@@ -119,7 +110,7 @@ class Simulator:
             raise ClinfedError(f"{self.out}: nothing to resume (no {STATE})")
         state = json.loads(path.read_text())
         self.global_state = load_file(str(self.out / state["checkpoint"]))
-        _restore_rng(state["rng"], self.order_rng, self.sampling_rng)
+        _restore_rng(state["rng"], self.sampling_rng)
         self.fed.strategy.load_state_dict(state["strategy"], self.global_state)
         self.first_round = state["round"] + 1
         metrics = self.out / "metrics.jsonl"
@@ -135,7 +126,7 @@ class Simulator:
             {
                 "round": round_number,
                 "checkpoint": name,
-                "rng": _rng_state(self.order_rng, self.sampling_rng),
+                "rng": _rng_state(self.sampling_rng),
                 "strategy": self.fed.strategy.state_dict(),
             },
         )
@@ -184,9 +175,8 @@ class Simulator:
             plan = fed.strategy.plan(round_number, client, self.names)
             down = payload.encode({n: self.global_state[n] for n in sorted(plan.downloaded)})
             dp = fed.privacy.settings(client) if fed.privacy is not None else None
-            result = client_update(
-                fed.model, fed.task, local, plan, fed.settings, self.order_rng, dp
-            )
+            generator = site_generator(fed.seed, round_number, client)
+            result = client_update(fed.model, fed.task, local, plan, fed.settings, generator, dp)
             if result.clipping is not None:
                 privacy["clipping"] = result.clipping
             up = payload.encode(result.upload)

@@ -24,7 +24,7 @@ from clinfed.models import special_tokens
 from clinfed.tasks.base import Corpus, Task, rows_to_dataset
 from clinfed.tasks.i2b2.bio import LABEL_TO_ID, LABELS, OUTSIDE, decode_tags, encode_tags
 from clinfed.tasks.i2b2.format import Document, read_corpus, write_con
-from clinfed.tasks.i2b2.metrics import score_concepts
+from clinfed.tasks.i2b2.metrics import prf, score_concepts
 
 IGNORE = -100
 OUTSIDE_ID = LABEL_TO_ID[OUTSIDE]
@@ -238,6 +238,31 @@ class I2b2Task(Task):
             "inexact_f1": scores["inexact"]["micro"]["f1"],
             "scores": scores,
             "per_site_f1": per_site,
+        }
+
+    def evaluation_counts(
+        self, records: list[Document], examples: datasets.Dataset, outputs: list[Any]
+    ) -> dict[str, list[float]]:
+        """Per mode: [correct predictions, predictions, found gold, gold]."""
+        predicted = self.predicted_concepts(records, examples, outputs)
+        gold = {d.doc_id: d.concepts for d in records if d.annotated}
+        scores = score_concepts(gold, {k: v for k, v in predicted.items() if k in gold})
+        counts = {}
+        for mode in ("exact", "inexact"):
+            micro = scores[mode]["micro"]
+            n_pred, n_gold = micro["n_pred"], micro["n_gold"]
+            counts[mode] = [
+                round(micro["precision"] * n_pred),
+                n_pred,
+                round(micro["recall"] * n_gold),
+                n_gold,
+            ]
+        return counts
+
+    def metrics_from_counts(self, counts: dict[str, list[float]]) -> dict[str, float]:
+        return {
+            "f1": prf(*counts["exact"])["f1"],
+            "inexact_f1": prf(*counts["inexact"])["f1"],
         }
 
     def write_predictions(

@@ -273,6 +273,42 @@ class Mimic3Task(Task):
         }
         return metrics
 
+    def evaluation_counts(
+        self, records: datasets.Dataset, examples: datasets.Dataset, outputs: list[Any]
+    ) -> dict[str, list[float]]:
+        """Per label: true positives, false positives, false negatives at 0.5."""
+        y_true = np.asarray(examples["targets"], dtype=int).reshape(-1, len(self.labels))
+        scores = np.stack(outputs) if outputs else np.zeros_like(y_true, dtype=float)
+        y_pred = scores >= 0.5
+        return {
+            "tp": (y_pred & (y_true == 1)).sum(axis=0).tolist(),
+            "fp": (y_pred & (y_true == 0)).sum(axis=0).tolist(),
+            "fn": (~y_pred & (y_true == 1)).sum(axis=0).tolist(),
+        }
+
+    def metrics_from_counts(self, counts: dict[str, list[float]]) -> dict[str, float]:
+        """Micro and macro F1 as :func:`multilabel_metrics` computes them (AUC
+        and P@k need every score, so they are not available from counts)."""
+        tp, fp, fn = (np.asarray(counts[k], dtype=float) for k in ("tp", "fp", "fn"))
+
+        def ratio(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+            return np.divide(a, b, out=np.zeros_like(a), where=b > 0)
+
+        micro_p = ratio(tp.sum(keepdims=True), (tp + fp).sum(keepdims=True))[0]
+        micro_r = ratio(tp.sum(keepdims=True), (tp + fn).sum(keepdims=True))[0]
+        macro_p, macro_r = ratio(tp, tp + fp).mean(), ratio(tp, tp + fn).mean()
+
+        def harmonic(p: float, r: float) -> float:
+            return float(2 * p * r / (p + r)) if p + r else 0.0
+
+        micro_f1 = harmonic(micro_p, micro_r)
+        return {
+            "f1": micro_f1,
+            "micro_f1": micro_f1,
+            "macro_f1": harmonic(macro_p, macro_r),
+            "macro_f1_mean": float(ratio(2 * tp, 2 * tp + fp + fn).mean()),
+        }
+
     def write_predictions(
         self,
         records: datasets.Dataset,

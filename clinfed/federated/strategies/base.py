@@ -26,6 +26,14 @@ class Strategy(ABC):
         """The plan of ``site`` in round ``round_number`` (1-based) for a model
         whose parameters are ``names``."""
 
+    def envelope(self, round_number: int, names: list[str]) -> Plan:
+        """The widest plan any site can have in ``round_number``: what the
+        server sends a site that is in sync (``downloaded``) and the only
+        names it accepts back (``uploaded``). Strategies whose plan depends
+        on :meth:`select` override it; the others' plan does not depend on
+        the site."""
+        return self.plan(round_number, "", names)
+
     def select(
         self, round_number: int, site: str, model: Any, task: Any, local: Any
     ) -> dict[str, Any]:

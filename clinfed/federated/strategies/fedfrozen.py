@@ -69,8 +69,14 @@ class FedFrozen(Strategy):
             moving = [n for n in moving if not is_query_key(n)]
         chosen = frozenset(moving)
         # Round 1 syncs the whole model; afterwards a site only needs what it
-        # trains (frozen weights are already identical everywhere).
-        received = frozenset(names) if round_number == 1 else chosen
+        # trains (frozen weights are identical everywhere), except in the
+        # first frozen round: Q/K were averaged once more at the end of the
+        # round before, and every site must take that final value.
+        received = chosen
+        if round_number == 1:
+            received = frozenset(names)
+        elif round_number == self.frozen_from:
+            received = chosen | frozenset(n for n in names if is_query_key(n))
         return Plan(chosen, chosen, received)
 
     @staticmethod

@@ -27,7 +27,6 @@ layers stop training and travelling once the freezer's warm-up is over.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from typing import Any
 
@@ -39,6 +38,7 @@ from torch import nn
 from clinfed.blocks import EMBEDDINGS, HEAD, Block, block_of, num_layers, parameter_blocks
 from clinfed.errors import ClinfedError
 from clinfed.federated.attention import profile, top_k_layers
+from clinfed.federated.client import site_key
 from clinfed.federated.plan import Plan, names_in
 from clinfed.federated.strategies.base import Strategy
 from clinfed.federated.strategies.fedfrozen import FedFrozen
@@ -116,7 +116,7 @@ class SAFL(Strategy):
         else:
             # The noise depends only on (seed, round, site): resume-safe, and
             # independent of the data-order generator.
-            rng = np.random.default_rng([self.seed, round_number, _site_key(site)])
+            rng = np.random.default_rng([self.seed, round_number, site_key(site)])
             idx = rng.choice(len(local), size=min(self.profile_examples, len(local)), replace=False)
             per_example = np.clip(profile(model, task, local.select(np.sort(idx))), 0.0, 1.0)
             sigma = self.noise * math.sqrt(layers_total)
@@ -154,20 +154,34 @@ class SAFL(Strategy):
         if self.train_embeddings:
             blocks.add(EMBEDDINGS)
         chosen = names_in(names, blocks)
+        return Plan(chosen, chosen, self.envelope(round_number, names).downloaded)
 
-        # A site needs the current global value of everything that can have
-        # changed: all but what nobody trains (embeddings when frozen, and
-        # Q/K once frozen). Round 1 syncs the whole model.
-        def changing(name: str) -> bool:
+    def envelope(self, round_number: int, names: list[str]) -> Plan:
+        """Any layer may be chosen: the envelope is every layer's blocks and
+        the head. A site needs the current global value of everything that
+        can have changed in the last aggregation: all but what nobody trains
+        (embeddings when frozen; Q/K from the round after they froze). Round
+        1 syncs the whole model."""
+        frozen_qk = self.freezer is not None and self.freezer.frozen(round_number)
+        qk_settled = frozen_qk and round_number != self.freezer.frozen_from
+
+        def trainable(name: str) -> bool:
             block = block_of(name)
             if block == EMBEDDINGS:
                 return self.train_embeddings
             return not (frozen_qk and block.kind == "query_key")
 
+        def changing(name: str) -> bool:
+            block = block_of(name)
+            if block == EMBEDDINGS:
+                return self.train_embeddings
+            return not (qk_settled and block.kind == "query_key")
+
+        allowed = frozenset(n for n in names if trainable(n))
         received = (
             frozenset(names) if round_number == 1 else frozenset(n for n in names if changing(n))
         )
-        return Plan(chosen, chosen, received)
+        return Plan(allowed, allowed, received)
 
     def observe(self, round_number: int, global_state: dict[str, torch.Tensor]) -> dict[str, Any]:
         return self.freezer.observe(round_number, global_state) if self.freezer else {}
@@ -180,8 +194,3 @@ class SAFL(Strategy):
     ) -> None:
         if self.freezer is not None and state.get("freezer") is not None:
             self.freezer.load_state_dict(state["freezer"], global_state)
-
-
-def _site_key(site: str) -> int:
-    """A stable integer for a site name (Python's hash() is salted per process)."""
-    return int.from_bytes(hashlib.sha256(site.encode("utf-8")).digest()[:8], "little")

@@ -1,0 +1,330 @@
+"""Command lines, certificates and keys for a Flower deployment.
+
+``clinfed flower`` runs Flower's own binaries (``flower-superlink``,
+``flower-supernode``, ``flwr``) with clinfed's settings; this module builds
+their argument lists and environment, so the CLI stays thin and tests start
+the same processes a hospital would.
+
+Offline by construction: the update check is off (``FLWR_DISABLE_UPDATE_CHECK``),
+the SuperLink never installs an app's dependencies at run time, and the
+Flower App is the installed clinfed (``app/pyproject.toml`` names its
+components), so every node must run the same clinfed version.
+
+TLS is the default: a SuperLink needs ``--certs DIR`` (``ca.crt``,
+``server.pem``, ``server.key`` as ``clinfed flower certs`` writes them), a
+SuperNode and ``flwr run`` the CA certificate. ``--insecure`` turns TLS off
+and must be asked for.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from clinfed.errors import ClinfedError
+from clinfed.pipeline import RunConfig
+
+APP_DIR = Path(__file__).parent / "app"
+CONNECTION = "clinfed"
+DEFAULT_PORT = 8000  # SuperLink: Fleet, Control and Runtime APIs on one HTTP port
+
+
+def _bin(name: str) -> str:
+    """A Flower executable beside this Python's (the same environment)."""
+    candidate = Path(sys.executable).parent / name
+    return str(candidate) if candidate.exists() else name
+
+
+def environment(flwr_home: Path | None = None) -> dict[str, str]:
+    """The environment for every Flower process: no update check; own home."""
+    env = dict(os.environ)
+    env["FLWR_DISABLE_UPDATE_CHECK"] = "1"
+    # SuperLink and SuperNode start helpers (flower-superexec, flwr-serverapp,
+    # flwr-clientapp) by name: this environment's must come first.
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    if flwr_home is not None:
+        env["FLWR_HOME"] = str(flwr_home)
+    return env
+
+
+def _tls(certs: Path | None, insecure: bool, what: str) -> None:
+    if certs is None and not insecure:
+        raise ClinfedError(f"{what} needs TLS files (--certs / --root-cert) or --insecure")
+    if certs is not None and insecure:
+        raise ClinfedError(f"{what}: --insecure and TLS files exclude each other")
+
+
+def superlink_command(
+    certs: Path | None = None,
+    insecure: bool = False,
+    host: str = "127.0.0.1",
+    port: int = DEFAULT_PORT,
+    database: Path | None = None,
+    node_auth: bool = False,
+) -> list[str]:
+    """``flower-superlink`` for a clinfed federation.
+
+    Parameters
+    ----------
+    certs
+        Folder with ``ca.crt``, ``server.pem`` and ``server.key``.
+    host, port
+        Where the SuperLink's HTTP APIs listen.
+    database
+        SQLite file for the SuperLink's state (``None``: in memory).
+    node_auth
+        Accept only SuperNodes whose public keys were registered
+        (``clinfed flower register``).
+    """
+    _tls(certs, insecure, "flower superlink")
+    command = [_bin("flower-superlink"), "--disable-runtime-dependency-installation"]
+    command += ["--host", host, "--port", str(port)]
+    if insecure:
+        command.append("--insecure")
+    else:
+        for flag, name in (("--ssl-certfile", "server.pem"), ("--ssl-keyfile", "server.key")):
+            command += [flag, str(_existing(certs / name))]
+        command += ["--ssl-ca-certfile", str(_existing(certs / "ca.crt"))]
+    if database is not None:
+        command += ["--database", str(database)]
+    if node_auth:
+        command.append("--enable-supernode-auth")
+    return command
+
+
+def supernode_command(
+    superlink: str,
+    data: Path,
+    state: Path,
+    site: str | None = None,
+    max_epsilon: float | None = None,
+    root_cert: Path | None = None,
+    insecure: bool = False,
+    key: Path | None = None,
+    port: int = 9094,
+    share_ledger: bool = True,
+    threads: int = 0,
+) -> list[str]:
+    """``flower-supernode`` for one site; its node config names the site's
+    data and state folders (see ``clinfed.flower.site``)."""
+    _tls(root_cert, insecure, "flower supernode")
+    if not Path(data).is_dir():
+        raise ClinfedError(f"--data {data}: not a folder")
+    values = {"data": str(Path(data).resolve()), "state": str(Path(state).resolve())}
+    if site:
+        values["site"] = site
+    node_config = " ".join(f"{k}={_toml(v)}" for k, v in values.items())
+    if max_epsilon is not None:
+        node_config += f" max-epsilon={float(max_epsilon)!r}"
+    node_config += f" share-ledger={'true' if share_ledger else 'false'} threads={int(threads)}"
+    command = [_bin("flower-supernode"), "--superlink", superlink, "--port", str(port)]
+    command += ["--node-config", node_config]
+    if insecure:
+        command.append("--insecure")
+    else:
+        command += ["--root-certificates", str(_existing(root_cert))]
+    if key is not None:
+        command += ["--auth-supernode-private-key", str(_existing(key))]
+    return command
+
+
+def _toml(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _existing(path: Path | None) -> Path:
+    if path is None or not Path(path).is_file():
+        raise ClinfedError(f"{path}: no such file")
+    return Path(path).resolve()
+
+
+def write_connection(
+    flwr_home: Path, superlink: str, root_cert: Path | None, insecure: bool
+) -> None:
+    """The ``flwr`` CLI's connection to the SuperLink (``FLWR_HOME/config.toml``)."""
+    _tls(root_cert, insecure, "flower run")
+    flwr_home.mkdir(parents=True, exist_ok=True)
+    lines = ["[superlink]", f'default = "{CONNECTION}"', "", f"[superlink.{CONNECTION}]"]
+    lines.append(f"address = {_toml(superlink)}")
+    if insecure:
+        lines.append("insecure = true")
+    else:
+        lines.append(f"root-certificates = {_toml(str(_existing(root_cert)))}")
+    (flwr_home / "config.toml").write_text("\n".join(lines) + "\n")
+
+
+# Settings that decide how data is split or resumed in the simulator; a
+# Flower run's sites are its SuperNodes, so they do not apply.
+NOT_FOR_FLOWER = ("data", "partition", "clients", "alpha", "fraction", "resume", "cache_dir")
+RENAMED = {"warmup": "freeze_warmup", "sites_from_data": None}
+
+
+def flower_run_config(settings: dict[str, Any], out: Path) -> RunConfig:
+    """A resolved :class:`RunConfig` for a Flower run from train-style
+    settings (keys named like ``clinfed train``'s flags, as in its
+    ``--config`` TOML); ``out`` is the run folder on the SuperLink's machine.
+    """
+    from dataclasses import fields
+
+    known = {f.name for f in fields(RunConfig)}
+    values: dict[str, Any] = {}
+    for key, value in settings.items():
+        name = key.replace("-", "_")
+        name = RENAMED.get(name, name)
+        if name is None:
+            continue
+        if name in NOT_FOR_FLOWER:
+            raise ClinfedError(
+                f"{key}: not a Flower setting (each SuperNode is a site with its own data)"
+            )
+        if name not in known or name in ("out",):
+            raise ClinfedError(f"unknown setting {key!r}")
+        values[name] = str(value) if name == "freeze_warmup" else value
+    if "task" not in values:
+        raise ClinfedError("a Flower run needs --task")
+    if values["task"] == "mimic3":
+        raise ClinfedError(
+            "--task mimic3 is not available on Flower yet: its label set (the top-K codes) is "
+            "chosen from pooled training codes, which no server sees; run it in the simulator"
+        )
+    config = RunConfig(**({"data": "", "out": str(Path(out).resolve())} | values))
+    if config.strategy == "centralized":
+        raise ClinfedError("--strategy centralized pools the data: it has no Flower form")
+    config.validate(check_data=False)
+    return config.resolved()
+
+
+def run_overrides(
+    config: RunConfig,
+    min_sites: int,
+    round_timeout: float,
+    round_retries: int,
+    wait_for_sites: float,
+) -> str:
+    """The Flower run config (TOML) that carries a clinfed run to the ServerApp."""
+    import json
+
+    values: dict[str, Any] = {
+        "clinfed-config": json.dumps(asdict(config)),
+        "min-sites": int(min_sites),
+        "round-timeout": float(round_timeout),
+        "round-retries": int(round_retries),
+        "wait-for-sites": float(wait_for_sites),
+    }
+    lines = []
+    for key, value in values.items():
+        rendered = _toml(value) if isinstance(value, str) else repr(value)
+        lines.append(f'"{key}" = {rendered}')
+    return "\n".join(lines) + "\n"
+
+
+def run_command(overrides: Path, stream: bool = True) -> list[str]:
+    """``flwr run`` of clinfed's Flower App on the configured connection."""
+    command = [_bin("flwr"), "run", str(APP_DIR), CONNECTION, "--run-config", str(overrides)]
+    return command + (["--stream"] if stream else [])
+
+
+def register_command(public_key: Path) -> list[str]:
+    """``flwr supernode register``: let a SuperNode's key in (node authentication)."""
+    return [_bin("flwr"), "supernode", "register", str(_existing(public_key)), CONNECTION]
+
+
+# ------------------------------------------------------------ key material
+def make_certificates(folder: Path, hosts: list[str], days: int = 365) -> dict[str, Path]:
+    """A private CA and a server certificate for ``hosts`` (names or IPs).
+
+    Writes ``ca.crt``, ``ca.key``, ``server.pem`` and ``server.key`` into
+    ``folder`` (keys readable by the owner only). For a pilot or a test; a
+    hospital's PKI should issue production certificates.
+    """
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    folder.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
+
+    def name(common: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
+
+    ca_key = ec.generate_private_key(ec.SECP384R1())
+    ca_cert = (
+        x509.CertificateBuilder()
+        .subject_name(name("clinfed CA"))
+        .issuer_name(name("clinfed CA"))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA384())
+    )
+    alt_names: list[x509.GeneralName] = []
+    for host in hosts:
+        try:
+            alt_names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            alt_names.append(x509.DNSName(host))
+    server_key = ec.generate_private_key(ec.SECP384R1())
+    server_cert = (
+        x509.CertificateBuilder()
+        .subject_name(name(hosts[0]))
+        .issuer_name(ca_cert.subject)
+        .public_key(server_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
+        .add_extension(x509.SubjectAlternativeName(alt_names), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA384())
+    )
+    pem = serialization.Encoding.PEM
+    private = serialization.PrivateFormat.PKCS8
+    plain = serialization.NoEncryption()
+    paths = {
+        "ca.crt": ca_cert.public_bytes(pem),
+        "ca.key": ca_key.private_bytes(pem, private, plain),
+        "server.pem": server_cert.public_bytes(pem),
+        "server.key": server_key.private_bytes(pem, private, plain),
+    }
+    written = {}
+    for file_name, content in paths.items():
+        path = folder / file_name
+        path.write_bytes(content)
+        if file_name.endswith(".key"):
+            path.chmod(0o600)
+        written[file_name] = path
+    return written
+
+
+def make_node_key(folder: Path, name: str) -> tuple[Path, Path]:
+    """A SuperNode's authentication key pair (EC P-384, OpenSSH format):
+    ``NAME`` (private, stays at the site) and ``NAME.pub`` (to register)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    folder.mkdir(parents=True, exist_ok=True)
+    key = ec.generate_private_key(ec.SECP384R1())
+    private_path, public_path = folder / name, folder / f"{name}.pub"
+    private_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.OpenSSH,
+            serialization.NoEncryption(),
+        )
+    )
+    private_path.chmod(0o600)
+    public_path.write_bytes(
+        key.public_key().public_bytes(
+            serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
+        )
+        + b"\n"
+    )
+    return private_path, public_path

@@ -1,0 +1,131 @@
+"""Start a SuperLink and SuperNodes on 127.0.0.1 for tests, clean up by PID.
+
+Every process is started in its own session, so killing its process group
+takes its children (SuperExec, ClientApp processes) with it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from clinfed.flower import deploy
+from clinfed.pipeline import RunConfig
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LocalFederation:
+    """A SuperLink and SuperNodes on this machine, with TLS unless ``certs`` is None."""
+
+    def __init__(self, root: Path, certs: Path | None = None):
+        self.root, self.certs = root, certs
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.home = root / "flwr-home"
+        self.nodes: dict[str, subprocess.Popen] = {}
+        self.processes: list[subprocess.Popen] = []
+        self.lines: list[str] = []
+
+    def _start(self, command: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+        process = subprocess.Popen(
+            command,
+            env=env,
+            stdout=log.open("ab"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.processes.append(process)
+        return process
+
+    def start_superlink(self) -> None:
+        command = deploy.superlink_command(
+            certs=self.certs, insecure=self.certs is None, port=self.port
+        )
+        self._start(command, self.root / "superlink.log", deploy.environment(self.home))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return
+            time.sleep(0.3)
+        raise RuntimeError("SuperLink did not start; see superlink.log")
+
+    def start_node(self, site: str, data: Path, threads: int = 1) -> None:
+        state = self.root / "state" / site
+        command = deploy.supernode_command(
+            self.address,
+            data,
+            state,
+            site=site,
+            root_cert=None if self.certs is None else self.certs / "ca.crt",
+            insecure=self.certs is None,
+            port=free_port(),
+            threads=threads,
+        )
+        env = deploy.environment(self.root / "node-homes" / site)
+        self.nodes[site] = self._start(command, self.root / f"node-{site}.log", env)
+
+    def kill_node(self, site: str) -> None:
+        """SIGKILL a node and everything it started (a machine going down)."""
+        process = self.nodes.pop(site)
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+
+    def submit(
+        self,
+        config: RunConfig,
+        min_sites: int,
+        round_timeout: float,
+        wait: bool = True,
+        on_line=None,
+    ) -> subprocess.Popen:
+        """``flwr run`` of a clinfed run; its output lines go to ``self.lines``."""
+        deploy.write_connection(
+            self.home / "cli",
+            self.address,
+            None if self.certs is None else self.certs / "ca.crt",
+            self.certs is None,
+        )
+        overrides = self.root / "run.toml"
+        overrides.write_text(deploy.run_overrides(config, min_sites, round_timeout, 0, 120))
+        process = subprocess.Popen(
+            deploy.run_command(overrides),
+            env=deploy.environment(self.home / "cli"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self.processes.append(process)
+
+        def follow() -> None:
+            for line in process.stdout:
+                self.lines.append(line.rstrip())
+                if on_line is not None:
+                    on_line(line)
+
+        reader = threading.Thread(target=follow, daemon=True)
+        reader.start()
+        if wait:
+            process.wait(timeout=900)
+            reader.join(timeout=10)
+        return process
+
+    def close(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                process.wait(timeout=30)

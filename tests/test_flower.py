@@ -1,0 +1,263 @@
+"""The Flower deployment: reply checks, run settings, and real SuperLink +
+SuperNode processes on 127.0.0.1 against the in-process simulator."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from clinfed.cli import main
+from clinfed.errors import ClinfedError
+from clinfed.federated.strategies import get_strategy
+from clinfed.flower.coordinator import check_upload
+from clinfed.flower.deploy import flower_run_config, make_certificates
+from clinfed.flower.site import NodeConfig
+from clinfed.pipeline import RunConfig, run_training
+from clinfed.privacy.accountant import Mechanism, epsilon
+from clinfed.runs import read_jsonl
+from clinfed.tasks.i2b2.synth import generate
+from clinfed.tasks.mimic3.adapter import Mimic3Task
+from clinfed.tasks.mimic3.metrics import multilabel_metrics
+from tests.flower_harness import LocalFederation
+
+SITES = ("beth", "partners", "site3")
+
+
+# ------------------------------------------------------------ reply checks
+GLOBAL = {"a.weight": torch.zeros(2, 3), "b.bias": torch.zeros(3)}
+ALLOWED = frozenset(GLOBAL)
+
+
+def test_a_good_upload_passes():
+    assert check_upload({"a.weight": torch.ones(2, 3)}, ALLOWED, GLOBAL) is None
+
+
+@pytest.mark.parametrize(
+    ("upload", "reason"),
+    [
+        ({"c.weight": torch.ones(3)}, "unexpected parameter c.weight"),
+        ({"a.weight": torch.ones(3, 2)}, "shape (3, 2), expected (2, 3)"),
+        ({"b.bias": torch.ones(3, dtype=torch.float64)}, "dtype torch.float64"),
+        ({"b.bias": torch.tensor([0.0, math.nan, 1.0])}, "NaN or Inf"),
+        ({"b.bias": torch.tensor([0.0, math.inf, 1.0])}, "NaN or Inf"),
+    ],
+)
+def test_bad_uploads_are_rejected_with_the_reason(upload, reason):
+    assert reason in check_upload(upload, ALLOWED, GLOBAL)
+
+
+def test_an_upload_outside_the_rounds_envelope_is_rejected():
+    # After FedFrozen's warm-up, Q/K may not come back even though the
+    # model has them.
+    strategy = get_strategy("fedfrozen", warmup=2)
+    names = ["encoder.layer.0.attention.self.query.weight", "encoder.layer.0.output.dense.weight"]
+    envelope = strategy.envelope(2, names)
+    state = {n: torch.zeros(2) for n in names}
+    assert check_upload({names[0]: torch.ones(2)}, envelope.uploaded, state) is not None
+    assert check_upload({names[1]: torch.ones(2)}, envelope.uploaded, state) is None
+
+
+def test_the_first_frozen_round_still_delivers_the_last_averaged_query_key():
+    names = ["encoder.layer.0.attention.self.query.weight", "encoder.layer.0.output.dense.weight"]
+    for name in ("fedfrozen", "safl+fedfrozen"):
+        strategy = get_strategy(name, warmup=3, top_layers=1, probe=[])
+        assert names[0] in strategy.envelope(3, names).downloaded  # averaged at the end of 2
+        assert names[0] not in strategy.envelope(4, names).downloaded
+        assert names[0] not in strategy.envelope(3, names).uploaded
+
+
+# ----------------------------------------------------------- run settings
+def test_flower_run_settings_refuse_what_belongs_to_the_simulator(tmp_path):
+    with pytest.raises(ClinfedError, match="not a Flower setting"):
+        flower_run_config({"task": "i2b2", "strategy": "fedavg", "clients": 4}, tmp_path)
+    with pytest.raises(ClinfedError, match="no Flower form"):
+        flower_run_config({"task": "i2b2", "strategy": "centralized"}, tmp_path)
+    with pytest.raises(ClinfedError, match="mimic3"):
+        flower_run_config({"task": "mimic3", "strategy": "fedavg"}, tmp_path)
+    with pytest.raises(ClinfedError, match="unknown setting"):
+        flower_run_config({"task": "i2b2", "strategy": "fedavg", "colour": 1}, tmp_path)
+    config = flower_run_config({"task": "i2b2", "strategy": "fedfrozen", "warmup": 2}, tmp_path)
+    assert config.freeze_warmup == "2" and config.batch_size == 16  # resolved defaults
+
+
+def test_node_config_errors_name_the_key(tmp_path):
+    with pytest.raises(ClinfedError, match="needs data"):
+        NodeConfig.parse({"state": str(tmp_path)})
+    with pytest.raises(ClinfedError, match="unknown key 'dta'"):
+        NodeConfig.parse({"dta": str(tmp_path), "state": str(tmp_path)})
+    with pytest.raises(ClinfedError, match="not a folder"):
+        NodeConfig.parse({"data": str(tmp_path / "missing"), "state": str(tmp_path)})
+
+
+def test_flower_commands_refuse_to_run_without_tls_or_insecure(tmp_path, capsys):
+    assert main(["flower", "superlink"]) == 2
+    assert "--insecure" in capsys.readouterr().err
+
+
+def test_summed_site_counts_give_the_pooled_mimic_metrics():
+    rng = np.random.default_rng(0)
+    task = Mimic3Task()
+    task.labels = [f"c{i}" for i in range(6)]
+    y_true = (rng.random((40, 6)) < 0.3).astype(int)
+    scores = rng.random((40, 6))
+    total = {"tp": [0] * 6, "fp": [0] * 6, "fn": [0] * 6}
+    for part in (slice(0, 13), slice(13, 40)):
+        examples = {"targets": y_true[part].tolist()}
+        counts = task.evaluation_counts(None, examples, list(scores[part]))
+        total = {k: [a + b for a, b in zip(total[k], counts[k])] for k in total}
+    pooled = multilabel_metrics(y_true, scores)
+    from_counts = task.metrics_from_counts(total)
+    for key in ("micro_f1", "macro_f1", "macro_f1_mean"):
+        assert from_counts[key] == pytest.approx(pooled[key], abs=1e-12)
+
+
+# ------------------------------------------------------------- deployment
+def _corpus(tmp_path: Path) -> Path:
+    data = tmp_path / "data"
+    generate(data, sites=3, docs=6, seed=0)
+    return data
+
+
+def _settings(**extra) -> dict:
+    return {
+        "task": "i2b2",
+        "model": "tiny",
+        "strategy": "safl+fedfrozen",
+        "rounds": 2,
+        "warmup": 2,
+        "top_layers": 1,
+        "max_length": 32,
+        "batch_size": 8,
+        "target_epsilon": 8.0,
+        "threads": 1,
+    } | extra
+
+
+def _epsilons(path: Path) -> list[tuple[int, float]]:
+    return [(line["round"], line["epsilon"]) for line in read_jsonl(path)]
+
+
+def test_flower_over_tls_matches_the_simulator(tmp_path):
+    data = _corpus(tmp_path)
+    config = flower_run_config(_settings(), tmp_path / "flower-run")
+    simulated = RunConfig(**(vars(config) | {"data": str(data), "out": str(tmp_path / "sim")}))
+    run_training(simulated)
+
+    certs = tmp_path / "certs"
+    make_certificates(certs, ["127.0.0.1", "localhost"])
+    federation = LocalFederation(tmp_path / "deploy", certs=certs)
+    (tmp_path / "deploy").mkdir()
+    try:
+        federation.start_superlink()
+        for site in SITES:
+            federation.start_node(site, data)
+        process = federation.submit(config, min_sites=3, round_timeout=300)
+    finally:
+        federation.close()
+    log = "\n".join(federation.lines)
+    assert process.returncode == 0, log[-3000:]
+
+    run = Path(config.out)
+    ours = load_file(str(run / "model" / "model.safetensors"))
+    theirs = load_file(str(tmp_path / "sim" / "model" / "model.safetensors"))
+    assert ours.keys() == theirs.keys()
+    worst = max((ours[k].double() - theirs[k].double()).abs().max().item() for k in ours)
+    assert worst <= 1e-5
+
+    # Each site's ledger, kept in its own state folder, matches the simulator's.
+    for site in SITES:
+        at_site = tmp_path / "deploy" / "state" / site / run.name / "privacy" / f"{site}.jsonl"
+        simulated_ledger = tmp_path / "sim" / "privacy" / f"{site}.jsonl"
+        ours_ledger, sim_ledger = _epsilons(at_site), _epsilons(simulated_ledger)
+        assert [r for r, _ in ours_ledger] == [r for r, _ in sim_ledger] == [1, 2]
+        assert [e for _, e in ours_ledger] == pytest.approx([e for _, e in sim_ledger], rel=1e-12)
+        reported = read_jsonl(run / "privacy" / f"{site}.jsonl")
+        assert all(line["reported_by_site"] for line in reported)
+
+    # Same site records and the same global F1 per round as the simulator.
+    def rounds(path: Path) -> dict[int, float]:
+        return {r["round"]: r["f1"] for r in read_jsonl(path) if "client" not in r}
+
+    assert rounds(run / "metrics.jsonl") == pytest.approx(
+        rounds(tmp_path / "sim" / "metrics.jsonl"), abs=1e-9
+    )
+    site_keys = {"round", "client", "bytes_up", "examples", "epsilon", "layers"}
+    ours_sites = [
+        {k: r[k] for k in site_keys} for r in read_jsonl(run / "metrics.jsonl") if "client" in r
+    ]
+    sim_sites = [
+        {k: r[k] for k in site_keys}
+        for r in read_jsonl(tmp_path / "sim" / "metrics.jsonl")
+        if "client" in r
+    ]
+    assert ours_sites == sim_sites
+    # Only the planned tensors came down after round 1 (Q/K and embeddings stay put).
+    down = {
+        (r["round"], r["client"]): r["bytes_down"]
+        for r in read_jsonl(run / "metrics.jsonl")
+        if "client" in r
+    }
+    assert max(down[2, s] for s in SITES) < min(down[1, s] for s in SITES) / 2
+
+    assert main(["report", str(run)]) == 0
+    report = (run / "report" / "report.md").read_text()
+    assert "reported by the sites" in report
+
+
+@pytest.mark.slow
+def test_a_killed_node_is_tolerated_and_rejoins_with_its_ledger(tmp_path):
+    data = _corpus(tmp_path)
+    config = flower_run_config(_settings(rounds=3, warmup=3), tmp_path / "flower-run")
+    (tmp_path / "deploy").mkdir()
+    federation = LocalFederation(tmp_path / "deploy", certs=None)
+    round_two = threading.Event()
+
+    def watch(line: str) -> None:
+        if "round 2/3: sending" in line:
+            round_two.set()
+
+    try:
+        federation.start_superlink()
+        for site in SITES:
+            federation.start_node(site, data)
+        process = federation.submit(
+            config, min_sites=2, round_timeout=90, wait=False, on_line=watch
+        )
+        assert round_two.wait(timeout=600), "\n".join(federation.lines[-50:])
+        ledger = tmp_path / "deploy" / "state" / "site3" / Path(config.out).name / "privacy"
+        before = _epsilons(ledger / "site3.jsonl")
+        federation.kill_node("site3")
+        federation.start_node("site3", data)  # comes back with the same state folder
+        process.wait(timeout=900)
+    finally:
+        federation.close()
+    log = "\n".join(federation.lines)
+    assert process.returncode == 0, log[-3000:]
+    records = read_jsonl(Path(config.out) / "metrics.jsonl")
+    trained = {
+        r["round"]: sorted(
+            x["client"] for x in records if x["round"] == r["round"] and "examples" in x
+        )
+        for r in records
+    }
+    assert trained[2] == ["beth", "partners"]  # the round finished without site3
+    assert trained[3] == list(SITES)  # and site3 came back for round 3
+    assert any(r.get("client") == "site3" and "failed" in r for r in records if r["round"] == 2)
+
+    after = read_jsonl(ledger / "site3.jsonl")
+    assert [(r["round"], r["epsilon"]) for r in after[: len(before)]] == before  # kept
+    assert after[-1]["round"] == 3
+    mechanisms = [
+        Mechanism(r["mechanism"], r["noise_multiplier"], r["sample_rate"], r["steps"])
+        for r in after
+    ]
+    # The last epsilon accounts for everything recorded before the kill too.
+    assert after[-1]["epsilon"] == pytest.approx(epsilon(mechanisms, config.delta), rel=1e-9)
+    assert json.loads((Path(config.out) / "summary.json").read_text())["f1"] >= 0.0
