@@ -60,12 +60,24 @@ class Strategy(str, Enum):
     fedfrozen = "fedfrozen"
     safl = "safl"
     safl_fedfrozen = "safl+fedfrozen"
+    pfeddc = "pfeddc"
 
 
 class Selection(str, Enum):
     global_ = "global"
     public = "public"
     private = "private"
+
+
+class Heterogeneity(str, Enum):
+    normal = "normal"
+    strong = "strong"
+
+
+class PromptFusion(str, Enum):
+    attention = "attention"
+    concat = "concat"
+    global_ = "global"
 
 
 class Clipping(str, Enum):
@@ -120,6 +132,11 @@ def data_synth(
     canary: str = typer.Option(
         None, "--canary", help="mimic3: plant this string in every note (leak audits)."
     ),
+    heterogeneity: Heterogeneity = typer.Option(
+        Heterogeneity.normal,
+        "--heterogeneity",
+        help="normal, or strong: sites far apart in concept-type or code mix and abbreviations.",
+    ),
 ) -> None:
     """Write a synthetic multi-site corpus in the real release format."""
     from clinfed.runs import ensure_new_run_folder
@@ -128,12 +145,21 @@ def data_synth(
     if task is TaskName.i2b2:
         from clinfed.tasks.i2b2.synth import generate
 
-        counts = generate(out_dir, sites=sites, docs=docs, seed=seed)
+        counts = generate(
+            out_dir, sites=sites, docs=docs, seed=seed, heterogeneity=heterogeneity.value
+        )
         unit = "documents"
     else:
         from clinfed.tasks.mimic3.synth import generate
 
-        counts = generate(out_dir, sites=sites, docs=docs, seed=seed, canary=canary)
+        counts = generate(
+            out_dir,
+            sites=sites,
+            docs=docs,
+            seed=seed,
+            canary=canary,
+            heterogeneity=heterogeneity.value,
+        )
         unit = "admissions"
     out.print(
         f"wrote {counts['train']} training and {counts['test']} test {unit} "
@@ -417,6 +443,15 @@ def train(
     profile_examples: int = typer.Option(
         16, "--profile-examples", help="SAFL: examples per attention profile."
     ),
+    prompt_length: int = typer.Option(
+        8, "--prompt-length", help="pfeddc: vectors in the global and in the local prompt."
+    ),
+    prompt_fusion: PromptFusion = typer.Option(
+        PromptFusion.attention,
+        "--prompt-fusion",
+        help="pfeddc: attention (cross-attention fusion of global and local prompts), concat "
+        "(ablation: both prepended, no fusion) or global (ablation: no local prompt).",
+    ),
     target_epsilon: float = typer.Option(
         None,
         "--target-epsilon",
@@ -488,6 +523,8 @@ def train(
         top_layers=top_layers,
         selection=selection.value,
         profile_examples=profile_examples,
+        prompt_length=prompt_length,
+        prompt_fusion=prompt_fusion.value,
         target_epsilon=target_epsilon,
         delta=delta,
         noise_multiplier=noise_multiplier,

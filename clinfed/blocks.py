@@ -35,6 +35,8 @@ class Block:
 
 EMBEDDINGS = Block("embeddings")
 HEAD = Block("head")
+GLOBAL_PROMPT = Block("global_prompt")
+LOCAL_PROMPT = Block("local_prompt")
 
 
 def block_of(name: str) -> Block:
@@ -48,6 +50,10 @@ def block_of(name: str) -> Block:
     """
     if name.startswith("head."):
         return HEAD
+    if name.startswith("prompt.global_prompt."):
+        return GLOBAL_PROMPT
+    if name.startswith("prompt."):
+        return LOCAL_PROMPT  # pfeddc's local prompt and fusion block: never leave a site
     if ".embeddings." in f".{name}":
         return EMBEDDINGS
     for pattern in _LAYER_PATTERNS:

@@ -23,6 +23,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, AutoTokenizer, BertConfig, BertModel
 
 from clinfed.errors import ClinfedError
+from clinfed.prompts import DualPrompt, encode_with_prompt
 
 MINILM = "minilm"
 TINY = "tiny"
@@ -120,6 +121,14 @@ class _EncoderInputs:
         return inputs
 
 
+def _encode(model: nn.Module, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The encoder's token states, through the model's prompt if it has one."""
+    inputs = model._inputs(input_ids, mask)
+    if model.prompt is None:
+        return model.encoder(**inputs).last_hidden_state
+    return encode_with_prompt(model.encoder, model.prompt, inputs)
+
+
 class TokenTagger(nn.Module):
     """Encoder + linear layer over every token (i2b2 concept tagging)."""
 
@@ -129,10 +138,11 @@ class TokenTagger(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.head = nn.Linear(encoder.config.hidden_size, num_labels)
         self._inputs = _EncoderInputs(encoder)
+        self.prompt: DualPrompt | None = None  # pfeddc: see add_prompts
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Logits ``(batch, tokens, labels)``."""
-        hidden = self.encoder(**self._inputs(input_ids, attention_mask)).last_hidden_state
+        hidden = _encode(self, input_ids, attention_mask)
         return self.head(self.dropout(hidden))
 
 
@@ -191,6 +201,7 @@ class ChunkedLabelAttentionClassifier(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.head = LabelAttention(encoder.config.hidden_size, num_labels)
         self._inputs = _EncoderInputs(encoder)
+        self.prompt: DualPrompt | None = None  # pfeddc: see add_prompts
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, chunk_mask: torch.Tensor
@@ -204,7 +215,7 @@ class ChunkedLabelAttentionClassifier(nn.Module):
         batch, chunks, length = input_ids.shape
         flat_ids = input_ids.reshape(batch * chunks, length)
         flat_mask = attention_mask.reshape(batch * chunks, length)
-        hidden = self.encoder(**self._inputs(flat_ids, flat_mask)).last_hidden_state
+        hidden = _encode(self, flat_ids, flat_mask)
         hidden = self.dropout(hidden).reshape(batch, chunks * length, -1)
         return self.head(hidden, attention_mask.reshape(batch, chunks * length))
 
@@ -221,6 +232,26 @@ def build_model(head: str, spec: str, num_labels: int, seed: int = 0) -> nn.Modu
     return HEADS[head](encoder, num_labels)
 
 
+def add_prompts(model: nn.Module, length: int, fusion: str, seed: int = 0) -> nn.Module:
+    """Attach pFedDC's global/local prompts (``clinfed.prompts``) to ``model``.
+
+    The prompts' vectors count against the encoder's window: ``length`` (or
+    twice that with ``concat``) plus the longest input must fit its
+    position table.
+    """
+    torch.manual_seed(seed + 1)  # distinct from the head's initialisation
+    model.prompt = DualPrompt(model.encoder.config.hidden_size, length, fusion)
+    return model
+
+
+def prompt_meta(model: nn.Module) -> dict[str, Any] | None:
+    """What :func:`load_saved_model` needs to rebuild a model's prompts."""
+    prompt = getattr(model, "prompt", None)
+    if prompt is None:
+        return None
+    return {"length": prompt.length, "fusion": prompt.fusion_mode}
+
+
 def save_model(model: nn.Module, folder: Path, meta: dict[str, Any], tokenizer) -> None:
     """Weights (safetensors), ``model.json`` and the tokenizer, so the run
     folder alone can rebuild the model offline."""
@@ -232,6 +263,8 @@ def save_model(model: nn.Module, folder: Path, meta: dict[str, Any], tokenizer) 
     save_file(state, str(tmp))
     tmp.replace(folder / "model.safetensors")
     full_meta = dict(meta, encoder_config=model.encoder.config.to_dict())
+    if prompt_meta(model) is not None:
+        full_meta["prompt"] = prompt_meta(model)
     atomic_write_json(folder / "model.json", full_meta)
     tokenizer.save_pretrained(folder / "tokenizer")
 
@@ -247,6 +280,8 @@ def load_saved_model(folder: Path) -> tuple[nn.Module, Any, dict[str, Any]]:
     kwargs = {"add_pooling_layer": False} if config.model_type in _POOLER_TYPES else {}
     encoder = AutoModel.from_config(config, **kwargs)
     model = HEADS[meta["head"]](encoder, len(meta["labels"]))
+    if meta.get("prompt"):
+        add_prompts(model, meta["prompt"]["length"], meta["prompt"]["fusion"])
     model.load_state_dict(load_file(str(folder / "model.safetensors")))
     tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer", local_files_only=True)
     return model, tokenizer, meta

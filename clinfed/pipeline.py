@@ -41,9 +41,10 @@ from clinfed.federated.partition import PARTITIONS, partition
 from clinfed.federated.simulator import Federation, Simulator
 from clinfed.federated.strategies import STRATEGIES as FEDERATED
 from clinfed.federated.strategies import Strategy, get_strategy
-from clinfed.models import build_model, load_tokenizer, save_model
+from clinfed.models import add_prompts, build_model, load_tokenizer, save_model
 from clinfed.privacy.accountant import Mechanism
 from clinfed.privacy.policy import PrivacyPolicy, check_settings
+from clinfed.prompts import FUSIONS
 from clinfed.runs import (
     append_jsonl,
     atomic_write_json,
@@ -62,6 +63,7 @@ TASK_DEFAULTS = {
     "i2b2": {"max_length": 128, "batch_size": 16, "lr": 1e-4, "head_lr": 1e-3},
     "mimic3": {"max_length": 256, "batch_size": 8, "lr": 5e-5, "head_lr": 1e-2},
 }
+PFEDDC_DEFAULTS = {"lr": 1e-2, "head_lr": 1e-2}
 # Settings a resumed run may change without changing its results.
 RESUMABLE = {"resume", "threads", "cache_dir", "eval_batch_size"}
 
@@ -100,6 +102,8 @@ class RunConfig:
     top_layers: int = 2
     selection: str = "global"
     profile_examples: int = 16
+    prompt_length: int = 8  # pfeddc: vectors in each of P_g and P_l
+    prompt_fusion: str = "attention"  # pfeddc: attention | concat | global (ablations)
     resume: bool = False
     # privacy (DP-SGD at every site; off unless a target or a noise is given)
     target_epsilon: float | None = None
@@ -139,6 +143,10 @@ class RunConfig:
             raise ClinfedError("--selection must be one of global, public, private")
         if self.top_layers < 1 or self.profile_examples < 1:
             raise ClinfedError("--top-layers and --profile-examples must be at least 1")
+        if self.prompt_fusion not in FUSIONS:
+            raise ClinfedError(f"--prompt-fusion must be one of {', '.join(FUSIONS)}")
+        if not 1 <= self.prompt_length <= 128:
+            raise ClinfedError("--prompt-length must be between 1 and 128")
         if not 0 < self.fraction <= 1:
             raise ClinfedError("--fraction must be in (0, 1]")
         if self.partition not in PARTITIONS:
@@ -175,7 +183,12 @@ class RunConfig:
     def resolved(self) -> RunConfig:
         """A copy with every unset setting filled from the task's defaults."""
         values = asdict(self)
-        for name, default in TASK_DEFAULTS[self.task].items():
+        defaults = TASK_DEFAULTS[self.task]
+        if self.strategy == "pfeddc":
+            # Prompts and a fresh head on a frozen encoder learn at
+            # prompt-tuning rates, not fine-tuning ones.
+            defaults = defaults | PFEDDC_DEFAULTS
+        for name, default in defaults.items():
             if values[name] is None:
                 values[name] = default
         return RunConfig(**values)
@@ -268,7 +281,7 @@ def run_training(config: RunConfig, report: Reporter = _quiet) -> dict[str, Any]
         # Everything that can fail on bad input happens before the run folder
         # exists, so a failed start leaves nothing behind.
         tokenizer = load_tokenizer(config.model)
-        model = build_model(task.head, config.model, len(task.labels), seed=config.seed)
+        model = make_model(config, task)
         if config.strategy.startswith("safl"):
             layers = num_layers(parameter_blocks([n for n, _ in model.named_parameters()]))
             if config.top_layers > layers:
@@ -314,6 +327,21 @@ def run_training(config: RunConfig, report: Reporter = _quiet) -> dict[str, Any]
         if policy is not None and not config.resume:
             atomic_write_json(out / "privacy" / "policy.json", policy.describe())
         return _federated(prep, config, train, test, clients, report, policy)
+
+
+def make_model(config: RunConfig, task: Task) -> nn.Module:
+    """The run's starting model (with pfeddc's prompts when the strategy has
+    them): the same weights wherever it is built from the same config."""
+    model = build_model(task.head, config.model, len(task.labels), seed=config.seed)
+    if config.strategy == "pfeddc":
+        add_prompts(model, config.prompt_length, config.prompt_fusion, config.seed)
+        window = model.encoder.config.max_position_embeddings
+        if (config.max_length or 0) + model.prompt.tokens > window:
+            raise ClinfedError(
+                f"--max-length {config.max_length} plus {model.prompt.tokens} prompt vectors "
+                f"exceeds the encoder's {window} positions"
+            )
+    return model
 
 
 def make_task(config: RunConfig, cache_dir: str) -> Task:

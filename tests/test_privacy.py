@@ -19,7 +19,8 @@ from torch import nn
 from clinfed.errors import ProblemLog
 from clinfed.federated.client import apply_plan
 from clinfed.federated.plan import Plan
-from clinfed.models import build_model, load_tokenizer
+from clinfed.federated.strategies.pfeddc import PFedDC
+from clinfed.models import add_prompts, build_model, load_tokenizer
 from clinfed.pipeline import RunConfig, run_training
 from clinfed.privacy.accountant import Mechanism, calibrate_noise, epsilon
 from clinfed.privacy.dpsgd import (
@@ -144,6 +145,8 @@ def test_microbatches_cover_the_batch_once_and_group_by_length():
         ("i2b2", "top", "hooks"),
         ("i2b2", "all", "ghost"),
         ("mimic3", "top", "hooks"),  # chunks folded into admissions
+        ("i2b2", "prompts", "hooks"),  # pfeddc: P_g, P_l, fusion and head jointly
+        ("mimic3", "prompts", "hooks"),
     ],
 )
 def test_dp_step_clips_each_example_jointly(
@@ -163,6 +166,10 @@ def test_dp_step_clips_each_example_jointly(
         examples = encoded.select([*by_length[:2], *by_length[-2:]])
         assert len(task.labels) == 5 and max(len(c) for c in examples["input_ids"]) > 1
     model = build_model(task.head, "tiny", len(task.labels), seed=0)
+    if trainable == "prompts":
+        add_prompts(model, 3, "attention")
+        with torch.no_grad():  # the fusion's output starts at zero: give P_l a gradient
+            model.prompt.fusion.output.weight.normal_(std=0.1)
     _no_dropout(model)
     names = [n for n, _ in model.named_parameters()]
     chosen = frozenset(
@@ -170,6 +177,9 @@ def test_dp_step_clips_each_example_jointly(
         for n in names
         if trainable == "all" or n.startswith(("head.", "encoder.encoder.layer.1."))
     )
+    if trainable == "prompts":
+        chosen = PFedDC().plan(1, "s", names).trainable
+        assert any(n.startswith("prompt.local_prompt.") for n in chosen)
     apply_plan(model, Plan(chosen, chosen, frozenset(names)))
     assert choose_clipping(model, task, "auto") == clipping
     if overhead == 0:  # the step below really runs in several passes

@@ -88,3 +88,19 @@ def test_mimic3_corpus_reads_back_with_everything_the_reader_must_drop(mimic_cor
     assert summary["notes"] > summary["admissions"]  # addenda joined per admission
     assert any(code.startswith("0") for code in summary["label_counts"])
     assert any("." in code for code in summary["label_counts"])
+
+
+def test_strong_heterogeneity_makes_each_i2b2_site_lean_to_its_own_concept_type(tmp_path):
+    def shares(folder, heterogeneity):
+        i2b2_synth.generate(folder, sites=3, docs=10, seed=3, heterogeneity=heterogeneity)
+        docs = read_corpus(folder / "train")
+        result = {}
+        for site in ("beth", "partners", "site3"):
+            mix = Counter(c.type for d in docs if d.site == site for c in d.concepts)
+            result[site] = {t: mix[t] / sum(mix.values()) for t in ("problem", "test", "treatment")}
+        return result
+
+    normal, strong = shares(tmp_path / "normal", "normal"), shares(tmp_path / "strong", "strong")
+    for site, dominant in (("beth", "problem"), ("partners", "test"), ("site3", "treatment")):
+        assert strong[site][dominant] > normal[site][dominant] + 0.1
+        assert strong[site][dominant] == max(strong[site].values())

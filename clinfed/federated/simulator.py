@@ -3,15 +3,18 @@
 One model object serves every site (weights are loaded into it, never
 copied per site), one optimizer is alive at a time, and aggregation keeps a
 running sum, so memory does not grow with the number of sites. Sites that
-keep a model of their own (``local``) keep it on disk in ``RUN/sites/``.
+keep a model of their own (``local``, ``pfeddc``) keep it on disk in
+``RUN/sites/CLIENT.rNNNN.safetensors`` (the round that wrote it), receiving
+only what the strategy's envelope shares from the global state.
 
 Durability: after each round the global weights go to
 ``RUN/checkpoints/round-NNNN.safetensors`` and then ``RUN/state.json`` (the
-commit point: round number, checkpoint name, the client-sampling
-generator's state, strategy state) is replaced atomically. ``--resume`` starts from the
-last committed round, drops any ``metrics.jsonl`` lines of the round that
-was in flight, and restores the sampling generator; every site's own
-randomness is derived from (seed, round, site), so a resumed run ends
+commit point: round number, checkpoint name, each site's own model file,
+the client-sampling generator's state, strategy state) is replaced
+atomically. ``--resume`` starts from the last committed round, drops any
+``metrics.jsonl`` lines of the round that was in flight, and restores the
+sampling generator; every site's own randomness is derived from (seed,
+round, site), so a resumed run ends
 bit-identical to an uninterrupted one on CPU.
 """
 
@@ -98,6 +101,10 @@ class Simulator:
         self.sampling_rng = np.random.default_rng([fed.seed, 1])
         self.global_state = {k: v.detach().clone() for k, v in fed.model.state_dict().items()}
         self.first_round = 1
+        # Sites with a model of their own: the file of each as of the last
+        # committed round, and the files written in the round in flight.
+        self.site_files: dict[str, str] = {}
+        self.pending_files: dict[str, str] = {}
         self.outputs: list = []  # test-set outputs and metrics of the last evaluation
         self.last_metrics: dict[str, Any] = {}
         self.stopped: str | None = None  # why the run ended before its last round
@@ -112,6 +119,7 @@ class Simulator:
         self.global_state = load_file(str(self.out / state["checkpoint"]))
         _restore_rng(state["rng"], self.sampling_rng)
         self.fed.strategy.load_state_dict(state["strategy"], self.global_state)
+        self.site_files = dict(state.get("sites", {}))
         self.first_round = state["round"] + 1
         metrics = self.out / "metrics.jsonl"
         if metrics.exists():  # drop what the interrupted round had written
@@ -128,19 +136,32 @@ class Simulator:
                 "checkpoint": name,
                 "rng": _rng_state(self.sampling_rng),
                 "strategy": self.fed.strategy.state_dict(),
+                "sites": self.site_files | self.pending_files,
             },
         )
+        self.site_files |= self.pending_files
+        self.pending_files = {}
         for old in (self.out / "checkpoints").glob("round-*.safetensors"):
             if old.name != Path(name).name:
                 old.unlink()
+        # A site file superseded by the commit is no longer anyone's state.
+        kept = set(self.site_files.values())
+        for old in (self.out / "sites").glob("*.safetensors"):
+            if old.name not in kept:
+                old.unlink()
 
     # --------------------------------------------------------------- round
-    def _site_start(self, client: str) -> dict[str, torch.Tensor]:
-        """The weights a client starts the round from."""
+    def _site_start(self, client: str, round_number: int) -> dict[str, torch.Tensor]:
+        """The weights a client starts ``round_number`` from (or is evaluated
+        with after the round before): the global model, or the site's own
+        with the shared part (the envelope's downloads) taken from it."""
         if self.fed.strategy.shares_model:
             return self.global_state
-        own = self.out / "sites" / f"{client}.safetensors"
-        return load_file(str(own)) if own.exists() else self.global_state
+        name = self.pending_files.get(client) or self.site_files.get(client)
+        own = load_file(str(self.out / "sites" / name)) if name else dict(self.global_state)
+        for shared in self.fed.strategy.envelope(round_number, self.names).downloaded:
+            own[shared] = self.global_state[shared]
+        return own
 
     def run_round(self, round_number: int) -> dict[str, Any] | None:
         """One round; ``None`` when every sampled site refused to train."""
@@ -169,7 +190,7 @@ class Simulator:
                 privacy = {"epsilon": ledger.record(round_number, mechanisms)}
             trained += 1
             self.report("site_start", {"round": round_number, "client": client})
-            fed.model.load_state_dict(self._site_start(client))
+            fed.model.load_state_dict(self._site_start(client, round_number))
             local = fed.train.select(fed.clients[client])
             chosen = fed.strategy.select(round_number, client, fed.model, fed.task, local)
             plan = fed.strategy.plan(round_number, client, self.names)
@@ -184,10 +205,12 @@ class Simulator:
                 # The server averages exactly what came over the wire.
                 aggregator.add(payload.decode(up), result.num_examples)
             if not fed.strategy.shares_model:
+                own = f"{client}.r{round_number:04d}.safetensors"
                 _save_weights(
                     {k: v.detach().clone() for k, v in fed.model.state_dict().items()},
-                    self.out / "sites" / f"{client}.safetensors",
+                    self.out / "sites" / own,
                 )
+                self.pending_files[client] = own
             record = (
                 {
                     "round": round_number,
@@ -223,15 +246,7 @@ class Simulator:
             fed.model.load_state_dict(self.global_state)
             outputs = predict(fed.model, fed.task, fed.test, fed.eval_batch_size)
         else:  # each site's own model on its own held-out examples
-            outputs = [None] * len(fed.test)
-            sites = np.asarray(fed.test["site"])
-            for site in sorted(set(sites.tolist())):
-                idx = np.flatnonzero(sites == site)
-                fed.model.load_state_dict(self._site_start(site))
-                for i, out in zip(
-                    idx, predict(fed.model, fed.task, fed.test.select(idx), fed.eval_batch_size)
-                ):
-                    outputs[i] = out
+            outputs = self._personal_outputs(round_number)
         metrics = fed.task.evaluate(fed.test_records, fed.test, outputs)
         self.outputs = outputs
         record = {
@@ -240,8 +255,35 @@ class Simulator:
             "eval_seconds": round(time.perf_counter() - started, 3),
         }
         record |= {k: v for k, v in metrics.items() if k not in ("f1", "scores")}
+        prompt = getattr(fed.model, "prompt", None)
+        if prompt is not None and prompt.local_prompt is not None:
+            # pfeddc: the global prompt alone (each site's own head), beside
+            # the personalized figure above.
+            prompt.global_only = True
+            try:
+                alone = fed.task.evaluate(
+                    fed.test_records, fed.test, self._personal_outputs(round_number)
+                )
+            finally:
+                prompt.global_only = False
+            record["global_prompt_f1"] = alone["f1"]
+            record["global_prompt_per_site_f1"] = alone.get("per_site_f1")
         self.last_metrics = metrics
         return record
+
+    def _personal_outputs(self, round_number: int) -> list:
+        """Test outputs of each site's own model on its own held-out examples."""
+        fed = self.fed
+        outputs: list = [None] * len(fed.test)
+        sites = np.asarray(fed.test["site"])
+        for site in sorted(set(sites.tolist())):
+            idx = np.flatnonzero(sites == site)
+            fed.model.load_state_dict(self._site_start(site, round_number + 1))
+            for i, out in zip(
+                idx, predict(fed.model, fed.task, fed.test.select(idx), fed.eval_batch_size)
+            ):
+                outputs[i] = out
+        return outputs
 
     def run(self) -> dict[str, Any]:
         record: dict[str, Any] = {}

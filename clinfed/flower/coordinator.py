@@ -33,8 +33,8 @@ from safetensors.torch import save_file
 from clinfed.errors import ClinfedError
 from clinfed.federated import payload
 from clinfed.federated.aggregation import Aggregator
-from clinfed.models import build_model, load_tokenizer, save_model
-from clinfed.pipeline import RunConfig, make_strategy, make_task
+from clinfed.models import load_tokenizer, save_model
+from clinfed.pipeline import RunConfig, make_model, make_strategy, make_task
 from clinfed.privacy.accountant import ACCOUNTANT, Mechanism
 from clinfed.privacy.policy import PATIENT_CAVEAT, UNIT
 from clinfed.runs import append_jsonl, atomic_write_json, create_run_folder, ensure_new_run_folder
@@ -159,7 +159,7 @@ class Coordinator:
         self.out = Path(config.out)
         self.run_name = self.out.name
         self.task = make_task(config, "")
-        self.model = build_model(self.task.head, config.model, len(self.task.labels), config.seed)
+        self.model = make_model(config, self.task)
         self.global_state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         self.names = [n for n, _ in self.model.named_parameters()]
         self.synced: dict[int, int] = {}  # node id -> last round whose reply was averaged in
@@ -186,6 +186,9 @@ class Coordinator:
         instructions = {}
         for node in nodes:
             in_sync = self.synced.get(node) == round_number - 1
+            # A site with a model of its own (local, pfeddc) never takes more
+            # than the shared part: the rest of the server's copy is not its.
+            in_sync = in_sync or not self.shares_model
             names = downloaded if in_sync else frozenset(self.global_state)
             settings = {
                 "run_name": self.run_name,
@@ -286,6 +289,7 @@ class Coordinator:
             # (SAFL's strategy object carries the public probe set; the
             # server never profiles with it.)
             strategy = make_strategy(config, self.task, tokenizer, cache)
+        self.shares_model = strategy.shares_model
         strategy.observe(0, self.global_state)
         traffic_up = traffic_down = site_rounds = 0
         last_eval: dict[str, Any] = {}

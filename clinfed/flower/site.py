@@ -43,10 +43,11 @@ from safetensors.torch import load_file
 from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.federated import payload
 from clinfed.federated.client import client_update, site_generator
-from clinfed.models import build_model, load_tokenizer
+from clinfed.models import load_tokenizer
 from clinfed.pipeline import (
     RunConfig,
     local_settings,
+    make_model,
     make_strategy,
     make_task,
     privacy_policy,
@@ -140,7 +141,7 @@ class Site:
         )
         if len(self.train) == 0:
             raise ClinfedError(f"{node.data}: no training examples for site {self.name}")
-        self.model = build_model(self.task.head, config.model, len(self.task.labels), config.seed)
+        self.model = make_model(config, self.task)
         if self.model_path.exists():
             self.model.load_state_dict(load_file(str(self.model_path)))
         self.names = [n for n, _ in self.model.named_parameters()]

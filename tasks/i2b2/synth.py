@@ -314,6 +314,7 @@ TEST_ONLY_RATE = 0.25
 # Templates. Slots: {P} problem, {T} test, {R} treatment, {E} electrolyte,
 # {C} clinic (not a concept), {N} a number. "P" slots carry an assertion.
 # --------------------------------------------------------------------------
+HETEROGENEITY = ("normal", "strong")
 STYLE_TEMPLATES = [
     {  # 0: abbreviating academic centre ("beth")
         "headers": [
@@ -466,7 +467,15 @@ class _DocumentWriter:
         pool = self.style["sentences"]
         if rng.random() < self.test_only_rate:
             pool = TEST_ONLY_SENTENCES
-        template, kind = rng.choice(pool)
+        if "skew" in self.style:
+            # Strongly heterogeneous sites: sentences are drawn by how many
+            # slots of the site's dominant concept type they hold.
+            weights = [
+                1.0 + self.style["skew"] * t.split().count(self.style["dominant"]) for t, _ in pool
+            ]
+            template, kind = rng.choices(pool, weights=weights)[0]
+        else:
+            template, kind = rng.choice(pool)
         line = _Line()
         for piece in template.split():
             slot = piece if piece in _SLOTS else None
@@ -606,6 +615,7 @@ def generate(
     seed: int = 0,
     test_fraction: float = 0.25,
     sentences: int = 24,
+    heterogeneity: str = "normal",
 ) -> dict[str, int]:
     """Write a synthetic corpus to ``out``; return documents written per split.
 
@@ -617,7 +627,14 @@ def generate(
         Documents per site, train and test together.
     test_fraction
         Share of each site's documents written to ``test/`` (held out).
+    heterogeneity
+        ``normal``, or ``strong``: each site's notes lean hard towards one
+        concept type (problems, tests, treatments in turn: sentences with
+        its slots are drawn up to 9 times as often) and abbreviation habits
+        are pushed to the extremes (95%, never, 50%).
     """
+    if heterogeneity not in HETEROGENEITY:
+        raise ValueError(f"heterogeneity must be one of {', '.join(HETEROGENEITY)}")
     out = Path(out)
     rng = random.Random(seed)
     lexicon = _split_lexicon(random.Random(f"lexicon:{seed}"))
@@ -625,6 +642,12 @@ def generate(
     for s in range(sites):
         site = _site_name(s)
         style = STYLE_TEMPLATES[s % len(STYLE_TEMPLATES)]
+        if heterogeneity == "strong":
+            style = style | {
+                "skew": 8.0,
+                "dominant": ("{P}", "{T}", "{R}")[s % 3],
+                "abbreviate": (0.95, 0.0, 0.5)[s % 3],
+            }
         n_test = max(1, round(docs * test_fraction))
         for d in range(docs):
             split = "test" if d >= docs - n_test else "train"

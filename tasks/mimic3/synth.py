@@ -295,18 +295,22 @@ def _csv_text(header: list[str], rows: list[list], full_release: bool) -> str:
     return buf.getvalue()
 
 
+HETEROGENEITY = ("normal", "strong")
+
+
 class _Site:
-    def __init__(self, index: int, rng: random.Random):
+    def __init__(self, index: int, rng: random.Random, strong: bool = False):
         self.index, self.rng = index, rng
         self.sections = SECTIONS[index % len(SECTIONS)]
-        self.abbreviate = (0.6, 0.15, 0.35)[index % 3]
+        self.abbreviate = ((0.95, 0.0, 0.5) if strong else (0.6, 0.15, 0.35))[index % 3]
+        spread = 1.5 if strong else 0.7  # how far case mixes drift apart
         # Case mix: a Zipf-like base rate per code, scaled per site.
         codes = sorted(ALL_CODES)
         base = {
             c: 0.35 / (1 + i) ** 0.6
             for i, c in enumerate(random.Random(7).sample(codes, len(codes)))
         }
-        self.prevalence = {c: min(0.7, p * rng.lognormvariate(0, 0.7)) for c, p in base.items()}
+        self.prevalence = {c: min(0.7, p * rng.lognormvariate(0, spread)) for c, p in base.items()}
 
     def form(self, code: str, test: bool) -> str:
         forms = ALL_CODES[code][1]
@@ -386,6 +390,7 @@ def generate(
     seed: int = 0,
     test_fraction: float = 0.25,
     canary: str | None = None,
+    heterogeneity: str = "normal",
 ) -> dict[str, int]:
     """Write ``out/site<i>/`` folders; return admissions written per split.
 
@@ -396,14 +401,20 @@ def generate(
     canary
         A string planted in every discharge summary, so tests can prove that
         note text never reaches a log, report or error.
+    heterogeneity
+        ``normal``, or ``strong``: case mixes drift much further apart
+        (per-code prevalence scaled by a log-normal of sigma 1.5, not 0.7)
+        and abbreviation habits are pushed to the extremes.
     """
+    if heterogeneity not in HETEROGENEITY:
+        raise ValueError(f"heterogeneity must be one of {', '.join(HETEROGENEITY)}")
     out = Path(out)
     rng = random.Random(seed)
     counts = {"train": 0, "test": 0}
     row_id = hadm = 100000
     subject = 1000
     for s in range(sites):
-        site = _Site(s, random.Random(f"{seed}:site:{s}"))
+        site = _Site(s, random.Random(f"{seed}:site:{s}"), heterogeneity == "strong")
         notes, diagnoses, procedures, split_ids = [], [], [], {"train": [], "test": []}
         made = 0
         while made < docs:

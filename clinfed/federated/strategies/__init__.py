@@ -8,6 +8,7 @@ from clinfed.federated.strategies.fedavg import FedAvg
 from clinfed.federated.strategies.fedfrozen import FedFrozen
 from clinfed.federated.strategies.fedprox import FedProx
 from clinfed.federated.strategies.local import Local
+from clinfed.federated.strategies.pfeddc import PFedDC
 from clinfed.federated.strategies.safl import SAFL
 
 STRATEGIES: dict[str, type[Strategy]] = {
@@ -17,6 +18,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "fedfrozen": FedFrozen,
     "safl": SAFL,
     "safl+fedfrozen": SAFL,
+    "pfeddc": PFedDC,
 }
 
 
