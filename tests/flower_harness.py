@@ -47,9 +47,9 @@ class LocalFederation:
         self.processes.append(process)
         return process
 
-    def start_superlink(self) -> None:
+    def start_superlink(self, node_auth: bool = False) -> None:
         command = deploy.superlink_command(
-            certs=self.certs, insecure=self.certs is None, port=self.port
+            certs=self.certs, insecure=self.certs is None, port=self.port, node_auth=node_auth
         )
         self._start(command, self.root / "superlink.log", deploy.environment(self.home))
         deadline = time.monotonic() + 60
@@ -60,7 +60,7 @@ class LocalFederation:
             time.sleep(0.3)
         raise RuntimeError("SuperLink did not start; see superlink.log")
 
-    def start_node(self, site: str, data: Path, threads: int = 1) -> None:
+    def start_node(self, site: str, data: Path, threads: int = 1, key: Path | None = None) -> None:
         state = self.root / "state" / site
         command = deploy.supernode_command(
             self.address,
@@ -69,11 +69,26 @@ class LocalFederation:
             site=site,
             root_cert=None if self.certs is None else self.certs / "ca.crt",
             insecure=self.certs is None,
+            key=key,
             port=free_port(),
             threads=threads,
         )
         env = deploy.environment(self.root / "node-homes" / site)
         self.nodes[site] = self._start(command, self.root / f"node-{site}.log", env)
+
+    def _cli_home(self) -> Path:
+        deploy.write_connection(
+            self.home / "cli",
+            self.address,
+            None if self.certs is None else self.certs / "ca.crt",
+            self.certs is None,
+        )
+        return self.home / "cli"
+
+    def flwr(self, command: list[str]) -> subprocess.CompletedProcess:
+        """A ``flwr`` CLI command against this SuperLink."""
+        env = deploy.environment(self._cli_home())
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
 
     def kill_node(self, site: str) -> None:
         """SIGKILL a node and everything it started (a machine going down)."""
@@ -90,12 +105,7 @@ class LocalFederation:
         on_line=None,
     ) -> subprocess.Popen:
         """``flwr run`` of a clinfed run; its output lines go to ``self.lines``."""
-        deploy.write_connection(
-            self.home / "cli",
-            self.address,
-            None if self.certs is None else self.certs / "ca.crt",
-            self.certs is None,
-        )
+        self._cli_home()
         overrides = self.root / "run.toml"
         overrides.write_text(deploy.run_overrides(config, min_sites, round_timeout, 0, 120))
         process = subprocess.Popen(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,8 +18,13 @@ from clinfed.cli import main
 from clinfed.errors import ClinfedError
 from clinfed.federated.strategies import get_strategy
 from clinfed.flower.coordinator import check_upload
-from clinfed.flower.deploy import flower_run_config, make_certificates
-from clinfed.flower.site import NodeConfig
+from clinfed.flower.deploy import (
+    flower_run_config,
+    make_certificates,
+    make_node_key,
+    register_command,
+)
+from clinfed.flower.site import NodeConfig, Site
 from clinfed.pipeline import RunConfig, run_training
 from clinfed.privacy.accountant import Mechanism, epsilon
 from clinfed.runs import read_jsonl
@@ -261,3 +267,58 @@ def test_a_killed_node_is_tolerated_and_rejoins_with_its_ledger(tmp_path):
     # The last epsilon accounts for everything recorded before the kill too.
     assert after[-1]["epsilon"] == pytest.approx(epsilon(mechanisms, config.delta), rel=1e-9)
     assert json.loads((Path(config.out) / "summary.json").read_text())["f1"] >= 0.0
+
+
+def _site(i2b2_corpus, tmp_path, max_epsilon, **settings):
+    config = flower_run_config(
+        {"task": "i2b2", "model": "tiny", "strategy": "fedavg", "max_length": 32} | settings,
+        tmp_path / "run",
+    )
+    node = NodeConfig(i2b2_corpus, tmp_path / "state", site="beth", max_epsilon=max_epsilon)
+    return Site(config, node, "run")
+
+
+def test_a_node_refuses_rounds_past_its_own_budget_whatever_the_server_asks(i2b2_corpus, tmp_path):
+    site = _site(i2b2_corpus, tmp_path, max_epsilon=0.5, target_epsilon=8.0)
+    try:
+        upload, record = site.train_round(1, {})
+        assert upload == {} and record["refused"] == "privacy budget"
+        assert record["epsilon_if_trained"] > 0.5
+        assert not (tmp_path / "state" / "run" / "privacy" / "beth.jsonl").exists()
+    finally:
+        site.close()
+
+
+def test_a_node_with_a_budget_refuses_a_run_without_dp(i2b2_corpus, tmp_path):
+    with pytest.raises(ClinfedError, match="without DP"):
+        _site(i2b2_corpus, tmp_path, max_epsilon=2.0)
+
+
+def test_supernode_authentication_lets_only_registered_keys_in(i2b2_corpus, tmp_path):
+    certs = tmp_path / "certs"
+    make_certificates(certs, ["127.0.0.1"])
+    beth_key, beth_pub = make_node_key(tmp_path / "keys", "beth")
+    intruder_key, _ = make_node_key(tmp_path / "keys", "intruder")
+    (tmp_path / "deploy").mkdir()
+    federation = LocalFederation(tmp_path / "deploy", certs=certs)
+    try:
+        federation.start_superlink(node_auth=True)
+        registered = federation.flwr(register_command(beth_pub))
+        assert registered.returncode == 0, registered.stdout + registered.stderr
+        federation.start_node("beth", i2b2_corpus, key=beth_key)
+        federation.start_node("intruder", i2b2_corpus, key=intruder_key)
+        deadline = time.monotonic() + 60
+        listed: list = []
+        while time.monotonic() < deadline:
+            shown = federation.flwr(["flwr", "supernode", "list", "clinfed", "--format", "json"])
+            listed = [n for n in json.loads(shown.stdout).get("nodes", []) if "online" in str(n)]
+            if listed:
+                break
+            time.sleep(1)
+        time.sleep(3)  # give the intruder time to try
+    finally:
+        federation.close()
+    assert len(listed) == 1
+    beth_log = (tmp_path / "deploy" / "node-beth.log").read_bytes()
+    intruder_log = (tmp_path / "deploy" / "node-intruder.log").read_bytes()
+    assert b"SuperNode ID" in beth_log and b"SuperNode ID" not in intruder_log

@@ -146,6 +146,12 @@ class Site:
             self.model.load_state_dict(load_file(str(self.model_path)))
         self.names = [n for n, _ in self.model.named_parameters()]
         self.policy: PrivacyPolicy | None = None
+        if node.max_epsilon is not None and not config.dp:
+            # A node with a budget trains under DP or not at all.
+            raise ClinfedError(
+                f"this site has max-epsilon {node.max_epsilon:g}; the run asks for training "
+                "without DP: refused"
+            )
         if config.dp:
             self.policy = privacy_policy(
                 config, {self.name: len(self.train)}, self.folder / "privacy"
