@@ -25,6 +25,8 @@ import statistics
 import time
 from pathlib import Path
 
+from campaign import SIZES as CAMPAIGN_SIZES  # benchmarks/campaign.py, beside this file
+
 from clinfed.pipeline import RunConfig, run_training
 from clinfed.quiet import quiet_libraries
 from clinfed.runs import atomic_write_json, atomic_write_text, read_jsonl
@@ -38,15 +40,8 @@ CONFIGS: dict[str, dict] = {
     "pfeddc, no fusion (concat)": {"strategy": "pfeddc", "prompt_fusion": "concat", **PROMPT_RATES},
     "pfeddc, no local prompt": {"strategy": "pfeddc", "prompt_fusion": "global", **PROMPT_RATES},
 }
-SIZES = {
-    "i2b2": {"docs": 12, "rounds": 8, "max_length": 96, "extra": {"lr": 3e-4}},
-    "mimic3": {
-        "docs": 24,
-        "rounds": 8,
-        "max_length": 96,
-        "extra": {"top_k": 10, "max_chunks": 2, "local_epochs": 2, "lr": 2e-4},
-    },
-}
+# The same sizes as the SAFL/FedFrozen campaign, so the figures sit side by side.
+SIZES = CAMPAIGN_SIZES
 QUICK = {
     "i2b2": {"docs": 6, "rounds": 2, "max_length": 48, "extra": {}},
     "mimic3": {"docs": 16, "rounds": 2, "max_length": 64, "extra": {"top_k": 5, "max_chunks": 2}},

@@ -2,8 +2,10 @@
 
 Blocks: ``embeddings``; per encoder layer ``i`` the attention ``query_key``
 (the attention kernel, which FedFrozen freezes), ``value`` and ``rest``
-(attention output, feed-forward, layer norms); and ``head``. Names are read
-for BERT, RoBERTa (same module names as BERT) and DistilBERT.
+(attention output, feed-forward, layer norms); ``head``; and for pfeddc's
+prompts ``global_prompt`` (P_g, shared) and ``local_prompt`` (P_l and the
+fusion block, never shared). Names are read for BERT, RoBERTa (same module
+names as BERT) and DistilBERT.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import datasets
 import numpy as np
@@ -41,6 +42,24 @@ class ClientResult:
     seconds: float
     trainable_params: int
     clipping: str | None = None  # DP-SGD's clipping mode, None without DP
+
+    def record(self, round_number: int, site: str, bytes_up: int) -> dict[str, Any]:
+        """The site's line of ``metrics.jsonl`` for this round (both runners)."""
+        record = {
+            "round": round_number,
+            "client": site,
+            "bytes_up": bytes_up,
+            "trainable_params": self.trainable_params,
+            "uploaded_params": sum(t.numel() for t in self.upload.values()),
+            "examples": self.num_examples,
+            "train_tokens": sum(s.tokens for s in self.stats),
+            "wall_s": round(self.seconds, 3),
+        }
+        if self.clipping is None:
+            # The training loss is computed on private examples; under DP it
+            # is not released (it is not covered by the accounting).
+            record["train_loss"] = self.stats[-1].loss
+        return record
 
 
 def site_key(site: str) -> int:

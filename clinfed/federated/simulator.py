@@ -211,25 +211,9 @@ class Simulator:
                     self.out / "sites" / own,
                 )
                 self.pending_files[client] = own
-            record = (
-                {
-                    "round": round_number,
-                    "client": client,
-                    "bytes_up": len(up) if plan.uploaded else 0,
-                    "bytes_down": len(down) if plan.downloaded else 0,
-                    "trainable_params": result.trainable_params,
-                    "uploaded_params": sum(t.numel() for t in result.upload.values()),
-                    "examples": result.num_examples,
-                    "train_tokens": sum(s.tokens for s in result.stats),
-                    "wall_s": round(result.seconds, 3),
-                }
-                | chosen
-                | privacy
-            )
-            if dp is None:
-                # The training loss is computed on private examples; under DP
-                # it is not released (it is not covered by the accounting).
-                record["train_loss"] = result.stats[-1].loss
+            record = result.record(round_number, client, len(up) if plan.uploaded else 0)
+            record["bytes_down"] = len(down) if plan.downloaded else 0
+            record |= chosen | privacy
             append_jsonl(self.out / "metrics.jsonl", record)
             self.report("site_end", record)
         if not trained:

@@ -235,22 +235,8 @@ class Site:
         state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         atomic_write_bytes(self.model_path, payload.encode(state))
         upload = result.upload
-        record = (
-            {
-                "round": round_number,
-                "client": self.name,
-                "bytes_up": len(payload.encode(upload)) if plan.uploaded else 0,
-                "trainable_params": result.trainable_params,
-                "uploaded_params": sum(t.numel() for t in upload.values()),
-                "examples": result.num_examples,
-                "train_tokens": sum(s.tokens for s in result.stats),
-                "wall_s": round(result.seconds, 3),
-            }
-            | chosen
-            | privacy
-        )
-        if dp is None:
-            record["train_loss"] = result.stats[-1].loss
+        bytes_up = len(payload.encode(upload)) if plan.uploaded else 0
+        record = result.record(round_number, self.name, bytes_up) | chosen | privacy
         return upload, record
 
     def ledger_report(self) -> dict[str, Any] | None:
