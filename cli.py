@@ -446,6 +446,12 @@ def train(
     prompt_length: int = typer.Option(
         8, "--prompt-length", help="pfeddc: vectors in the global and in the local prompt."
     ),
+    prompt_depth: int = typer.Option(
+        1,
+        "--prompt-depth",
+        help="pfeddc: encoder layers that get prompts of their own (1: the input only; up to "
+        "the layer count: deep prompts).",
+    ),
     prompt_fusion: PromptFusion = typer.Option(
         PromptFusion.attention,
         "--prompt-fusion",
@@ -525,6 +531,7 @@ def train(
         profile_examples=profile_examples,
         prompt_length=prompt_length,
         prompt_fusion=prompt_fusion.value,
+        prompt_depth=prompt_depth,
         target_epsilon=target_epsilon,
         delta=delta,
         noise_multiplier=noise_multiplier,

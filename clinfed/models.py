@@ -232,7 +232,9 @@ def build_model(head: str, spec: str, num_labels: int, seed: int = 0) -> nn.Modu
     return HEADS[head](encoder, num_labels)
 
 
-def add_prompts(model: nn.Module, length: int, fusion: str, seed: int = 0) -> nn.Module:
+def add_prompts(
+    model: nn.Module, length: int, fusion: str, seed: int = 0, depth: int = 1
+) -> nn.Module:
     """Attach pFedDC's global/local prompts (``clinfed.prompts``) to ``model``.
 
     The prompts' vectors count against the encoder's window: ``length`` (or
@@ -240,7 +242,10 @@ def add_prompts(model: nn.Module, length: int, fusion: str, seed: int = 0) -> nn
     position table.
     """
     torch.manual_seed(seed + 1)  # distinct from the head's initialisation
-    model.prompt = DualPrompt(model.encoder.config.hidden_size, length, fusion)
+    layers = model.encoder.config.num_hidden_layers
+    if depth > layers:
+        raise ClinfedError(f"--prompt-depth {depth} exceeds the encoder's {layers} layers")
+    model.prompt = DualPrompt(model.encoder.config.hidden_size, length, fusion, depth)
     return model
 
 
@@ -249,7 +254,7 @@ def prompt_meta(model: nn.Module) -> dict[str, Any] | None:
     prompt = getattr(model, "prompt", None)
     if prompt is None:
         return None
-    return {"length": prompt.length, "fusion": prompt.fusion_mode}
+    return {"length": prompt.length, "fusion": prompt.fusion_mode, "depth": prompt.depth}
 
 
 def save_model(model: nn.Module, folder: Path, meta: dict[str, Any], tokenizer) -> None:
@@ -281,7 +286,8 @@ def load_saved_model(folder: Path) -> tuple[nn.Module, Any, dict[str, Any]]:
     encoder = AutoModel.from_config(config, **kwargs)
     model = HEADS[meta["head"]](encoder, len(meta["labels"]))
     if meta.get("prompt"):
-        add_prompts(model, meta["prompt"]["length"], meta["prompt"]["fusion"])
+        spec = meta["prompt"]
+        add_prompts(model, spec["length"], spec["fusion"], depth=spec.get("depth", 1))
     model.load_state_dict(load_file(str(folder / "model.safetensors")))
     tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer", local_files_only=True)
     return model, tokenizer, meta

@@ -104,6 +104,7 @@ class RunConfig:
     profile_examples: int = 16
     prompt_length: int = 8  # pfeddc: vectors in each of P_g and P_l
     prompt_fusion: str = "attention"  # pfeddc: attention | concat | global (ablations)
+    prompt_depth: int = 1  # pfeddc: encoder layers with a prompt of their own (1: input only)
     resume: bool = False
     # privacy (DP-SGD at every site; off unless a target or a noise is given)
     target_epsilon: float | None = None
@@ -147,6 +148,8 @@ class RunConfig:
             raise ClinfedError(f"--prompt-fusion must be one of {', '.join(FUSIONS)}")
         if not 1 <= self.prompt_length <= 128:
             raise ClinfedError("--prompt-length must be between 1 and 128")
+        if self.prompt_depth < 1:
+            raise ClinfedError("--prompt-depth must be at least 1")
         if not 0 < self.fraction <= 1:
             raise ClinfedError("--fraction must be in (0, 1]")
         if self.partition not in PARTITIONS:
@@ -334,7 +337,9 @@ def make_model(config: RunConfig, task: Task) -> nn.Module:
     them): the same weights wherever it is built from the same config."""
     model = build_model(task.head, config.model, len(task.labels), seed=config.seed)
     if config.strategy == "pfeddc":
-        add_prompts(model, config.prompt_length, config.prompt_fusion, config.seed)
+        add_prompts(
+            model, config.prompt_length, config.prompt_fusion, config.seed, config.prompt_depth
+        )
         window = model.encoder.config.max_position_embeddings
         if (config.max_length or 0) + model.prompt.tokens > window:
             raise ClinfedError(

@@ -20,6 +20,14 @@ P_l]`` prepended, no fusion block), ``global`` (ablation: ``P_g`` only, no
 local prompt). :attr:`DualPrompt.global_only` evaluates a site's model with
 ``P_g`` in place of the fused prompt.
 
+Depth: with ``depth=1`` the prompt enters at the input only. With ``depth``
+up to the encoder's layer count, the first ``depth`` layers each get a
+prompt of their own (deep prompts, as in VPT-deep / P-Tuning v2): the
+hidden states at the prompt positions are replaced by that layer's prompt
+before the layer runs, so a small frozen encoder can be steered at every
+depth. Each layer has its own ``P_g`` and ``P_l`` tables; the fusion block
+is shared by all layers.
+
 Prompts are ``nn.Embedding`` tables indexed by position and the fusion is
 made of ``nn.Linear`` layers, so Opacus computes per-example gradients for
 every trainable part and DP-SGD covers them all.
@@ -58,22 +66,23 @@ class DualPrompt(nn.Module):
     """Global and local prompts and their fusion; ``forward(rows)`` returns the
     ``(rows, tokens, hidden)`` prompt prepended to every encoder row."""
 
-    def __init__(self, hidden: int, length: int = 8, fusion: str = "attention"):
+    def __init__(self, hidden: int, length: int = 8, fusion: str = "attention", depth: int = 1):
         super().__init__()
         if fusion not in FUSIONS:
             raise ValueError(f"prompt fusion must be one of {', '.join(FUSIONS)}")
-        if length < 1:
-            raise ValueError("prompt length must be at least 1")
-        self.length, self.fusion_mode = length, fusion
-        self.global_prompt = nn.Embedding(length, hidden)
-        nn.init.normal_(self.global_prompt.weight, std=0.02)
-        self.local_prompt = None
-        self.fusion = None
-        if fusion != "global":
-            self.local_prompt = nn.Embedding(length, hidden)
-            nn.init.normal_(self.local_prompt.weight, std=0.02)
-        if fusion == "attention":
-            self.fusion = CrossAttentionFusion(hidden)
+        if length < 1 or depth < 1:
+            raise ValueError("prompt length and depth must be at least 1")
+        self.length, self.fusion_mode, self.depth = length, fusion, depth
+
+        def tables() -> nn.ModuleList:
+            layers = nn.ModuleList(nn.Embedding(length, hidden) for _ in range(depth))
+            for table in layers:
+                nn.init.normal_(table.weight, std=0.02)
+            return layers
+
+        self.global_prompt = tables()
+        self.local_prompt = tables() if fusion != "global" else None
+        self.fusion = CrossAttentionFusion(hidden) if fusion == "attention" else None
         self.global_only = False
 
     @property
@@ -82,13 +91,14 @@ class DualPrompt(nn.Module):
         doubled = self.fusion_mode == "concat" and not self.global_only
         return 2 * self.length if doubled else self.length
 
-    def forward(self, rows: int) -> torch.Tensor:
-        positions = torch.arange(self.length, device=self.global_prompt.weight.device)
+    def forward(self, rows: int, layer: int = 0) -> torch.Tensor:
+        table = self.global_prompt[layer]
+        positions = torch.arange(self.length, device=table.weight.device)
         index = positions.unsqueeze(0).expand(rows, self.length)
-        global_prompt = self.global_prompt(index)
+        global_prompt = table(index)
         if self.local_prompt is None or self.global_only:
             return global_prompt
-        local_prompt = self.local_prompt(index)
+        local_prompt = self.local_prompt[layer](index)
         if self.fusion is None:
             return torch.cat([global_prompt, local_prompt], dim=1)
         return self.fusion(global_prompt, local_prompt)
@@ -113,4 +123,35 @@ def encode_with_prompt(
         kwargs["position_ids"] = positions.unsqueeze(0).expand(rows, -1).contiguous()
     if "token_type_ids" in inputs:
         kwargs["token_type_ids"] = input_ids.new_zeros(rows, extra + length)
-    return encoder(**kwargs).last_hidden_state[:, extra:]
+    hooks = []
+    for depth, layer in enumerate(encoder_layers(encoder)[1 : prompt.depth], start=1):
+
+        def deep(module, args, kwargs, depth=depth):
+            # Replace the prompt positions' states by this layer's prompt.
+            del module
+            hidden = args[0] if args else kwargs["hidden_states"]
+            fresh = torch.cat([prompt(rows, depth).to(hidden.dtype), hidden[:, extra:]], dim=1)
+            if args:
+                return (fresh, *args[1:]), kwargs
+            return args, kwargs | {"hidden_states": fresh}
+
+        hooks.append(layer.register_forward_pre_hook(deep, with_kwargs=True))
+    try:
+        return encoder(**kwargs).last_hidden_state[:, extra:]
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def encoder_layers(encoder: nn.Module) -> list[nn.Module]:
+    """The transformer layers of a BERT-style (``encoder.layer``) or
+    DistilBERT-style (``transformer.layer``) encoder, in order."""
+    for path in ("encoder.layer", "transformer.layer"):
+        module = encoder
+        for part in path.split("."):
+            module = getattr(module, part, None)
+            if module is None:
+                break
+        if module is not None:
+            return list(module)
+    raise ValueError("deep prompts need an encoder with encoder.layer or transformer.layer")

@@ -24,10 +24,12 @@ from .test_cli import run_cli
 
 
 def test_only_the_global_prompt_travels_and_it_is_under_1pct_of_fedavg_for_minilm():
-    model = add_prompts(build_model("token", "minilm", 7), 8, "attention")
+    model = add_prompts(build_model("token", "minilm", 7), 8, "attention", depth=6)
     names = [n for n, _ in model.named_parameters()]
     plan = PFedDC().plan(3, "beth", names)
-    assert plan.uploaded == plan.downloaded == {"prompt.global_prompt.weight"}
+    assert (
+        plan.uploaded == plan.downloaded == {f"prompt.global_prompt.{i}.weight" for i in range(6)}
+    )
     assert {block_of(n) for n in plan.trainable} >= {GLOBAL_PROMPT, LOCAL_PROMPT}
     assert not any(n.startswith("encoder.") for n in plan.trainable)  # frozen encoder
     params = dict(model.named_parameters())
@@ -39,7 +41,7 @@ def test_only_the_global_prompt_travels_and_it_is_under_1pct_of_fedavg_for_minil
 def test_fusion_starts_from_the_global_prompt_and_modes_change_the_prompt_length():
     prompt = DualPrompt(16, length=4, fusion="attention")
     index = torch.arange(4).unsqueeze(0)
-    assert torch.equal(prompt(1), prompt.global_prompt(index))  # W_o = 0 at start
+    assert torch.equal(prompt(1), prompt.global_prompt[0](index))  # W_o = 0 at start
     assert DualPrompt(16, 4, "concat")(2).shape == (2, 8, 16)
     alone = DualPrompt(16, 4, "global")
     assert alone.local_prompt is None and alone(3).shape == (3, 4, 16)
@@ -48,10 +50,26 @@ def test_fusion_starts_from_the_global_prompt_and_modes_change_the_prompt_length
     assert concat.tokens == 4 and concat(1).shape == (1, 4, 16)
 
 
+def test_deep_prompts_steer_every_layer_and_leave_no_hooks_behind():
+    torch.manual_seed(0)
+    ids = torch.tensor([[2, 5, 6, 7, 3]])
+    mask = torch.ones_like(ids)
+    shallow = add_prompts(build_model("token", "tiny", 7), 3, "attention", depth=1).eval()
+    deep = add_prompts(build_model("token", "tiny", 7), 3, "attention", depth=2).eval()
+    deep.prompt.global_prompt[0].load_state_dict(shallow.prompt.global_prompt[0].state_dict())
+    assert not torch.allclose(shallow(ids, mask), deep(ids, mask))
+    with torch.no_grad():  # the second layer's prompt reaches the output
+        before = deep(ids, mask)
+        deep.prompt.global_prompt[1].weight.add_(1.0)
+        assert not torch.allclose(before, deep(ids, mask))
+    layers = deep.encoder.encoder.layer
+    assert all(not layer._forward_pre_hooks for layer in layers)
+
+
 def test_prompted_model_is_saved_and_rebuilt(tmp_path):
     from clinfed.models import load_tokenizer, save_model
 
-    model = add_prompts(build_model("token", "tiny", 7), 3, "concat")
+    model = add_prompts(build_model("token", "tiny", 7), 3, "concat", depth=2)
     save_model(
         model,
         tmp_path / "m",
@@ -59,7 +77,7 @@ def test_prompted_model_is_saved_and_rebuilt(tmp_path):
         load_tokenizer("tiny"),
     )
     rebuilt, _, meta = load_saved_model(tmp_path / "m")
-    assert meta["prompt"] == {"length": 3, "fusion": "concat"}
+    assert meta["prompt"] == {"length": 3, "fusion": "concat", "depth": 2}
     ids = torch.tensor([[2, 5, 6, 3]])
     mask = torch.ones_like(ids)
     model.eval(), rebuilt.eval()
@@ -88,7 +106,7 @@ def test_pfeddc_run_uploads_only_the_global_prompt(i2b2_corpus, tmp_path, monkey
     )
     # after FedAvg's yardstick (the whole model, once), per site: download then upload
     for keys in sent[1:]:
-        assert keys <= {"prompt.global_prompt.weight"}
+        assert all(k.startswith("prompt.global_prompt.") for k in keys)
     records = [
         json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().split("\n") if x
     ]

@@ -167,7 +167,7 @@ def test_dp_step_clips_each_example_jointly(
         assert len(task.labels) == 5 and max(len(c) for c in examples["input_ids"]) > 1
     model = build_model(task.head, "tiny", len(task.labels), seed=0)
     if trainable == "prompts":
-        add_prompts(model, 3, "attention")
+        add_prompts(model, 3, "attention", depth=2)  # deep: layer hooks, shared fusion
         with torch.no_grad():  # the fusion's output starts at zero: give P_l a gradient
             model.prompt.fusion.output.weight.normal_(std=0.1)
     _no_dropout(model)
