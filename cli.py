@@ -1009,6 +1009,10 @@ def flower_run(
         code = _exec(run_command(overrides), environment(Path(home)))
     if code == 0 and (Path(config.out) / "metrics.jsonl").is_file():
         _round_table(Path(config.out))
+        summary_path = Path(config.out) / "summary.json"
+        if summary_path.is_file() and "stopped" in json.loads(summary_path.read_text()):
+            err.print(f"[yellow]{json.loads(summary_path.read_text())['stopped']}[/]")
+            code = 1
     raise typer.Exit(code)
 
 

@@ -12,6 +12,7 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from clinfed.errors import ClinfedError
+from clinfed.federated.strategies import STRATEGIES
 from clinfed.flower.records import from_records, to_records
 from clinfed.flower.site import NodeConfig, Site
 from clinfed.pipeline import RunConfig
@@ -27,7 +28,10 @@ def _handle(msg: Message, context: Context, train: bool) -> Message:
     node = NodeConfig.parse(dict(context.node_config))
     site = Site(config, node, settings["run_name"])
     try:
-        if not settings["full"] and not site.model_path.exists():
+        shares_model = STRATEGIES[config.strategy].shares_model
+        if shares_model and not settings["full"] and not site.model_path.exists():
+            # (A site with a model of its own starts from the run's seeded
+            # initial model, which it builds itself.)
             raise ClinfedError(
                 f"{site.model_path}: the site's model copy is missing; the server "
                 "sends the whole model next round"
