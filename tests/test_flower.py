@@ -322,3 +322,33 @@ def test_supernode_authentication_lets_only_registered_keys_in(i2b2_corpus, tmp_
     beth_log = (tmp_path / "deploy" / "node-beth.log").read_bytes()
     intruder_log = (tmp_path / "deploy" / "node-intruder.log").read_bytes()
     assert b"SuperNode ID" in beth_log and b"SuperNode ID" not in intruder_log
+
+
+@pytest.mark.slow
+def test_pfeddc_over_flower_keeps_local_state_at_the_sites_like_the_simulator(tmp_path):
+    data = _corpus(tmp_path)
+    settings = _settings(strategy="pfeddc", prompt_depth=2, target_epsilon=None)
+    config = flower_run_config(settings, tmp_path / "flower-run")
+    simulated = RunConfig(**(vars(config) | {"data": str(data), "out": str(tmp_path / "sim")}))
+    run_training(simulated)
+    (tmp_path / "deploy").mkdir()
+    federation = LocalFederation(tmp_path / "deploy", certs=None)
+    try:
+        federation.start_superlink()
+        for site in SITES:
+            federation.start_node(site, data)
+        process = federation.submit(config, min_sites=3, round_timeout=300)
+    finally:
+        federation.close()
+    assert process.returncode == 0, "\n".join(federation.lines[-40:])
+    run = Path(config.out)
+    for site in SITES:
+        at_site = load_file(
+            str(tmp_path / "deploy" / "state" / site / run.name / "model.safetensors")
+        )
+        simulated_site = load_file(str(tmp_path / "sim" / "sites" / f"{site}.r0002.safetensors"))
+        assert all(torch.equal(at_site[k], simulated_site[k]) for k in simulated_site)
+    # Only P_g travelled, both ways.
+    shared = [r for r in read_jsonl(run / "metrics.jsonl") if "client" in r]
+    assert all(r["uploaded_params"] == 2 * 8 * 32 for r in shared)
+    assert all(r["bytes_down"] == r["bytes_up"] for r in shared)
