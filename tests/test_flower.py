@@ -150,16 +150,13 @@ def _epsilons(path: Path) -> list[tuple[int, float]]:
     return [(line["round"], line["epsilon"]) for line in read_jsonl(path)]
 
 
-def test_flower_over_tls_matches_the_simulator(tmp_path):
-    data = _corpus(tmp_path)
-    config = flower_run_config(_settings(), tmp_path / "flower-run")
+def _simulate_then_deploy(config: RunConfig, data: Path, tmp_path: Path, certs) -> None:
+    """The same run in the simulator (``tmp_path/sim``) and on a SuperLink
+    with one SuperNode per site (state under ``tmp_path/deploy/state``)."""
     simulated = RunConfig(**(vars(config) | {"data": str(data), "out": str(tmp_path / "sim")}))
     run_training(simulated)
-
-    certs = tmp_path / "certs"
-    make_certificates(certs, ["127.0.0.1", "localhost"])
-    federation = LocalFederation(tmp_path / "deploy", certs=certs)
     (tmp_path / "deploy").mkdir()
+    federation = LocalFederation(tmp_path / "deploy", certs=certs)
     try:
         federation.start_superlink()
         for site in SITES:
@@ -167,8 +164,15 @@ def test_flower_over_tls_matches_the_simulator(tmp_path):
         process = federation.submit(config, min_sites=3, round_timeout=300)
     finally:
         federation.close()
-    log = "\n".join(federation.lines)
-    assert process.returncode == 0, log[-3000:]
+    assert process.returncode == 0, "\n".join(federation.lines[-40:])
+
+
+def test_flower_over_tls_matches_the_simulator(tmp_path):
+    data = _corpus(tmp_path)
+    config = flower_run_config(_settings(), tmp_path / "flower-run")
+    certs = tmp_path / "certs"
+    make_certificates(certs, ["127.0.0.1", "localhost"])
+    _simulate_then_deploy(config, data, tmp_path, certs)
 
     run = Path(config.out)
     ours = load_file(str(run / "model" / "model.safetensors"))
@@ -329,18 +333,7 @@ def test_pfeddc_over_flower_keeps_local_state_at_the_sites_like_the_simulator(tm
     data = _corpus(tmp_path)
     settings = _settings(strategy="pfeddc", prompt_depth=2, target_epsilon=None)
     config = flower_run_config(settings, tmp_path / "flower-run")
-    simulated = RunConfig(**(vars(config) | {"data": str(data), "out": str(tmp_path / "sim")}))
-    run_training(simulated)
-    (tmp_path / "deploy").mkdir()
-    federation = LocalFederation(tmp_path / "deploy", certs=None)
-    try:
-        federation.start_superlink()
-        for site in SITES:
-            federation.start_node(site, data)
-        process = federation.submit(config, min_sites=3, round_timeout=300)
-    finally:
-        federation.close()
-    assert process.returncode == 0, "\n".join(federation.lines[-40:])
+    _simulate_then_deploy(config, data, tmp_path, certs=None)
     run = Path(config.out)
     for site in SITES:
         at_site = load_file(
