@@ -954,6 +954,13 @@ def flower_run(
     target_epsilon: float = typer.Option(
         None, "--target-epsilon", help="DP-SGD at every site, calibrated to this epsilon."
     ),
+    labels_file: Path = typer.Option(
+        None,
+        "--labels",
+        help="mimic3: the codes to predict, one per line, or a run's labels.json.",
+        exists=True,
+        dir_okay=False,
+    ),
     superlink: str = SUPERLINK,
     root_cert: Path = ROOT_CERT,
     insecure: bool = INSECURE,
@@ -978,6 +985,7 @@ def flower_run(
     from clinfed.flower.deploy import (
         environment,
         flower_run_config,
+        read_labels,
         run_command,
         run_overrides,
         write_connection,
@@ -999,6 +1007,8 @@ def flower_run(
         "target_epsilon": target_epsilon,
     }
     settings |= {k: v for k, v in flags.items() if v is not None}
+    if labels_file is not None:
+        settings["labels"] = read_labels(labels_file)
     config = flower_run_config(settings, out_dir)
     with tempfile.TemporaryDirectory(prefix="clinfed-flwr-") as home:
         overrides = Path(home) / "run.toml"

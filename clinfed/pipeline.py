@@ -89,6 +89,7 @@ class RunConfig:
     codes: str = "diagnoses"
     top_k: int = 50
     max_chunks: int = 8
+    labels: list[str] | None = None  # mimic3: a fixed code list instead of the top-K
     # federated
     rounds: int = 5
     local_epochs: int = 1
@@ -148,6 +149,8 @@ class RunConfig:
             raise ClinfedError(f"--prompt-fusion must be one of {', '.join(FUSIONS)}")
         if not 1 <= self.prompt_length <= 128:
             raise ClinfedError("--prompt-length must be between 1 and 128")
+        if self.labels is not None and self.task != "mimic3":
+            raise ClinfedError("--labels (a fixed code list) applies to --task mimic3")
         if self.prompt_depth < 1:
             raise ClinfedError("--prompt-depth must be at least 1")
         if not 0 < self.fraction <= 1:
@@ -358,6 +361,7 @@ def make_task(config: RunConfig, cache_dir: str) -> Task:
         top_k=config.top_k,
         max_chunks=config.max_chunks,
         cache_dir=cache_dir,
+        labels=config.labels,
     )
 
 

@@ -15,13 +15,14 @@ import torch
 from safetensors.torch import load_file
 
 from clinfed.cli import main
-from clinfed.errors import ClinfedError
+from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.federated.strategies import get_strategy
 from clinfed.flower.coordinator import check_upload
 from clinfed.flower.deploy import (
     flower_run_config,
     make_certificates,
     make_node_key,
+    read_labels,
     register_command,
 )
 from clinfed.flower.site import NodeConfig, Site
@@ -345,3 +346,20 @@ def test_pfeddc_over_flower_keeps_local_state_at_the_sites_like_the_simulator(tm
     shared = [r for r in read_jsonl(run / "metrics.jsonl") if "client" in r]
     assert all(r["uploaded_params"] == 2 * 8 * 32 for r in shared)
     assert all(r["bytes_down"] == r["bytes_up"] for r in shared)
+
+
+def test_mimic3_on_flower_takes_a_fixed_code_list(mimic_corpus, tmp_path):
+    (tmp_path / "codes.txt").write_text("4019\n42731\n")
+    codes = read_labels(tmp_path / "codes.txt")
+    (tmp_path / "labels.json").write_text(json.dumps({"labels": codes}))
+    assert read_labels(tmp_path / "labels.json") == codes
+    (tmp_path / "twice.txt").write_text("4019\n4019\n")
+    with pytest.raises(ClinfedError, match="twice"):
+        read_labels(tmp_path / "twice.txt")
+    config = flower_run_config(
+        {"task": "mimic3", "strategy": "fedavg", "labels": codes}, tmp_path / "run"
+    )
+    task = Mimic3Task(labels=config.labels, cache_dir=str(tmp_path))
+    assert task.labels == sorted(codes)  # known before any data: the server builds the model
+    task.load(mimic_corpus, ProblemLog())
+    assert task.labels == sorted(codes)  # a site's own code frequencies do not change it

@@ -187,16 +187,35 @@ def flower_run_config(settings: dict[str, Any], out: Path) -> RunConfig:
         values[name] = str(value) if name == "freeze_warmup" else value
     if "task" not in values:
         raise ClinfedError("a Flower run needs --task")
-    if values["task"] == "mimic3":
+    if values["task"] == "mimic3" and not values.get("labels"):
         raise ClinfedError(
-            "--task mimic3 is not available on Flower yet: its label set (the top-K codes) is "
-            "chosen from pooled training codes, which no server sees; run it in the simulator"
+            "--task mimic3 on Flower needs --labels FILE (the ICD-9 codes to predict): the "
+            "top-K codes come from pooled training codes, which no server sees"
         )
     config = RunConfig(**({"data": "", "out": str(Path(out).resolve())} | values))
     if config.strategy == "centralized":
         raise ClinfedError("--strategy centralized pools the data: it has no Flower form")
     config.validate(check_data=False)
     return config.resolved()
+
+
+def read_labels(path: Path) -> list[str]:
+    """A code list: a run's ``labels.json`` or one code per line."""
+    import json
+
+    text = Path(path).read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        try:
+            codes = json.loads(text)["labels"]
+        except (ValueError, KeyError, TypeError):
+            raise ClinfedError(f'{path}: not a labels.json (no "labels" list)') from None
+    else:
+        codes = [line.strip() for line in text.splitlines() if line.strip()]
+    if not codes or not all(isinstance(c, str) for c in codes):
+        raise ClinfedError(f"{path}: no codes")
+    if len(set(codes)) != len(codes):
+        raise ClinfedError(f"{path}: a code appears twice")
+    return codes
 
 
 def run_overrides(

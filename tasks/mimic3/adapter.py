@@ -92,6 +92,7 @@ class Mimic3Task(Task):
         max_chunks: int = 8,
         seed: int = 0,
         cache_dir: str | None = None,
+        labels: list[str] | None = None,
     ):
         if top_k < 0:
             raise ClinfedError("--top-k must be 0 (all codes) or more")
@@ -99,7 +100,10 @@ class Mimic3Task(Task):
             raise ClinfedError("--max-chunks must be at least 1")
         self.codes, self.top_k, self.max_chunks, self.seed = codes, top_k, max_chunks, seed
         self.cache_dir = cache_dir
-        self.labels: list[str] = []
+        # A fixed code list (a Flower run: no server sees the pooled codes);
+        # otherwise load() picks the top-K training codes.
+        self.fixed_labels = sorted(labels) if labels else None
+        self.labels: list[str] = list(self.fixed_labels or [])
         self.pad_id = 0
 
     # ---------------------------------------------------------------- reading
@@ -133,7 +137,7 @@ class Mimic3Task(Task):
         if not frequency:
             raise ClinfedError(f"{data}: no training admission has a discharge summary and a code")
         ranked = sorted(frequency, key=lambda c: (-frequency[c], c))
-        self.labels = sorted(ranked[: self.top_k] if self.top_k else ranked)
+        self.labels = self.fixed_labels or sorted(ranked[: self.top_k] if self.top_k else ranked)
         kept = set(self.labels)
 
         def has_label(codes: list[str]) -> bool:
