@@ -84,7 +84,7 @@ def main(grid: Grid, context: Context) -> None:
         round_retries=int(values["round-retries"]),
         wait_for_sites=float(values["wait-for-sites"]),
     )
-    coordinator = Coordinator(config, deployment, log=lambda line: print(line, flush=True))
+    coordinator = Coordinator(config, deployment, log=lambda message: print(message, flush=True))
     coordinator.start()
     summary = coordinator.run(GridTransport(grid))
     print(f"run folder {config.out}: f1 {summary.get('f1', 0.0):.4f}", flush=True)
