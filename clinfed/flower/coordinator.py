@@ -329,10 +329,16 @@ class Coordinator:
                 last_eval = self._evaluation(result.accepted + result.refused, round_number - 1)
                 self._metrics(last_eval)
             aggregator = Aggregator()
-            bytes_down = {
-                node: len(payload.encode(instructions[node].download))
-                for node, _ in result.accepted + result.refused
-            }
+            # Nodes in sync all got the same tensors: serialize each distinct
+            # download once to measure it, not once per node.
+            sizes: dict[tuple[str, ...], int] = {}
+            bytes_down = {}
+            for node, _ in result.accepted + result.refused:
+                download = instructions[node].download
+                key = tuple(download)
+                if key not in sizes:
+                    sizes[key] = len(payload.encode(download))
+                bytes_down[node] = sizes[key]
             for _node, reply in sorted(result.refused, key=lambda r: r[1].report["site"]):
                 self._metrics(reply.report["record"])
                 self.log(f"round {round_number}: {reply.report['site']}: refused (privacy budget)")
