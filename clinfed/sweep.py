@@ -24,8 +24,10 @@ from typing import Any
 import matplotlib
 
 from clinfed.errors import ClinfedError
-from clinfed.pipeline import STRATEGIES, RunConfig, run_training
+from clinfed.federated.strategies import STRATEGIES
+from clinfed.pipeline import RunConfig, run_training
 from clinfed.runs import atomic_write_text
+from clinfed.settings import read_run_config
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -57,10 +59,15 @@ def run_sweep(
     epsilons: list[float],
     seeds: int,
     report: Callable[[str, dict[str, Any]], None] = lambda e, i: None,
+    options: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """Run every missing cell; return one row per finished cell."""
+    """Run every missing cell; return one row per finished cell.
+
+    ``options`` are strategy options; each cell takes those its strategy has.
+    """
+    options = dict(options or {})
     for strategy in strategies:
-        if strategy not in STRATEGIES or strategy == "centralized":
+        if strategy not in STRATEGIES or STRATEGIES[strategy].pooled:
             raise ClinfedError(f"--strategies: {strategy!r} is not a federated strategy")
     if seeds < 1:
         raise ClinfedError("--seeds must be at least 1")
@@ -81,6 +88,7 @@ def run_sweep(
                     seed=seed,
                     target_epsilon=None if math.isinf(eps) else eps,
                     resume=resume,
+                    strategy_options=options_for(strategy, options),
                 )
                 report("cell_start", {"cell": folder.name})
                 run_training(config)
@@ -91,10 +99,18 @@ def run_sweep(
     return rows
 
 
+def options_for(strategy: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The options among ``options`` that ``strategy`` takes."""
+    from dataclasses import fields
+
+    own = {f.name for f in fields(STRATEGIES[strategy].options)}
+    return {k: v for k, v in options.items() if k in own}
+
+
 def collect(out: Path) -> list[dict[str, Any]]:
     rows = []
     for summary_path in sorted(out.glob("*/summary.json")):
-        config = json.loads((summary_path.parent / "config.json").read_text())
+        config = read_run_config(summary_path.parent)
         summary = json.loads(summary_path.read_text())
         target = config.get("target_epsilon")
         spent = summary.get("epsilon") or {}

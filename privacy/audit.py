@@ -10,7 +10,6 @@ proof, of privacy (epsilon is the guarantee).
 
 from __future__ import annotations
 
-import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from sklearn.metrics import roc_auc_score
 from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.models import load_saved_model
 from clinfed.runs import atomic_write_json
+from clinfed.settings import read_run_config
 from clinfed.tasks import get_task
 from clinfed.training import split_batches
 
@@ -43,7 +43,7 @@ def audit(run: Path, max_examples: int = 400, seed: int = 0) -> dict[str, Any]:
     config_path, model_dir = run / "config.json", run / "model"
     if not config_path.is_file() or not model_dir.is_dir():
         raise ClinfedError(f"{run}: no config.json or model/ (not a finished clinfed run?)")
-    config = json.loads(config_path.read_text())
+    config = read_run_config(run)
     model, tokenizer, meta = load_saved_model(model_dir)
     with tempfile.TemporaryDirectory(prefix="clinfed-cache-") as cache:
         options = {k: config[k] for k in ("codes", "top_k", "max_chunks") if k in config}

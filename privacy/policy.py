@@ -76,6 +76,7 @@ class PrivacyPolicy:
     budget: float | None
     selection: Mechanism | None = None
     warnings: list[str] = field(default_factory=list)
+    trainings: int = 1  # DP-SGD trainings per round (Ditto trains twice)
     _ledgers: dict[str, Ledger] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -92,6 +93,7 @@ class PrivacyPolicy:
         max_grad_norm: float = 1.0,
         clipping: str = "auto",
         selection: Mechanism | None = None,
+        trainings: int = 1,
     ) -> PrivacyPolicy:
         """Calibrate (or take) each site's noise for the planned rounds."""
         check_settings(target_epsilon, delta, noise_multiplier, max_grad_norm, clipping)
@@ -111,7 +113,7 @@ class PrivacyPolicy:
 
             def per_round(sigma: float, n: int = n) -> list[Mechanism]:
                 extra = [selection] if selection is not None else []
-                return [round_mechanism(n, batch_size, epochs, sigma), *extra]
+                return [round_mechanism(n, batch_size, epochs, sigma)] * trainings + extra
 
             try:
                 noise[site] = calibrate_noise(target_epsilon, delta, per_round, rounds)
@@ -130,6 +132,7 @@ class PrivacyPolicy:
             target_epsilon,
             selection,
             warnings,
+            trainings,
         )
         if target_epsilon is not None and noise_multiplier is not None:
             for site in sizes:
@@ -147,7 +150,8 @@ class PrivacyPolicy:
     def round_mechanisms(self, site: str) -> list[Mechanism]:
         """What one round costs ``site``: its DP-SGD and any private selection."""
         sgd = round_mechanism(self.sizes[site], self.batch_size, self.epochs, self.noise[site])
-        return [sgd, self.selection] if self.selection is not None else [sgd]
+        extra = [self.selection] if self.selection is not None else []
+        return [sgd] * self.trainings + extra
 
     def ledger(self, site: str) -> Ledger:
         if site not in self._ledgers:
@@ -159,6 +163,12 @@ class PrivacyPolicy:
 
     def describe(self) -> dict[str, Any]:
         """The policy as written to ``RUN/privacy/policy.json``."""
+        return self.describe_common() | {
+            "sites": {site: self.describe_site(site) for site in sorted(self.sizes)},
+        }
+
+    def describe_common(self) -> dict[str, Any]:
+        """What every site's policy of a run shares."""
         return {
             "unit": UNIT,
             "patient_caveat": PATIENT_CAVEAT,
@@ -169,11 +179,11 @@ class PrivacyPolicy:
             "clipping": self.clipping,
             "planned_rounds": self.rounds,
             "selection": self.selection.as_dict() if self.selection else None,
-            "sites": {site: self._describe_site(site) for site in sorted(self.sizes)},
+            "trainings_per_round": self.trainings,
             "warnings": self.warnings,
         }
 
-    def _describe_site(self, site: str) -> dict[str, Any]:
+    def describe_site(self, site: str) -> dict[str, Any]:
         sgd = round_mechanism(self.sizes[site], self.batch_size, self.epochs, self.noise[site])
         planned = epsilon(self.round_mechanisms(site) * self.rounds, self.delta)
         return {

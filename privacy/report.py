@@ -22,6 +22,7 @@ from clinfed.errors import ClinfedError
 from clinfed.privacy.accountant import ACCOUNTANT, Mechanism, pld_epsilon
 from clinfed.privacy.policy import PATIENT_CAVEAT, UNIT
 from clinfed.runs import atomic_write_json, atomic_write_text, read_jsonl
+from clinfed.settings import read_run_config
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -36,7 +37,7 @@ def _load(run: Path) -> dict[str, Any]:
     ledgers = {path.stem: read_jsonl(path) for path in sorted((run / "privacy").glob("*.jsonl"))}
     summary_path, audit_path = run / "summary.json", run / "audit.json"
     return {
-        "config": json.loads((run / "config.json").read_text()),
+        "config": read_run_config(run),
         "records": records,
         "policy": json.loads(policy_path.read_text()) if policy_path.is_file() else None,
         "ledgers": ledgers,

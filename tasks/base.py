@@ -55,6 +55,14 @@ class Task(ABC):
     name: ClassVar[str]
     head: ClassVar[str]  # "token" or "multilabel": which model head it needs
     labels: list[str]
+    # Local-training defaults for settings the user leaves unset
+    # (max_length, batch_size, lr, head_lr).
+    defaults: ClassVar[dict[str, Any]] = {}
+    # Whether the label set may be fixed up front (``labels`` setting); a
+    # task whose labels otherwise come from the data needs one on Flower,
+    # where no server sees the data.
+    accepts_fixed_labels: ClassVar[bool] = False
+    labels_from_data: ClassVar[bool] = False
 
     @abstractmethod
     def load(self, data: Path, problems: ProblemLog) -> Corpus:
@@ -129,6 +137,12 @@ class Task(ABC):
     def partition_keys(self, records: Any, examples: datasets.Dataset) -> tuple[Any, Any]:
         """For partitioning: the group of each example (the document or
         admission it comes from) and a label per group (for label skew)."""
+
+    @abstractmethod
+    def public_probe(self, tokenizer, max_length: int, cache_dir: str) -> datasets.Dataset:
+        """Encoded examples of a small public corpus of this task (the
+        project's own synthetic generator, fixed seed): SAFL's free layer
+        choice profiles on these, so no private example shapes it."""
 
     def meta(self) -> dict[str, Any]:
         """What a saved model needs to be used again (labels, options)."""

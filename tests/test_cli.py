@@ -9,23 +9,41 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
-from clinfed.cli import main
+from clinfed.commands import main
 
 from .conftest import CANARY
 
 
 def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """The installed entry point in a subprocess: exit status and output as a user sees them."""
-    code = "import sys; from clinfed.cli import main; sys.exit(main())"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    """The command in this process (flags, files, exit status and output as a
+    user sees them, without a new interpreter per call)."""
+    import contextlib
+    import io
+
+    from clinfed.commands import main
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    previous = Path.cwd()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            code = main(list(args))
+    finally:
+        os.chdir(previous)
+    return subprocess.CompletedProcess(args, code, stdout.getvalue(), stderr.getvalue())
+
+
+def run_installed(*args: str) -> subprocess.CompletedProcess:
+    """The installed console script in a subprocess."""
     return subprocess.run(
-        [sys.executable, "-c", code, *args],
+        [str(Path(sys.executable).parent / "clinfed"), *args],
         capture_output=True,
         text=True,
-        cwd=cwd,
-        env=env,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
         timeout=600,
     )
 
@@ -38,6 +56,8 @@ def test_help_on_every_command():
         ["data", "check"],
         ["score"],
         ["train"],
+        ["sweep"],
+        ["flower", "run"],
         ["baseline"],
         ["privacy"],
         ["privacy", "epsilon"],
@@ -48,6 +68,13 @@ def test_help_on_every_command():
         result = run_cli(*args, "--help")
         assert result.returncode == 0, result.stderr
         assert "Usage" in result.stdout
+    # Settings are grouped by concern, and the installed script runs.
+    shown = run_installed("train", "--help")
+    assert shown.returncode == 0, shown.stderr
+    for panel in ("Task and data", "Local training", "Federation", "Strategy options",
+                  "Privacy (DP-SGD)", "Machine"):
+        assert panel in shown.stdout, panel
+    assert "--freeze-from" in shown.stdout and "--server-lr" in shown.stdout
 
 
 def test_data_check_json_keys(i2b2_corpus, mimic_corpus, capsys):
@@ -83,7 +110,8 @@ def test_train_centralized_i2b2_writes_a_complete_run_folder(i2b2_corpus, tmp_pa
     assert [r["epoch"] for r in records] == [1, 2]
     assert all(0.0 <= r["f1"] <= 1.0 and r["tokens_per_s"] > 0 for r in records)
     config = json.loads((run / "config.json").read_text())
-    assert config["strategy"] == "centralized" and config["max_length"] == 128
+    assert config["federation"]["strategy"] == "centralized"
+    assert config["data"]["max_length"] == 128
     assert "head.weight" in load_file(str(run / "model" / "model.safetensors"))
     predictions = sorted(p.stem for p in (run / "predictions").glob("*.con"))
     assert predictions == sorted(p.stem for p in (i2b2_corpus / "test").rglob("*.txt"))
@@ -190,9 +218,11 @@ def test_an_existing_run_folder_is_never_touched(i2b2_corpus, tmp_path):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--strategy", "fedsomething"], "Invalid value for '--strategy'"),
+        (["--strategy", "fedsomething"], "--strategy must be one of"),
         (["--epochs", "0"], "--epochs must be at least 1"),
-        (["--max-length", "4"], "--max-length must be between 8 and 512"),
+        (["--max-length", "4"], "--max-length must be at least 8"),
+        (["--lr", "nan"], "--lr must be a finite number"),
+        (["--strategy", "fedavg", "--mu", "0.1"], "--mu does not apply to --strategy fedavg"),
         (["--model", "/no/such/model"], "not 'minilm', 'tiny' or a folder"),
         (
             ["--model", "tiny", "--strategy", "safl", "--top-layers", "3"],
@@ -253,14 +283,15 @@ def test_baselines_cli(i2b2_corpus, mimic_corpus, capsys):
 def test_config_file_evaluate_and_predict(i2b2_corpus, tmp_path):
     config = tmp_path / "run.toml"
     config.write_text(
-        f'[train]\ntask = "i2b2"\ndata = "{i2b2_corpus}"\nstrategy = "fedavg"\n'
-        'model = "tiny"\nrounds = 1\nbatch-size = 8\n'
+        f'task = "i2b2"\ndata = "{i2b2_corpus}"\n[federation]\nstrategy = "fedavg"\n'
+        'rounds = 1\n[model]\nmodel = "tiny"\n[training]\nbatch_size = 8\n'
     )
     run = tmp_path / "run"
     result = run_cli("train", "--config", str(config), "--rounds", "2", "--out", str(run))
     assert result.returncode == 0, result.stderr
     saved = json.loads((run / "config.json").read_text())
-    assert (saved["strategy"], saved["rounds"], saved["batch_size"]) == ("fedavg", 2, 8)
+    assert (saved["federation"]["strategy"], saved["federation"]["rounds"]) == ("fedavg", 2)
+    assert saved["training"]["batch_size"] == 8
     final = json.loads((run / "summary.json").read_text())
 
     evaluated = run_cli("evaluate", str(run), "--data", str(i2b2_corpus / "test"), "--json")
@@ -278,3 +309,18 @@ def test_config_file_evaluate_and_predict(i2b2_corpus, tmp_path):
     config.write_text("bogus = 1\n")
     bad = run_cli("train", "--config", str(config), "--out", str(tmp_path / "other"))
     assert bad.returncode == 2 and "unknown setting 'bogus'" in bad.stderr
+    config.write_text("rouds = 1\n")
+    bad = run_cli("train", "--config", str(config), "--out", str(tmp_path / "other"))
+    assert bad.returncode == 2 and "did you mean 'rounds'" in bad.stderr
+    config.write_text("rounds = 1.5\n")
+    bad = run_cli("train", "--config", str(config), "--out", str(tmp_path / "other"))
+    assert bad.returncode == 2 and "expected an integer" in bad.stderr
+
+    # The run's own config.json is a settings file: the same run again.
+    again = tmp_path / "again"
+    result = run_cli("train", "--config", str(run / "config.json"), "--out", str(again))
+    assert result.returncode == 0, result.stderr
+    first = load_file(str(run / "model" / "model.safetensors"))
+    second = load_file(str(again / "model" / "model.safetensors"))
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    assert json.loads((again / "summary.json").read_text())["f1"] == pytest.approx(final["f1"])

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from clinfed.cli import main
+from clinfed.commands import main
 from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.federated.strategies import get_strategy
 from clinfed.flower.coordinator import check_upload

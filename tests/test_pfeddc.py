@@ -135,7 +135,7 @@ def test_local_state_survives_sigkill_and_resume(i2b2_corpus, tmp_path):
     assert reference.returncode == 0, reference.stderr
 
     run = tmp_path / "killed"
-    code = "import sys; from clinfed.cli import main; sys.exit(main())"
+    code = "import sys; from clinfed.commands import main; sys.exit(main())"
     args = ["train", *ARGS, "--data", str(i2b2_corpus), "--out", str(run)]
     proc = subprocess.Popen(
         [sys.executable, "-c", code, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL

@@ -363,7 +363,7 @@ def test_sigkill_during_a_dp_run_then_resume_keeps_the_ledger(i2b2_corpus, tmp_p
         "--out",
         str(tmp_path / "run"),
     ]
-    code = "import sys; from clinfed.cli import main; sys.exit(main())"
+    code = "import sys; from clinfed.commands import main; sys.exit(main())"
     proc = subprocess.Popen(
         [sys.executable, "-c", code, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )

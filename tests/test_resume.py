@@ -38,7 +38,7 @@ def test_sigkill_mid_round_then_resume_gives_the_same_final_weights(i2b2_corpus,
     assert reference.returncode == 0, reference.stderr
 
     run = tmp_path / "killed"
-    code = "import sys; from clinfed.cli import main; sys.exit(main())"
+    code = "import sys; from clinfed.commands import main; sys.exit(main())"
     proc = subprocess.Popen(
         [sys.executable, "-c", code, *train_args(i2b2_corpus, run)],
         stdout=subprocess.DEVNULL,

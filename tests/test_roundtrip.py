@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from clinfed.cli import main
+from clinfed.commands import main
 from clinfed.errors import ProblemLog
 from clinfed.models import load_tokenizer
 from clinfed.tasks.i2b2.adapter import I2b2Task, window_words

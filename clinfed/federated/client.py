@@ -1,14 +1,14 @@
 """The client update: one site's local training under a plan.
 
-The same function serves the in-process simulator and (later) the Flower
-ClientApp, so both produce the same update from the same inputs.
+The same function serves every transport (the in-process one and Flower),
+so a site computes the same update from the same inputs wherever it runs.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import datasets
@@ -35,6 +35,25 @@ class LocalSettings:
 
 
 @dataclass
+class LocalWork:
+    """Everything one site's local procedure works with in one round.
+
+    ``model`` already holds the weights the site starts from; ``personal``
+    holds tensors the site keeps for itself between rounds (Ditto's personal
+    model), which the procedure may replace.
+    """
+
+    model: nn.Module
+    task: Task
+    dataset: datasets.Dataset
+    plan: Plan
+    settings: LocalSettings
+    generator: np.random.Generator
+    dp: DPSettings | None = None
+    personal: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
 class ClientResult:
     upload: dict[str, torch.Tensor]
     num_examples: int
@@ -44,8 +63,12 @@ class ClientResult:
     clipping: str | None = None  # DP-SGD's clipping mode, None without DP
 
     def record(self, round_number: int, site: str, bytes_up: int) -> dict[str, Any]:
-        """The site's line of ``metrics.jsonl`` for this round (both runners)."""
-        record = {
+        """The site's line of ``metrics.jsonl`` for this round (every runner).
+
+        Everything here is released; under DP the privacy layer filters it
+        (``clinfed.privacy.site.release_filter``).
+        """
+        return {
             "round": round_number,
             "client": site,
             "bytes_up": bytes_up,
@@ -53,13 +76,9 @@ class ClientResult:
             "uploaded_params": sum(t.numel() for t in self.upload.values()),
             "examples": self.num_examples,
             "train_tokens": sum(s.tokens for s in self.stats),
+            "train_loss": self.stats[-1].loss if self.stats else None,
             "wall_s": round(self.seconds, 3),
         }
-        if self.clipping is None:
-            # The training loss is computed on private examples; under DP it
-            # is not released (it is not covered by the accounting).
-            record["train_loss"] = self.stats[-1].loss
-        return record
 
 
 def site_key(site: str) -> int:
@@ -73,8 +92,7 @@ def site_generator(seed: int, round_number: int, site: str) -> np.random.Generat
     Data order and Poisson sampling draw from the returned generator, dropout
     and DP-SGD noise from torch's, seeded here from it. Both depend on
     (seed, round, site) only, so a site computes the same update whichever
-    runner drives it (simulator or Flower), in whatever order sites run, and
-    after any restart.
+    transport carries it, in whatever order sites run, and after any restart.
     """
     generator = np.random.default_rng([seed, round_number, site_key(site)])
     torch.manual_seed(int(generator.integers(2**62)))
@@ -85,7 +103,7 @@ def apply_plan(model: nn.Module, plan: Plan) -> int:
     """Freeze everything the plan does not train; return the trainable count.
 
     Decided before the optimizer is built, each round, so the optimizer (and
-    later the DP wrapper) only ever sees the planned parameters.
+    the DP wrapper) only ever sees the planned parameters.
     """
     count = 0
     for name, param in model.named_parameters():
@@ -94,71 +112,53 @@ def apply_plan(model: nn.Module, plan: Plan) -> int:
     return count
 
 
-def client_update(
-    model: nn.Module,
-    task: Task,
-    dataset: datasets.Dataset,
-    plan: Plan,
-    settings: LocalSettings,
-    generator: np.random.Generator,
-    dp: DPSettings | None = None,
-) -> ClientResult:
-    """Train ``model`` (already holding the weights the site starts from) on
-    ``dataset`` under ``plan``; return the planned upload.
+def client_update(work: LocalWork, objective: Any = None) -> ClientResult:
+    """Train ``work.model`` on ``work.dataset`` under ``work.plan``; return
+    the planned upload.
 
     The optimizer is fresh every round, so nothing but the weights carries
-    over from one round to the next (as in FedAvg). With ``dp``, every
+    over from one round to the next (as in FedAvg). With ``work.dp``, every
     trainable parameter trains under DP-SGD (``clinfed.privacy.dpsgd``).
+    ``objective`` (a :class:`~clinfed.federated.strategies.base.Objective`)
+    adds a data-independent term, built after the plan is applied so it
+    covers exactly the trainable parameters.
     """
     started = time.perf_counter()
-    trainable = apply_plan(model, plan)
+    model, settings = work.model, work.settings
+    trainable = apply_plan(model, work.plan)
+    if callable(objective):
+        objective = objective()
     optimizer = make_optimizer(model, settings.lr, settings.weight_decay, settings.head_lr)
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    anchor = {}
-    if plan.proximal_mu > 0:
-        anchor = {n: p.detach().clone() for n, p in params}
-    mu = plan.proximal_mu
     clipping = None
-    if dp is not None:
-
-        def extra_grad() -> None:
-            # The proximal gradient mu * (w - w_global) uses no data.
-            with torch.no_grad():
-                for n, p in params:
-                    p.grad.add_(p - anchor[n], alpha=mu)
-
+    if work.dp is not None:
         stats, clipping = train_private(
             model,
-            task,
-            dataset,
+            work.task,
+            work.dataset,
             optimizer,
             settings.batch_size,
             settings.epochs,
-            dp,
-            generator,
-            extra_grad if anchor else None,
+            work.dp,
+            work.generator,
+            objective.grad if objective is not None else None,
         )
     else:
-        extra_loss = None
-        if anchor:
-
-            def extra_loss() -> torch.Tensor:
-                return mu / 2 * sum(((p - anchor[n]) ** 2).sum() for n, p in params)
-
         stats = [
             train_epoch(
                 model,
-                task,
-                dataset,
+                work.task,
+                work.dataset,
                 optimizer,
                 settings.batch_size,
-                generator,
+                work.generator,
                 max_grad_norm=settings.max_grad_norm,
-                extra_loss=extra_loss,
+                extra_loss=objective.loss if objective is not None else None,
             )
             for _ in range(settings.epochs)
         ]
-    upload = {n: p.detach().clone() for n, p in model.named_parameters() if n in plan.uploaded}
+    upload = {
+        n: p.detach().clone() for n, p in model.named_parameters() if n in work.plan.uploaded
+    }
     return ClientResult(
-        upload, len(dataset), stats, time.perf_counter() - started, trainable, clipping
+        upload, len(work.dataset), stats, time.perf_counter() - started, trainable, clipping
     )

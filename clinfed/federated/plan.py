@@ -21,14 +21,11 @@ class Plan:
         parameter has nothing new to say).
     downloaded
         Names the site receives from the server before training.
-    proximal_mu
-        FedProx: weight of ``mu/2 * ||w - w_global||^2`` over ``trainable``.
     """
 
     trainable: frozenset[str]
     uploaded: frozenset[str]
     downloaded: frozenset[str]
-    proximal_mu: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.uploaded <= self.trainable:
@@ -42,7 +39,7 @@ def names_in(names: Iterable[str], blocks: Iterable[Block]) -> frozenset[str]:
     return frozenset(n for n in names if block_of(n) in wanted)
 
 
-def full_plan(names: Iterable[str], proximal_mu: float = 0.0) -> Plan:
+def full_plan(names: Iterable[str]) -> Plan:
     """Train, receive and send everything (FedAvg, FedProx)."""
     everything = frozenset(names)
-    return Plan(everything, everything, everything, proximal_mu)
+    return Plan(everything, everything, everything)

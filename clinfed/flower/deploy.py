@@ -22,7 +22,6 @@ import datetime
 import ipaddress
 import os
 import sys
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -158,43 +157,38 @@ def write_connection(
     (flwr_home / "config.toml").write_text("\n".join(lines) + "\n")
 
 
-# Settings that decide how data is split or resumed in the simulator; a
-# Flower run's sites are its SuperNodes, so they do not apply.
-NOT_FOR_FLOWER = ("data", "partition", "clients", "alpha", "fraction", "resume", "cache_dir")
-RENAMED = {"warmup": "freeze_warmup", "sites_from_data": None}
-
-
-def flower_run_config(settings: dict[str, Any], out: Path) -> RunConfig:
-    """A resolved :class:`RunConfig` for a Flower run from train-style
-    settings (keys named like ``clinfed train``'s flags, as in its
-    ``--config`` TOML); ``out`` is the run folder on the SuperLink's machine.
+def flower_run_config(
+    settings: dict[str, Any], out: Path, resume: bool = False
+) -> RunConfig:
+    """A resolved :class:`RunConfig` for a Flower run from settings named
+    like ``clinfed train``'s (the same schema, ``clinfed.settings``);
+    ``out`` is the run folder on the SuperLink's machine. Settings with no
+    Flower form (the data folder, how the simulator splits it) are refused.
     """
-    from dataclasses import fields
+    from clinfed.federated.strategies import STRATEGIES
+    from clinfed.settings import schema_fields
+    from clinfed.tasks import TASKS
 
-    known = {f.name for f in fields(RunConfig)}
-    values: dict[str, Any] = {}
-    for key, value in settings.items():
-        name = key.replace("-", "_")
-        name = RENAMED.get(name, name)
-        if name is None:
-            continue
-        if name in NOT_FOR_FLOWER:
+    fields = schema_fields()
+    config = RunConfig.from_values(settings)
+    for name in settings:
+        key = name.replace("-", "_")
+        if key in fields and fields[key].metadata.get("simulator_only"):
             raise ClinfedError(
-                f"{key}: not a Flower setting (each SuperNode is a site with its own data)"
+                f"{name}: not a Flower setting (each SuperNode is a site with its own data)"
             )
-        if name not in known or name in ("out",):
-            raise ClinfedError(f"unknown setting {key!r}")
-        values[name] = str(value) if name == "freeze_warmup" else value
-    if "task" not in values:
+    if "task" not in settings:
         raise ClinfedError("a Flower run needs --task")
-    if values["task"] == "mimic3" and not values.get("labels"):
+    if config.fraction != 1.0:
+        raise ClinfedError("--fraction: not a Flower setting yet (every connected node trains)")
+    config = config.replace(out=str(Path(out).resolve()), resume=resume)
+    if config.task in TASKS and TASKS[config.task].labels_from_data and not config.labels:
         raise ClinfedError(
-            "--task mimic3 on Flower needs --labels FILE (the ICD-9 codes to predict): the "
-            "top-K codes come from pooled training codes, which no server sees"
+            f"--task {config.task} on Flower needs --labels FILE (the labels to predict): "
+            "otherwise they come from pooled training data, which no server sees"
         )
-    config = RunConfig(**({"data": "", "out": str(Path(out).resolve())} | values))
-    if config.strategy == "centralized":
-        raise ClinfedError("--strategy centralized pools the data: it has no Flower form")
+    if config.strategy in STRATEGIES and STRATEGIES[config.strategy].pooled:
+        raise ClinfedError(f"--strategy {config.strategy} pools the data: it has no Flower form")
     config.validate(check_data=False)
     return config.resolved()
 
@@ -229,7 +223,9 @@ def run_overrides(
     import json
 
     values: dict[str, Any] = {
-        "clinfed-config": json.dumps(asdict(config)),
+        "clinfed-config": json.dumps(
+            config.to_dict() | {"run": {"out": config.out, "resume": config.resume}}
+        ),
         "min-sites": int(min_sites),
         "round-timeout": float(round_timeout),
         "round-retries": int(round_retries),
@@ -316,11 +312,18 @@ def make_certificates(folder: Path, hosts: list[str], days: int = 365) -> dict[s
     written = {}
     for file_name, content in paths.items():
         path = folder / file_name
-        path.write_bytes(content)
-        if file_name.endswith(".key"):
-            path.chmod(0o600)
+        _write_file(path, content, private=file_name.endswith(".key"))
         written[file_name] = path
     return written
+
+
+def _write_file(path: Path, content: bytes, private: bool) -> None:
+    """Write ``content``; a private key is created readable by its owner
+    only (mode 0600 from the start, never chmod-ed after the bytes are out)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o644)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(content)
 
 
 def make_node_key(folder: Path, name: str) -> tuple[Path, Path]:
@@ -332,18 +335,21 @@ def make_node_key(folder: Path, name: str) -> tuple[Path, Path]:
     folder.mkdir(parents=True, exist_ok=True)
     key = ec.generate_private_key(ec.SECP384R1())
     private_path, public_path = folder / name, folder / f"{name}.pub"
-    private_path.write_bytes(
+    _write_file(
+        private_path,
         key.private_bytes(
             serialization.Encoding.PEM,
             serialization.PrivateFormat.OpenSSH,
             serialization.NoEncryption(),
-        )
+        ),
+        private=True,
     )
-    private_path.chmod(0o600)
-    public_path.write_bytes(
+    _write_file(
+        public_path,
         key.public_key().public_bytes(
             serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
         )
-        + b"\n"
+        + b"\n",
+        private=False,
     )
     return private_path, public_path

@@ -1,48 +1,55 @@
-"""The ServerApp: Flower's Grid as the coordinator's transport."""
+"""The ServerApp: Flower's Grid as a transport for the round engine."""
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
 
-from flwr.app import Context, Message
+from flwr.app import Context
+from flwr.app import Message as FlowerMessage
 from flwr.serverapp import Grid, ServerApp
 
 from clinfed.errors import ClinfedError
-from clinfed.flower.coordinator import Coordinator, Deployment, Instruction, Reply
-from clinfed.flower.records import from_records, to_records
-from clinfed.pipeline import RunConfig
+from clinfed.federated.engine import Deployment, Message, Reply
+from clinfed.flower.records import message_records, read_reply
 from clinfed.quiet import quiet_libraries
+from clinfed.settings import RunConfig
 
 POLL_SECONDS = 0.5
 
 
 class GridTransport:
-    """Sends instructions as Flower messages and collects the replies."""
+    """Sends engine messages as Flower messages and collects the replies.
 
-    def __init__(self, grid: Grid):
-        self.grid = grid
+    Addresses are SuperNode ids (as text); ``run`` (the run's name and
+    settings) travels with every message, so a node needs nothing else.
+    """
 
-    def nodes(self) -> list[int]:
-        return sorted(self.grid.get_node_ids())
+    def __init__(self, grid: Grid, run: Mapping[str, Any]):
+        self.grid, self.run = grid, dict(run)
+
+    def addresses(self) -> list[str]:
+        return sorted(str(n) for n in self.grid.get_node_ids())
 
     def exchange(
-        self, kind: str, round_number: int, instructions: Mapping[int, Instruction], timeout: float
-    ) -> dict[int, Reply | str]:
-        messages = [
-            Message(
-                to_records(instruction.download, instruction.settings),
-                dst_node_id=node,
-                message_type=kind,
-                group_id=str(round_number),
+        self, messages: Mapping[str, Message], timeout: float
+    ) -> Iterator[tuple[str, Reply | str]]:
+        outgoing = [
+            FlowerMessage(
+                message_records(message, self.run),
+                dst_node_id=int(address),
+                message_type=message.kind,
+                group_id=str(message.round),
                 ttl=timeout,
             )
-            for node, instruction in instructions.items()
+            for address, message in messages.items()
         ]
-        ids = list(self.grid.push_messages(messages))
-        node_of = {mid: msg.metadata.dst_node_id for mid, msg in zip(ids, messages)}
-        results: dict[int, Reply | str] = {}
+        ids = list(self.grid.push_messages(outgoing))
+        address_of = {mid: str(m.metadata.dst_node_id) for mid, m in zip(ids, outgoing)}
+        results: dict[str, Reply | str] = {}
         pending = set(ids)
         deadline = time.monotonic() + timeout
         while pending and time.monotonic() < deadline:
@@ -51,21 +58,26 @@ class GridTransport:
                 if mid not in pending:
                     continue
                 pending.discard(mid)
-                node = node_of[mid]
+                address = address_of[mid]
                 if reply.has_error():
-                    results[node] = f"error {reply.error.code}: {reply.error.reason}"
+                    results[address] = f"error {reply.error.code}: {reply.error.reason}"
                     continue
                 try:
-                    tensors, report = from_records(reply.content)
+                    results[address] = read_reply(reply.content)
                 except (KeyError, ValueError, TypeError) as exc:
-                    results[node] = f"malformed reply ({exc})"
-                    continue
-                results[node] = Reply(tensors, report)
+                    results[address] = f"malformed reply ({exc})"
             if pending:
                 time.sleep(POLL_SECONDS)
         for mid in pending:
-            results[node_of[mid]] = f"no reply within {timeout:.0f} s"
-        return results
+            results[address_of[mid]] = f"no reply within {timeout:.0f} s"
+
+        # Replies are folded in site order, as in-process, whatever order
+        # they arrived in.
+        def order(item: tuple[str, Reply | str]) -> tuple[int, str]:
+            reply = item[1]
+            return (0, reply.site) if isinstance(reply, Reply) else (1, item[0])
+
+        yield from sorted(results.items(), key=order)
 
 
 quiet_libraries()
@@ -74,20 +86,29 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
+    from clinfed.pipeline import run_federation
+
     values = context.run_config
     if not values.get("clinfed-config"):
         raise ClinfedError("run config clinfed-config is empty: submit with `clinfed flower run`")
-    config = RunConfig(**json.loads(str(values["clinfed-config"])))
+    settings = json.loads(str(values["clinfed-config"]))
+    config = RunConfig.from_values(settings, "run config")
     deployment = Deployment(
         min_sites=int(values["min-sites"]),
         round_timeout=float(values["round-timeout"]),
         round_retries=int(values["round-retries"]),
         wait_for_sites=float(values["wait-for-sites"]),
     )
-    coordinator = Coordinator(config, deployment, log=lambda message: print(message, flush=True))
-    coordinator.start()
-    summary = coordinator.run(GridTransport(grid))
+    # What every node is told: the run's name (its state folder) and its
+    # settings, less where the server keeps its run folder.
+    run = {
+        "name": Path(config.out).name,
+        "config": {k: v for k, v in settings.items() if k != "run"},
+    }
+    summary = run_federation(
+        config, deployment, GridTransport(grid, run), log=lambda status: print(status, flush=True)
+    )
     print(f"run folder {config.out}: f1 {summary.get('f1', 0.0):.4f}", flush=True)
 
 
-__all__ = ["app"]
+__all__ = ["app", "GridTransport"]

@@ -38,6 +38,7 @@ LINE_FEATURES = datasets.Features(
     }
 )
 TEST_FRACTION = 0.2
+PROBE_SEED = 20_101
 
 
 def _held_out(doc_id: str, seed: int) -> bool:
@@ -70,6 +71,7 @@ class I2b2Task(Task):
 
     name = "i2b2"
     head = "token"
+    defaults = {"max_length": 128, "batch_size": 16, "lr": 1e-4, "head_lr": 1e-3}
 
     def __init__(self, seed: int = 0):
         self.seed = seed
@@ -243,9 +245,16 @@ class I2b2Task(Task):
     def evaluation_counts(
         self, records: list[Document], examples: datasets.Dataset, outputs: list[Any]
     ) -> dict[str, list[float]]:
-        """Per mode: [correct predictions, predictions, found gold, gold]."""
+        """Per mode: [correct predictions, predictions, found gold, gold].
+
+        Only the documents ``examples`` come from count, so a site may pass
+        the pooled records with its own examples.
+        """
         predicted = self.predicted_concepts(records, examples, outputs)
-        gold = {d.doc_id: d.concepts for d in records if d.annotated}
+        present = set(np.asarray(examples["doc"]).tolist()) if len(examples) else set()
+        gold = {
+            d.doc_id: d.concepts for i, d in enumerate(records) if d.annotated and i in present
+        }
         scores = score_concepts(gold, {k: v for k, v in predicted.items() if k in gold})
         counts = {}
         for mode in ("exact", "inexact"):
@@ -264,6 +273,14 @@ class I2b2Task(Task):
             "f1": prf(*counts["exact"])["f1"],
             "inexact_f1": prf(*counts["inexact"])["f1"],
         }
+
+    def public_probe(self, tokenizer, max_length: int, cache_dir: str) -> datasets.Dataset:
+        from clinfed.tasks.i2b2.synth import generate
+
+        folder = Path(cache_dir) / "probe"
+        generate(folder, sites=3, docs=4, seed=PROBE_SEED)
+        records = self.read_documents(folder / "train", ProblemLog())
+        return self.encode(records, tokenizer, max_length, cache_dir).shuffle(seed=PROBE_SEED)
 
     def write_predictions(
         self, records: list[Document], examples: datasets.Dataset, outputs: list[Any], folder: Path

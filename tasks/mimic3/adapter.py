@@ -65,6 +65,9 @@ def balanced_chunks(ids: list[int], window: int) -> list[list[int]]:
     return [ids[i : i + size] for i in range(0, len(ids), size)] if ids else [[]]
 
 
+PROBE_SEED = 20_101
+
+
 class Mimic3Task(Task):
     """ICD-9 coding of MIMIC-III discharge summaries.
 
@@ -84,6 +87,11 @@ class Mimic3Task(Task):
 
     name = "mimic3"
     head = "multilabel"
+    # Few, long examples and a sigmoid head over many codes: smaller batches
+    # (more steps) and a fast head.
+    defaults = {"max_length": 256, "batch_size": 8, "lr": 5e-5, "head_lr": 1e-2}
+    accepts_fixed_labels = True
+    labels_from_data = True
 
     def __init__(
         self,
@@ -312,6 +320,14 @@ class Mimic3Task(Task):
             "macro_f1": harmonic(macro_p, macro_r),
             "macro_f1_mean": float(ratio(2 * tp, 2 * tp + fp + fn).mean()),
         }
+
+    def public_probe(self, tokenizer, max_length: int, cache_dir: str) -> datasets.Dataset:
+        from clinfed.tasks.mimic3.synth import generate
+
+        folder = Path(cache_dir) / "probe"
+        generate(folder, sites=1, docs=24, seed=PROBE_SEED)
+        records = self.read_documents(folder, ProblemLog())
+        return self.encode(records, tokenizer, max_length, cache_dir).shuffle(seed=PROBE_SEED)
 
     def write_predictions(
         self,

@@ -1,59 +1,61 @@
-"""Federated strategies, one file each; register new ones in STRATEGIES."""
+"""Federated strategies, one file each; register new ones in STRATEGIES.
+
+A new strategy is one file (a :class:`Strategy` subclass with its options
+dataclass) plus one line here; its flags, config keys and Flower settings
+come from its options, and every runner uses it as it is.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from clinfed.errors import ClinfedError
-from clinfed.federated.strategies.base import Strategy
+from clinfed.federated.strategies.base import Strategy, StrategyContext
+from clinfed.federated.strategies.centralized import Centralized
+from clinfed.federated.strategies.ditto import Ditto
+from clinfed.federated.strategies.fedadam import FedAdam
 from clinfed.federated.strategies.fedavg import FedAvg
 from clinfed.federated.strategies.fedfrozen import FedFrozen
 from clinfed.federated.strategies.fedprox import FedProx
 from clinfed.federated.strategies.local import Local
 from clinfed.federated.strategies.pfeddc import PFedDC
-from clinfed.federated.strategies.safl import SAFL
+from clinfed.federated.strategies.safl import SAFL, SAFLFedFrozen
 
 STRATEGIES: dict[str, type[Strategy]] = {
-    "fedavg": FedAvg,
-    "fedprox": FedProx,
-    "local": Local,
-    "fedfrozen": FedFrozen,
-    "safl": SAFL,
-    "safl+fedfrozen": SAFL,
-    "pfeddc": PFedDC,
+    cls.name: cls
+    for cls in (
+        Centralized,
+        FedAvg,
+        FedProx,
+        Local,
+        FedFrozen,
+        SAFL,
+        SAFLFedFrozen,
+        PFedDC,
+        FedAdam,
+        Ditto,
+    )
 }
 
 
 def get_strategy(
     name: str,
-    mu: float = 0.01,
-    warmup: int | str = 3,
-    train_embeddings: bool = False,
-    top_layers: int = 2,
-    selection: str = "global",
-    probe=None,
-    profile_examples: int = 16,
-    seed: int = 0,
-    selection_noise: float = 1.0,
+    options: Mapping[str, Any] | None = None,
+    context: StrategyContext | None = None,
 ) -> Strategy:
-    """A strategy by name, with the run's strategy options."""
+    """A strategy by name with its options (a mapping of its option fields).
+
+    ``context`` is needed by strategies that build from the task (SAFL's
+    public probe); without one, such a strategy gets none.
+    """
     if name not in STRATEGIES:
         raise ClinfedError(f"unknown strategy {name!r} (choose from {', '.join(STRATEGIES)})")
-    if name == "fedprox":
-        return FedProx(mu)
-    if name == "fedfrozen":
-        return FedFrozen(warmup, train_embeddings)
-    if name in ("safl", "safl+fedfrozen"):
-        freezer = FedFrozen(warmup, train_embeddings) if name == "safl+fedfrozen" else None
-        return SAFL(
-            top_layers,
-            selection,
-            probe,
-            profile_examples,
-            train_embeddings,
-            noise=selection_noise,
-            seed=seed,
-            freezer=freezer,
-        )
-    return STRATEGIES[name]()
+    cls = STRATEGIES[name]
+    opts = cls.make_options(dict(options or {}), name)
+    if context is None:
+        return cls(opts)
+    return cls.build(opts, context)
 
 
-__all__ = ["STRATEGIES", "Strategy", "get_strategy"]
+__all__ = ["STRATEGIES", "Strategy", "StrategyContext", "get_strategy"]

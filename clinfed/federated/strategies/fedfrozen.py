@@ -7,7 +7,7 @@ attention query and key weights and biases are frozen: never trained,
 uploaded or downloaded again, so the global Q/K stay bit-identical while
 values, feed-forward blocks and the head keep learning.
 
-``warmup="auto"`` freezes once the kernel has settled, judged on the
+``freeze_from="auto"`` freezes once the kernel has settled, judged on the
 released global models only (so it costs nothing under DP): the relative
 change of all Q/K weights between consecutive global models,
 ``||QK_r - QK_{r-1}|| / ||QK_{r-1}||``, must stay below ``threshold`` for
@@ -16,6 +16,7 @@ change of all Q/K weights between consecutive global models,
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,39 +25,60 @@ from clinfed.blocks import block_of
 from clinfed.errors import ClinfedError
 from clinfed.federated.plan import Plan
 from clinfed.federated.strategies.base import Strategy
+from clinfed.settings import setting
 
 
 def is_query_key(name: str) -> bool:
     return block_of(name).kind == "query_key"
 
 
-class FedFrozen(Strategy):
-    """Parameters
-    ----------
-    warmup
-        Round from which Q/K are frozen (an int >= 1; 1 freezes from the
-        start), or ``"auto"``.
-    train_embeddings
-        Train and exchange the embeddings too (they are half of MiniLM).
-    threshold, patience
-        ``auto``: freeze after ``patience`` consecutive rounds whose relative
-        Q/K change is below ``threshold``.
+TRAIN_EMBEDDINGS_HELP = "SAFL, FedFrozen: train and exchange the embeddings too."
+
+
+@dataclass
+class FedFrozenOptions:
+    """FedFrozen's settings.
+
+    ``freeze_from``: round from which Q/K are frozen (1 freezes from the
+    start), or ``auto``; ``freeze_threshold`` / ``freeze_patience``: ``auto``
+    freezes after that many consecutive rounds whose relative Q/K change is
+    below the threshold.
     """
 
-    name = "fedfrozen"
+    freeze_from: str = setting(
+        "3", "FedFrozen: round from which Q/K are frozen, or 'auto'.", int_ok=True
+    )
+    freeze_threshold: float = setting(
+        0.01, "FedFrozen auto: relative Q/K change counted as settled.", above=0.0
+    )
+    freeze_patience: int = setting(
+        2, "FedFrozen auto: settled rounds in a row before freezing.", minimum=1
+    )
+    train_embeddings: bool = setting(False, TRAIN_EMBEDDINGS_HELP)
 
-    def __init__(
-        self,
-        warmup: int | str = 3,
-        train_embeddings: bool = False,
-        threshold: float = 0.01,
-        patience: int = 2,
-    ):
-        if warmup != "auto" and (not isinstance(warmup, int) or warmup < 1):
-            raise ClinfedError("--warmup must be a round number >= 1 or 'auto'")
-        self.warmup, self.train_embeddings = warmup, train_embeddings
-        self.threshold, self.patience = threshold, patience
-        self.frozen_from: int | None = warmup if isinstance(warmup, int) else None
+    def validate(self) -> None:
+        value = str(self.freeze_from)
+        if value != "auto" and not (value.isdigit() and int(value) >= 1):
+            raise ClinfedError("--freeze-from must be a round number >= 1 or 'auto'")
+        self.freeze_from = value
+
+    @property
+    def first_frozen_round(self) -> int | None:
+        return None if self.freeze_from == "auto" else int(self.freeze_from)
+
+
+class FedFrozen(Strategy):
+    """Freezes Q/K from ``options.freeze_from`` (see :class:`FedFrozenOptions`)."""
+
+    name = "fedfrozen"
+    options = FedFrozenOptions
+
+    def __init__(self, options: FedFrozenOptions | None = None):
+        super().__init__(options)
+        self.opts.validate()
+        self.train_embeddings = self.opts.train_embeddings
+        self.threshold, self.patience = self.opts.freeze_threshold, self.opts.freeze_patience
+        self.frozen_from: int | None = self.opts.first_frozen_round
         self._previous: torch.Tensor | None = None
         self._calm_rounds = 0
 

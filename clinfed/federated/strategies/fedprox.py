@@ -3,24 +3,26 @@ site's model near the global one, which damps drift on heterogeneous sites."""
 
 from __future__ import annotations
 
-from clinfed.errors import ClinfedError
+from dataclasses import dataclass
+
+from torch import nn
+
 from clinfed.federated.plan import Plan, full_plan
-from clinfed.federated.strategies.base import Strategy
+from clinfed.federated.strategies.base import Objective, Strategy, proximal
+from clinfed.settings import setting
+
+
+@dataclass
+class FedProxOptions:
+    mu: float = setting(0.01, "FedProx: weight of mu/2 ||w - w_global||^2.", minimum=0.0)
 
 
 class FedProx(Strategy):
-    """Parameters
-    ----------
-    mu
-        Weight of ``mu/2 * ||w - w_global||^2`` in every local loss.
-    """
-
     name = "fedprox"
-
-    def __init__(self, mu: float = 0.01):
-        if mu < 0:
-            raise ClinfedError("--mu must be 0 or more")
-        self.mu = mu
+    options = FedProxOptions
 
     def plan(self, round_number: int, site: str, names: list[str]) -> Plan:
-        return full_plan(names, proximal_mu=self.mu)
+        return full_plan(names)
+
+    def objective(self, model: nn.Module, plan: Plan) -> Objective | None:
+        return proximal(model, self.opts.mu)

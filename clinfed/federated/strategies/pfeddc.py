@@ -21,14 +21,73 @@ post-processing.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
 from clinfed.blocks import GLOBAL_PROMPT, HEAD, LOCAL_PROMPT
+from clinfed.errors import ClinfedError
 from clinfed.federated.plan import Plan, names_in
 from clinfed.federated.strategies.base import Strategy
+from clinfed.prompts import FUSIONS
+from clinfed.settings import setting
+
+
+@dataclass
+class PFedDCOptions:
+    prompt_length: int = setting(
+        8, "pfeddc: vectors in the global and in the local prompt.", minimum=1, maximum=128
+    )
+    prompt_fusion: str = setting(
+        "attention",
+        "pfeddc: attention (cross-attention fusion of global and local prompts), concat "
+        "(ablation: both prepended, no fusion) or global (ablation: no local prompt).",
+        choices=FUSIONS,
+    )
+    prompt_depth: int = setting(
+        1,
+        "pfeddc: encoder layers that get prompts of their own (1: the input only; up to the "
+        "layer count: deep prompts).",
+        minimum=1,
+    )
 
 
 class PFedDC(Strategy):
     name = "pfeddc"
+    options = PFedDCOptions
     shares_model = False  # each site keeps its own local prompt, fusion and head
+    # Prompts and a fresh head on a frozen encoder learn at prompt-tuning
+    # rates, not fine-tuning ones.
+    training_defaults = {"lr": 1e-2, "head_lr": 1e-2}
+
+    @classmethod
+    def prepare_model(
+        cls, model: nn.Module, options: PFedDCOptions, seed: int, max_length: int
+    ) -> None:
+        from clinfed.models import add_prompts
+
+        add_prompts(model, options.prompt_length, options.prompt_fusion, seed, options.prompt_depth)
+        window = model.encoder.config.max_position_embeddings
+        if (max_length or 0) + model.prompt.tokens > window:
+            raise ClinfedError(
+                f"--max-length {max_length} plus {model.prompt.tokens} prompt vectors "
+                f"exceeds the encoder's {window} positions"
+            )
+
+    def evaluations(
+        self, model: nn.Module, personal: dict[str, torch.Tensor]
+    ) -> dict[str, contextlib.AbstractContextManager]:
+        """The personalized model, and the global prompt alone (each site's
+        own head, P_g in place of the fused prompt)."""
+        del personal
+        variants: dict[str, contextlib.AbstractContextManager] = {"": contextlib.nullcontext()}
+        prompt = getattr(model, "prompt", None)
+        if prompt is not None and prompt.local_prompt is not None:
+            variants["global_prompt"] = _global_only(prompt)
+        return variants
 
     def plan(self, round_number: int, site: str, names: list[str]) -> Plan:
         trained = names_in(names, {GLOBAL_PROMPT, LOCAL_PROMPT, HEAD})
@@ -36,3 +95,12 @@ class PFedDC(Strategy):
         if not shared:
             raise ValueError("pfeddc needs a model with prompts (clinfed.models.add_prompts)")
         return Plan(trained, shared, shared)
+
+
+@contextlib.contextmanager
+def _global_only(prompt: nn.Module) -> Iterator[None]:
+    prompt.global_only = True
+    try:
+        yield
+    finally:
+        prompt.global_only = False

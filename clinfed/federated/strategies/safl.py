@@ -28,6 +28,7 @@ layers stop training and travelling once the freezer's warm-up is over.
 from __future__ import annotations
 
 import math
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import datasets
@@ -40,56 +41,97 @@ from clinfed.errors import ClinfedError
 from clinfed.federated.attention import profile, top_k_layers
 from clinfed.federated.client import site_key
 from clinfed.federated.plan import Plan, names_in
-from clinfed.federated.strategies.base import Strategy
-from clinfed.federated.strategies.fedfrozen import FedFrozen
+from clinfed.federated.strategies.base import Strategy, StrategyContext
+from clinfed.federated.strategies.fedfrozen import (
+    TRAIN_EMBEDDINGS_HELP,
+    FedFrozen,
+    FedFrozenOptions,
+)
 from clinfed.privacy.accountant import Mechanism
+from clinfed.settings import setting
 from clinfed.tasks.base import Task
 
 SELECTIONS = ("global", "public", "private")
 
 
+@dataclass
+class SAFLOptions:
+    top_layers: int = setting(
+        2, "SAFL: encoder layers each site trains and sends per round.", minimum=1
+    )
+    selection: str = setting(
+        "global",
+        "SAFL layer choice from: global (released model, public probe; free), public (site "
+        "model, public probe; free) or private (site data, noised; has a privacy cost).",
+        choices=SELECTIONS,
+    )
+    profile_examples: int = setting(16, "SAFL: examples per attention profile.", minimum=1)
+    selection_noise: float = setting(
+        1.0,
+        "SAFL --selection private: noise multiplier of the layer choice (charged to the "
+        "privacy ledger every round).",
+        above=0.0,
+    )
+    train_embeddings: bool = setting(False, TRAIN_EMBEDDINGS_HELP)
+
+
+@dataclass
+class SAFLFedFrozenOptions(SAFLOptions, FedFrozenOptions):
+    """SAFL's and FedFrozen's options together."""
+
+
 class SAFL(Strategy):
-    """Parameters
+    """Top-K layers by attention to task-relevant tokens.
+
+    Parameters
     ----------
-    top_k
-        Encoder layers each site trains and sends per round.
-    selection
-        ``global``, ``public`` or ``private`` (see the module docstring).
+    options
+        :class:`SAFLOptions` (``top_layers``, ``selection``,
+        ``profile_examples``, ``selection_noise``, ``train_embeddings``).
     probe
-        Public, already-encoded examples for ``global``/``public``.
-    profile_examples
-        How many examples a profile looks at.
-    noise
-        ``private``: noise multiplier of the Gaussian on the score sums.
+        Public, already-encoded examples for ``global``/``public`` selection.
+    seed
+        Seeds the private selection's noise.
     freezer
         A :class:`FedFrozen` whose warm-up decides when Q/K freeze.
     """
 
     name = "safl"
+    options = SAFLOptions
 
     def __init__(
         self,
-        top_k: int = 2,
-        selection: str = "global",
+        options: SAFLOptions | None = None,
         probe: datasets.Dataset | None = None,
-        profile_examples: int = 16,
-        train_embeddings: bool = False,
-        noise: float = 1.0,
         seed: int = 0,
         freezer: FedFrozen | None = None,
     ):
-        if top_k < 1:
-            raise ClinfedError("--top-layers must be at least 1")
-        if selection not in SELECTIONS:
-            raise ClinfedError(f"--selection must be one of {', '.join(SELECTIONS)}")
-        if selection != "private" and probe is None:
-            raise ValueError("global and public selection need a probe set")
-        self.top_k, self.selection, self.probe = top_k, selection, probe
-        self.profile_examples, self.train_embeddings = profile_examples, train_embeddings
-        self.noise, self.seed, self.freezer = noise, seed, freezer
-        self.name = "safl+fedfrozen" if freezer is not None else "safl"
+        super().__init__(options)
+        opts = self.opts
+        self.top_k, self.selection, self.probe = opts.top_layers, opts.selection, probe
+        self.profile_examples = opts.profile_examples
+        self.train_embeddings = opts.train_embeddings
+        self.noise, self.seed, self.freezer = opts.selection_noise, seed, freezer
         self._chosen: dict[str, list[int]] = {}
         self._global_choice: tuple[int, list[int], list[float]] | None = None
+
+    @classmethod
+    def build(cls, options: SAFLOptions, context: StrategyContext) -> SAFL:
+        probe = None
+        if options.selection != "private":
+            # Public data only: no private example shapes the free choice.
+            probe = context.task.public_probe(
+                context.tokenizer, context.max_length, context.cache_dir
+            )
+        return cls(options, probe, context.seed)
+
+    @classmethod
+    def check_model(cls, options: SAFLOptions, names: list[str]) -> None:
+        layers = num_layers(parameter_blocks(names))
+        if options.top_layers > layers:
+            raise ClinfedError(
+                f"--top-layers {options.top_layers} exceeds the model's {layers} layers"
+            )
 
     # ------------------------------------------------------------ selection
     def select(
@@ -108,6 +150,8 @@ class SAFL(Strategy):
         ):
             _, layers, scores = self._global_choice
         elif self.selection in ("global", "public"):
+            if self.probe is None:
+                raise RuntimeError("global and public selection need a probe set (build())")
             sample = self.probe.select(range(min(self.profile_examples, len(self.probe))))
             scores = profile(model, task, sample).mean(axis=0).tolist()
             layers = top_k_layers(scores, self.top_k)
@@ -194,3 +238,26 @@ class SAFL(Strategy):
     ) -> None:
         if self.freezer is not None and state.get("freezer") is not None:
             self.freezer.load_state_dict(state["freezer"], global_state)
+
+
+class SAFLFedFrozen(SAFL):
+    """SAFL whose selected layers stop training and sending Q/K once
+    FedFrozen's warm-up is over."""
+
+    name = "safl+fedfrozen"
+    options = SAFLFedFrozenOptions
+
+    def __init__(
+        self,
+        options: SAFLFedFrozenOptions | None = None,
+        probe: datasets.Dataset | None = None,
+        seed: int = 0,
+    ):
+        options = options if options is not None else SAFLFedFrozenOptions()
+        freezer = FedFrozen(FedFrozenOptions(**_fields_of(FedFrozenOptions, options)))
+        super().__init__(options, probe, seed, freezer)
+
+
+def _fields_of(kind: type, options: Any) -> dict[str, Any]:
+    values = asdict(options)
+    return {k: values[k] for k in kind.__dataclass_fields__}

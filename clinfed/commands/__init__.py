@@ -1,0 +1,52 @@
+"""The ``clinfed`` command: parse flags, call the library, print.
+
+One module per command group (``data``, ``train``, ``privacy``,
+``flower``); each registers its commands on :data:`app`. Every error a user
+can fix is a :class:`~clinfed.errors.ClinfedError`: one line per problem on
+stderr, exit status 2, no traceback, and never any note text.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+import typer
+
+from clinfed.commands import data, flower, privacy, train  # noqa: F401  (registration)
+from clinfed.commands.common import MAX_PROBLEMS_SHOWN, app, err
+from clinfed.errors import EXIT_USAGE, ClinfedError, DataError
+from clinfed.quiet import quiet_libraries
+
+
+# ----------------------------------------------------------------- main
+def _report_error(exc: ClinfedError) -> None:
+    lines = [str(p) for p in exc.problems] if isinstance(exc, DataError) else str(exc).splitlines()
+    for line in lines[:MAX_PROBLEMS_SHOWN]:
+        err.print(f"[red]error:[/] {line}", highlight=False, soft_wrap=True)
+    if len(lines) > MAX_PROBLEMS_SHOWN:
+        err.print(f"[red]error:[/] ... and {len(lines) - MAX_PROBLEMS_SHOWN} more problems")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point; returns the exit status."""
+    quiet_libraries()
+    command = typer.main.get_command(app)
+    try:
+        result = command.main(args=argv, prog_name="clinfed", standalone_mode=False)
+        return result if isinstance(result, int) else 0
+    except ClinfedError as exc:
+        _report_error(exc)
+        return EXIT_USAGE
+    except click.exceptions.Exit as exc:
+        return exc.exit_code
+    except click.ClickException as exc:
+        exc.show()
+        return exc.exit_code
+    except click.exceptions.Abort:
+        err.print("aborted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""clinfed flower certs | key | superlink | supernode | register | run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from clinfed.commands.common import (
+    app,
+    err,
+    out,
+)
+from clinfed.commands.options import settings_parameters, with_parameters
+from clinfed.errors import ClinfedError
+
+# --------------------------------------------------------------- flower
+flower_app = typer.Typer(
+    help="Multi-hospital deployment on Flower: a SuperLink, one SuperNode per site.",
+    no_args_is_help=True,
+)
+app.add_typer(flower_app, name="flower")
+INSECURE = typer.Option(
+    False, "--insecure", help="No TLS (plain HTTP). Only for a test on one machine."
+)
+ROOT_CERT = typer.Option(
+    None, "--root-cert", help="CA certificate (ca.crt) that signed the SuperLink's certificate."
+)
+SUPERLINK = typer.Option(
+    "127.0.0.1:8000", "--superlink", help="The SuperLink's address, HOST:PORT."
+)
+
+
+def _exec(command: list[str], env: dict[str, str]) -> int:
+    """Run a Flower process in the foreground; Ctrl-C stops it."""
+    import subprocess
+
+    err.print(f"running: {' '.join(command)}", highlight=False, soft_wrap=True)
+    try:
+        return subprocess.run(command, env=env).returncode
+    except KeyboardInterrupt:
+        return 130
+
+
+@flower_app.command("certs")
+def flower_certs(
+    out_dir: Path = typer.Option(..., "--out", help="Folder for ca.crt, server.pem and keys."),
+    host: list[str] = typer.Option(
+        ["127.0.0.1", "localhost"], "--host", help="Names or IPs the SuperLink is reached at."
+    ),
+    days: int = typer.Option(365, "--days", help="Validity in days."),
+) -> None:
+    """Make a private CA and a SuperLink certificate (for pilots and tests)."""
+    from clinfed.flower.deploy import make_certificates
+
+    written = make_certificates(out_dir, host, days)
+    out.print(f"wrote {', '.join(sorted(written))} to {out_dir}")
+
+
+@flower_app.command("key")
+def flower_key(
+    out_dir: Path = typer.Option(..., "--out", help="Folder for the key pair."),
+    name: str = typer.Option(..., "--name", help="File name (the site's name, say)."),
+) -> None:
+    """Make a SuperNode authentication key pair (register the .pub with the SuperLink)."""
+    from clinfed.flower.deploy import make_node_key
+
+    private, public = make_node_key(out_dir, name)
+    out.print(f"private key {private} (stays at the site); public key {public}")
+
+
+@flower_app.command("superlink")
+def flower_superlink(
+    certs: Path = typer.Option(
+        None, "--certs", help="Folder with ca.crt, server.pem, server.key (clinfed flower certs)."
+    ),
+    insecure: bool = INSECURE,
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    port: int = typer.Option(8000, "--port", help="Port of the SuperLink's HTTP APIs."),
+    database: Path = typer.Option(None, "--database", help="SQLite state file (default: memory)."),
+    node_auth: bool = typer.Option(
+        False, "--node-auth", help="Accept only registered SuperNodes (clinfed flower register)."
+    ),
+    home: Path = typer.Option(None, "--home", help="Flower's home folder (default ~/.flwr)."),
+) -> None:
+    """Start the SuperLink (the server's end; runs the ServerApp of each submitted run)."""
+    from clinfed.flower.deploy import environment, superlink_command
+
+    command = superlink_command(certs, insecure, host, port, database, node_auth)
+    raise typer.Exit(_exec(command, environment(home)))
+
+
+@flower_app.command("supernode")
+def flower_supernode(
+    superlink: str = SUPERLINK,
+    data: Path = typer.Option(..., "--data", help="This site's data folder (task format)."),
+    state: Path = typer.Option(
+        ..., "--state", help="This site's state folder: ledger, model copy, predictions."
+    ),
+    site: str = typer.Option(None, "--site", help="Site name, if the data holds several."),
+    max_epsilon: float = typer.Option(
+        None, "--max-epsilon", help="Most epsilon this site spends on a run, whatever is asked."
+    ),
+    root_cert: Path = ROOT_CERT,
+    insecure: bool = INSECURE,
+    key: Path = typer.Option(None, "--key", help="Private key for SuperNode authentication."),
+    port: int = typer.Option(9094, "--port", help="Local port of the node's own runtime API."),
+    share_ledger: bool = typer.Option(
+        True, "--share-ledger/--keep-ledger", help="Report ledger lines to the server's report."
+    ),
+    threads: int = typer.Option(0, "--threads", help="CPU threads (0: all cores)."),
+) -> None:
+    """Start a SuperNode for one site (trains when the SuperLink asks)."""
+    from clinfed.flower.deploy import environment, supernode_command
+
+    command = supernode_command(
+        superlink,
+        data,
+        state,
+        site,
+        max_epsilon,
+        root_cert,
+        insecure,
+        key,
+        port,
+        share_ledger,
+        threads,
+    )
+    state.mkdir(parents=True, exist_ok=True)
+    raise typer.Exit(_exec(command, environment(state / "flwr")))
+
+
+@flower_app.command("register")
+def flower_register(
+    public_key: Path = typer.Argument(..., help="A SuperNode's .pub (clinfed flower key)."),
+    superlink: str = SUPERLINK,
+    root_cert: Path = ROOT_CERT,
+    insecure: bool = INSECURE,
+) -> None:
+    """Register a SuperNode's public key with a SuperLink started with --node-auth."""
+    import tempfile
+
+    from clinfed.flower.deploy import environment, register_command, write_connection
+
+    with tempfile.TemporaryDirectory(prefix="clinfed-flwr-") as home:
+        write_connection(Path(home), superlink, root_cert, insecure)
+        raise typer.Exit(_exec(register_command(public_key), environment(Path(home))))
+
+
+def flower_run(
+    config_file: Path = typer.Option(
+        None,
+        "--config",
+        help="Settings file (as for clinfed train); the flags override it.",
+        exists=True,
+        dir_okay=False,
+    ),
+    superlink: str = SUPERLINK,
+    root_cert: Path = ROOT_CERT,
+    insecure: bool = INSECURE,
+    min_sites: int = typer.Option(
+        1, "--min-sites", help="Replies a round needs; fewer: retried, then the run stops."
+    ),
+    round_timeout: float = typer.Option(
+        900.0, "--round-timeout", help="Seconds a round waits for replies."
+    ),
+    round_retries: int = typer.Option(
+        1, "--round-retries", help="Times a round short of --min-sites is sent again."
+    ),
+    wait_for_sites: float = typer.Option(
+        300.0, "--wait-for-sites", help="Seconds to wait for --min-sites nodes to connect."
+    ),
+    **settings: Any,
+) -> None:
+    """Submit a training run to a SuperLink and follow its log until it ends
+    (``--resume``: continue a run whose ServerApp died, from its last commit)."""
+    import tempfile
+
+    from clinfed.commands.options import given, merge
+    from clinfed.flower.deploy import (
+        environment,
+        flower_run_config,
+        run_command,
+        run_overrides,
+        write_connection,
+    )
+
+    values = merge(config_file, given(settings))
+    out_dir = values.pop("out", None)
+    resume = bool(values.pop("resume", False))
+    if not out_dir:
+        raise ClinfedError("--out is required (the run folder on the SuperLink's machine)")
+    config = flower_run_config(values, Path(out_dir), resume=resume)
+    with tempfile.TemporaryDirectory(prefix="clinfed-flwr-") as home:
+        overrides = Path(home) / "run.toml"
+        overrides.write_text(
+            run_overrides(config, min_sites, round_timeout, round_retries, wait_for_sites)
+        )
+        write_connection(Path(home), superlink, root_cert, insecure)
+        code = _exec(run_command(overrides), environment(Path(home)))
+    if code == 0 and (Path(config.out) / "metrics.jsonl").is_file():
+        from clinfed.commands.train import _round_table
+
+        _round_table(Path(config.out))
+        summary_path = Path(config.out) / "summary.json"
+        if summary_path.is_file() and "stopped" in json.loads(summary_path.read_text()):
+            err.print(f"[yellow]{json.loads(summary_path.read_text())['stopped']}[/]")
+            code = 1
+    raise typer.Exit(code)
+
+
+with_parameters(flower_run, settings_parameters(simulator=False))
+flower_app.command("run")(flower_run)

@@ -1,0 +1,132 @@
+"""Command-line options generated from the settings schema.
+
+``clinfed train``, ``sweep`` and ``flower run`` take their settings flags
+from :mod:`clinfed.settings` (one flag per field, named like it, grouped into
+``--help`` panels by concern), so a setting is declared once. Every
+generated option defaults to ``None`` (not given); the schema's default is
+shown in ``--help`` and applied by :class:`~clinfed.settings.RunConfig`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import Field
+from pathlib import Path
+from typing import Any
+
+import click
+import typer
+
+from clinfed.settings import (
+    PANELS,
+    concern_of,
+    default_of,
+    field_type,
+    flatten,
+    load_file,
+    option_owners,
+    schema_fields,
+    strategy_option_fields,
+)
+
+
+def _option(name: str, f: Field, panel: str, owners: list[str] | None) -> inspect.Parameter:
+    kind, _ = field_type(f)
+    flag = "--" + name.replace("_", "-")
+    help_text = f.metadata.get("help", "")
+    if owners:
+        help_text += f" [{', '.join(owners)}]"
+    default = default_of(f)
+    show = None if default is None else ("inf" if default == float("inf") else str(default))
+    extra: dict[str, Any] = {}
+    if name == "labels":
+        annotation: Any = Path | None
+        extra = {"exists": True, "dir_okay": False}
+    elif kind is bool:
+        annotation = bool | None
+        flag = f"{flag}/--no-{name.replace('_', '-')}"
+    else:
+        annotation = kind | None
+        choices = f.metadata.get("choices")
+        if choices is not None:
+            extra["click_type"] = click.Choice([str(c) for c in choices])
+            annotation = str | None
+    option = typer.Option(
+        None, flag, help=help_text, rich_help_panel=panel, show_default=show or False, **extra
+    )
+    return inspect.Parameter(
+        name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation
+    )
+
+
+def settings_parameters(
+    exclude: Iterable[str] = (), simulator: bool = True
+) -> list[inspect.Parameter]:
+    """One keyword parameter per setting (``simulator=False``: leave out the
+    settings that have no Flower form)."""
+    skip = set(exclude)
+    params = []
+    for name, f in schema_fields().items():
+        if name in skip or f.metadata.get("flag_only") and name in skip:
+            continue
+        if not simulator and f.metadata.get("simulator_only"):
+            continue
+        params.append(_option(name, f, PANELS[concern_of(name)], None))
+    owners = option_owners()
+    for name, f in strategy_option_fields().items():
+        if name not in skip:
+            params.append(_option(name, f, PANELS["strategy_options"], owners[name]))
+    return params
+
+
+def with_parameters(
+    func: Callable[..., Any], params: list[inspect.Parameter]
+) -> Callable[..., Any]:
+    """``func`` (taking ``**settings``) with ``params`` appended to its own
+    signature, for Typer to read."""
+    own = [
+        p
+        for p in inspect.signature(func).parameters.values()
+        if p.kind is not inspect.Parameter.VAR_KEYWORD
+    ]
+    hints = dict(getattr(func, "__annotations__", {}))
+    func.__signature__ = inspect.Signature(own + params)  # type: ignore[attr-defined]
+    func.__annotations__ = hints | {p.name: p.annotation for p in params}
+    return func
+
+
+def given(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings given on the command line (generated options are
+    ``None`` when not given)."""
+    from clinfed.flower.deploy import read_labels
+
+    found = {}
+    for key, value in values.items():
+        if value is None:
+            continue
+        if key == "labels":
+            value = read_labels(Path(value))
+        elif isinstance(value, Path):
+            value = str(value)
+        found[key] = value
+    return found
+
+
+def merge(config_file: Path | None, flags: dict[str, Any]) -> dict[str, Any]:
+    """Settings from ``--config FILE`` with the flags over them. Options the
+    file gives for another strategy than the one the flags choose are
+    dropped (a run's config.json carries its own strategy's options)."""
+    if config_file is None:
+        return dict(flags)
+    values = flatten(load_file(config_file), str(config_file))
+    options = dict(values.pop("strategy_options", {}) or {})
+    owners = option_owners()
+    chosen = flags.get("strategy")
+    if chosen is not None and chosen != values.get("strategy"):
+        options = {k: v for k, v in options.items() if chosen in owners.get(k, [])}
+        values = {k: v for k, v in values.items() if k not in owners or chosen in owners.get(k, [])}
+    values = values | flags
+    if options:
+        values["strategy_options"] = {k: v for k, v in options.items() if k not in flags}
+    return values

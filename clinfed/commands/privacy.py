@@ -1,0 +1,95 @@
+"""clinfed privacy epsilon | noise, report, audit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from clinfed.commands.common import (
+    _print_json,
+    app,
+    out,
+)
+
+privacy_app = typer.Typer(
+    help="The privacy accountant as a calculator (RDP of the subsampled Gaussian).",
+    no_args_is_help=True,
+)
+app.add_typer(privacy_app, name="privacy")
+
+
+@privacy_app.command("epsilon")
+def privacy_epsilon(
+    sample_rate: float = typer.Option(..., "--sample-rate", help="Poisson rate q = batch / n."),
+    noise_multiplier: float = typer.Option(..., "--noise-multiplier", help="Noise over clip."),
+    steps: int = typer.Option(..., "--steps", help="DP-SGD steps."),
+    delta: float = typer.Option(..., "--delta", help="Target delta."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON (key: epsilon)."),
+) -> None:
+    """Epsilon spent by STEPS steps of DP-SGD at rate Q and noise S."""
+    from clinfed.privacy.calculator import epsilon_for
+
+    result = epsilon_for(sample_rate, noise_multiplier, steps, delta)
+    if as_json:
+        _print_json(result)
+    else:
+        out.print(
+            f"epsilon {result['epsilon']:.4f} at delta {delta:g} "
+            f"(PLD, tighter: {result['epsilon_pld']:.4f}); {result['accountant']}"
+        )
+
+
+@privacy_app.command("noise")
+def privacy_noise(
+    target_epsilon: float = typer.Option(..., "--target-epsilon", help="Budget epsilon."),
+    delta: float = typer.Option(..., "--delta", help="Target delta."),
+    sample_rate: float = typer.Option(..., "--sample-rate", help="Poisson rate q = batch / n."),
+    steps: int = typer.Option(..., "--steps", help="DP-SGD steps."),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print JSON (keys: noise_multiplier, epsilon)."
+    ),
+) -> None:
+    """The smallest noise multiplier that keeps STEPS steps within the target."""
+    from clinfed.privacy.calculator import noise_for
+
+    result = noise_for(target_epsilon, delta, sample_rate, steps)
+    if as_json:
+        _print_json(result)
+    else:
+        out.print(
+            f"noise multiplier {result['noise_multiplier']:.4f} gives epsilon "
+            f"{result['epsilon']:.4f} at delta {delta:g}"
+        )
+
+
+@app.command("report")
+def report_cmd(
+    run: Path = typer.Argument(..., help="A run folder.", exists=True, file_okay=False),
+) -> None:
+    """Write RUN/report/ (report.html, report.md, privacy.json): what the run
+    released, what it cost in epsilon per site, layers sent, F1."""
+    from clinfed.privacy.report import write_report
+
+    folder = write_report(run)
+    out.print(f"[bold]report[/]: {folder / 'report.html'}")
+
+
+@app.command("audit")
+def audit_cmd(
+    run: Path = typer.Argument(..., help="A finished run folder.", exists=True, file_okay=False),
+    max_examples: int = typer.Option(
+        400, "--max-examples", help="Training and held-out examples each."
+    ),
+) -> None:
+    """Loss-threshold membership-inference attack on the run's model; writes
+    RUN/audit.json (shown by clinfed report)."""
+    from clinfed.privacy.audit import audit
+
+    result = audit(run, max_examples)
+    out.print(
+        f"membership-inference AUC {result['auc']:.3f} ({result['members']} training vs "
+        f"{result['non_members']} held-out examples; 0.5 = no better than chance)"
+    )
+
+

@@ -1,0 +1,247 @@
+"""clinfed train, sweep, evaluate, predict."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from clinfed.commands.common import (
+    JSON,
+    ON_ERROR,
+    OnError,
+    _print_json,
+    _warn,
+    app,
+    err,
+    out,
+)
+from clinfed.commands.options import settings_parameters, with_parameters
+from clinfed.errors import ClinfedError
+
+
+# ---------------------------------------------------------------- train
+class _ProgressReporter:
+    """Draws rich progress bars from the pipeline's events."""
+
+    def __init__(self, progress: Progress, epochs: int):
+        self.progress, self.epochs, self.bar = progress, epochs, None
+
+    def __call__(self, event: str, info: dict[str, Any]) -> None:
+        p = self.progress
+        if event == "loaded":
+            _warn(info["warnings"])
+            p.console.print(
+                f"{info['train']} training and {info['test']} held-out examples "
+                f"from sites {', '.join(info['sites'])}"
+            )
+        elif event in ("epoch_start", "eval_start"):
+            if self.bar is not None:
+                p.remove_task(self.bar)
+            label = "train" if event == "epoch_start" else "evaluate"
+            self.bar = p.add_task(
+                f"epoch {info['epoch']}/{self.epochs} {label}", total=info["examples"]
+            )
+        elif event in ("step", "eval_step"):
+            p.advance(self.bar, info["examples"])
+        elif event == "epoch_end":
+            p.console.print(
+                f"epoch {info['epoch']}: f1 {info['f1']:.4f}  loss {info['train_loss']:.4f}  "
+                f"{info['tokens_per_s']:.0f} tokens/s"
+            )
+        elif event == "site_start":
+            if self.bar is not None:
+                p.remove_task(self.bar)
+            self.bar = p.add_task(f"round {info['round']} {info['client']}", total=None)
+        elif event == "site_end":
+            # Under DP the training loss is not released; epsilon is shown instead.
+            detail = (
+                f"epsilon {info['epsilon']:.3f}"
+                if "epsilon" in info
+                else f"loss {info['train_loss']:.4f}"
+            )
+            p.console.print(
+                f"round {info['round']} {info['client']}: {detail}  "
+                f"up {info['bytes_up'] / 1e6:.1f} MB  {info['wall_s']:.0f} s"
+            )
+        elif event == "site_refused":
+            p.console.print(
+                f"[yellow]round {info['round']} {info['client']}: refused, epsilon would reach "
+                f"{info['epsilon_if_trained']:.3f} (spent {info['epsilon']:.3f})[/]"
+            )
+        elif event == "stopped":
+            p.console.print(f"[yellow]{info['reason']}[/]")
+        elif event == "round_end":
+            p.console.print(f"[bold]round {info['round']}[/]: f1 {info['f1']:.4f}")
+
+
+def _round_table(run: Path) -> None:
+    """Per-round summary of a federated run, read back from its metrics.jsonl."""
+    from clinfed.runs import read_jsonl
+
+    records = read_jsonl(run / "metrics.jsonl")
+    table = Table(title=f"{run}")
+    private = any("epsilon" in r for r in records)
+    columns = ("round", "f1", "clients", "MB up", "MB down") + (("max epsilon",) if private else ())
+    for column in columns:
+        table.add_column(column, justify="right")
+    for record in (r for r in records if "client" not in r):
+        sites = [r for r in records if "bytes_up" in r and r["round"] == record["round"]]
+        row = [
+            str(record["round"]),
+            f"{record['f1']:.4f}",
+            str(len(sites)),
+            f"{sum(r['bytes_up'] for r in sites) / 1e6:.1f}",
+            f"{sum(r['bytes_down'] for r in sites) / 1e6:.1f}",
+        ]
+        if private:
+            row.append(f"{max((r.get('epsilon', 0.0) for r in sites), default=0.0):.3f}")
+        table.add_row(*row)
+    out.print(table)
+
+
+def train(
+    config_file: Path = typer.Option(
+        None,
+        "--config",
+        help="Settings file: TOML (keys named like the flags, at the top level or in a table "
+        "per concern) or a run's config.json. Flags override it.",
+        exists=True,
+        dir_okay=False,
+    ),
+    **settings: Any,
+) -> None:
+    """Train a model and write a run folder (config, metrics.jsonl, model, predictions)."""
+    from clinfed.commands.options import given, merge
+    from clinfed.pipeline import RunConfig, run_training
+
+    values = merge(config_file, given(settings))
+    config = RunConfig.from_values(values, str(config_file) if config_file else "flags")
+    for required in ("task", "data", "out"):
+        if not values.get(required):
+            raise ClinfedError(f"--{required} is required (a flag or a key of --config)")
+    out_dir = Path(config.out)
+    epochs = config.epochs
+    columns = [
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    ]
+    with Progress(*columns, console=err, transient=True) as progress:
+        summary = run_training(config, _ProgressReporter(progress, epochs))
+    if "mb_up" in summary:
+        _round_table(out_dir)
+        if summary.get("stopped"):
+            out.print(f"[yellow]{summary['stopped']}[/]")
+        if "epsilon" in summary:
+            spent = ", ".join(f"{k} {v:.3f}" for k, v in summary["epsilon"].items())
+            out.print(f"privacy spent (epsilon at delta {summary['delta']:g}): {spent}")
+        out.print(
+            f"[bold]done[/]: held-out f1 {summary['f1']:.4f}; uploaded {summary['mb_up']:.1f} MB, "
+            f"downloaded {summary['mb_down']:.1f} MB ({summary['ratio_to_fedavg_up']:.0%} of "
+            f"FedAvg's upload); run folder {out_dir}"
+        )
+    else:
+        out.print(
+            f"[bold]done[/]: held-out f1 {summary['f1']:.4f} "
+            f"({summary['tokens_per_s']:.0f} training tokens/s); run folder {out_dir}"
+        )
+
+
+def sweep_cmd(
+    out_dir: Path = typer.Option(..., "--out", help="Sweep folder (one run folder per cell)."),
+    strategies: str = typer.Option(
+        "fedavg,safl,fedfrozen,safl+fedfrozen", "--strategies", help="Comma-separated."
+    ),
+    epsilons: str = typer.Option(
+        "0.5,1,2,4,8,inf", "--epsilons", help="Target epsilons, comma-separated; inf = no DP."
+    ),
+    seeds: int = typer.Option(1, "--seeds", help="Seeds per cell (0..N-1)."),
+    config_file: Path = typer.Option(
+        None, "--config", help="Settings file (as for clinfed train).", exists=True,
+        dir_okay=False,
+    ),
+    **settings: Any,
+) -> None:
+    """F1 at fixed epsilon budgets: one run per strategy x epsilon x seed,
+    resumable, summarised in sweep.csv, sweep.md and sweep.png."""
+    from clinfed.commands.options import given, merge
+    from clinfed.pipeline import RunConfig
+    from clinfed.settings import option_owners
+    from clinfed.sweep import parse_epsilons, run_sweep
+
+    values = merge(config_file, given(settings))
+    owners = option_owners()
+    options = {k: v for k, v in values.items() if k in owners}
+    options |= values.pop("strategy_options", {}) or {}
+    base = RunConfig.from_values(
+        {k: v for k, v in values.items() if k not in owners} | {"out": str(out_dir)},
+        str(config_file) if config_file else "flags",
+    )
+    for required in ("task", "data"):
+        if not getattr(base, required):
+            raise ClinfedError(f"--{required} is required (a flag or a key of --config)")
+    names = [s.strip() for s in strategies.split(",") if s.strip()]
+
+    def show(event: str, info: dict[str, Any]) -> None:
+        if event == "cell_start":
+            err.print(f"sweep: running {info['cell']}")
+
+    run_sweep(base, out_dir, names, parse_epsilons(epsilons), seeds, show, options)
+    out.print((out_dir / "sweep.md").read_text())
+    out.print(f"[bold]sweep[/]: {out_dir / 'sweep.csv'}, {out_dir / 'sweep.png'}")
+
+
+with_parameters(
+    sweep_cmd,
+    settings_parameters(exclude=("out", "resume", "strategy", "target_epsilon", "seed")),
+)
+app.command("sweep")(sweep_cmd)
+
+
+@app.command("evaluate")
+def evaluate(
+    run: Path = typer.Argument(..., help="A finished run folder."),
+    data: Path = typer.Option(..., "--data", help="Folder of annotated documents to score."),
+    on_error: OnError = ON_ERROR,
+    as_json: bool = JSON,
+) -> None:
+    """Score a run's final model on a folder of annotated data."""
+    from clinfed.inference import evaluate_run
+
+    metrics = evaluate_run(run, data, on_error.value)
+    _warn(metrics.pop("warnings"))
+    if as_json:
+        _print_json(metrics)
+        return
+    table = Table(title=f"{run} on {data}", show_header=False)
+    for key, value in metrics.items():
+        if isinstance(value, float):
+            table.add_row(key, f"{value:.4f}")
+        elif isinstance(value, dict) and key == "per_site_f1":
+            table.add_row(key, ", ".join(f"{k}: {v:.4f}" for k, v in value.items()))
+    out.print(table)
+
+
+@app.command("predict")
+def predict_cmd(
+    run: Path = typer.Argument(..., help="A finished run folder."),
+    data: Path = typer.Option(..., "--data", help="Folder of documents (i2b2) or CSVs (mimic3)."),
+    out_dir: Path = typer.Option(..., "--out", help="New folder for the predictions."),
+    on_error: OnError = ON_ERROR,
+) -> None:
+    """Write predictions in the real format: i2b2 .con files, mimic3 predictions.csv."""
+    from clinfed.inference import predict_run
+
+    count = predict_run(run, data, out_dir, on_error.value)
+    out.print(f"wrote predictions for {count} records to {out_dir}")
+
+
+
+
+with_parameters(train, settings_parameters())
+app.command("train")(train)

@@ -1,0 +1,517 @@
+"""The round engine: the server side of a federated run, for every transport.
+
+One implementation drives the in-process transport (sites in turn in this
+process) and the Flower transport (a SuperNode per hospital). Per round:
+
+1. sample the sites that train (``fraction``); every other connected site
+   is asked to evaluate only;
+2. decide each site's download: a site that took part in the previous
+   exchange holds the previous global model, so it gets the strategy's
+   envelope (what can have changed); any other site gets the whole model
+   (a site with a model of its own never gets more than the envelope);
+3. send, and fold each reply in as it arrives (memory flat in the number
+   of sites): check its record, its tensors (names inside the envelope,
+   shapes, dtypes, finite values), aggregate through the strategy;
+4. the evaluation of the previous round's global model arrives with the
+   replies (summable counts; no examples leave a site): one record;
+5. the strategy applies the mean (a server optimizer may step) and observes
+   the new model; commit (weights fsynced, then ``state.json``).
+
+After the last round one ``evaluate`` exchange scores the final model and
+has each site write its predictions where it keeps them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from clinfed.errors import ClinfedError
+from clinfed.federated import payload, state
+from clinfed.federated.strategies import Strategy
+from clinfed.runs import append_jsonl, atomic_write_json, atomic_write_text
+from clinfed.tasks.base import Task
+
+
+@dataclass
+class Message:
+    """What the server sends one site.
+
+    Attributes
+    ----------
+    kind
+        ``train`` or ``evaluate``.
+    round
+        The round being run; the download is global round ``round - 1``.
+    download
+        Tensors to load (the whole model when ``full``, else to overlay).
+    evaluate
+        Evaluate the received model first (the previous round's record).
+    write_predictions
+        Write predictions of the received model where the site keeps them.
+    strategy_state
+        The strategy's JSON state (FedFrozen's freeze round).
+    """
+
+    kind: str
+    round: int
+    download: dict[str, torch.Tensor]
+    full: bool
+    evaluate: bool
+    write_predictions: bool = False
+    strategy_state: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Reply:
+    """What a site sends back."""
+
+    site: str
+    upload: dict[str, torch.Tensor]
+    record: dict[str, Any] | None  # training (or refusal) record; None: evaluated only
+    evaluation: dict[str, Any] | None  # {"counts": {variant: counts}, "examples", "seconds"}
+    ledger: dict[str, Any] | None  # the site's privacy ledger, if it shares it
+
+
+class Transport(Protocol):
+    """Moves messages; knows nothing of rounds, strategies or tasks."""
+
+    def addresses(self) -> list[str]:
+        """The sites reachable now (in-process: site names; Flower: node ids)."""
+
+    def exchange(
+        self, messages: Mapping[str, Message], timeout: float
+    ) -> Iterator[tuple[str, Reply | str]]:
+        """Send each address its message; yield ``(address, reply)`` as
+        replies come, or ``(address, why)`` for one that did not (an error,
+        a timeout)."""
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """How the server waits for sites (Flower; in-process sites never fail).
+
+    Attributes
+    ----------
+    min_sites
+        Training replies a round needs to be aggregated.
+    round_timeout
+        Seconds a round waits for replies before going on without the rest.
+    round_retries
+        Times a round short of ``min_sites`` is sent again before the run stops.
+    wait_for_sites
+        Seconds to wait, before each round, for ``min_sites`` sites to connect.
+    """
+
+    min_sites: int = 1
+    round_timeout: float = 900.0
+    round_retries: int = 1
+    wait_for_sites: float = 300.0
+
+    def validate(self) -> None:
+        if self.min_sites < 1:
+            raise ClinfedError("--min-sites must be at least 1")
+        if not (self.round_timeout > 0 and self.wait_for_sites >= 0 and self.round_retries >= 0):
+            raise ClinfedError("--round-timeout must be positive, waits and retries not negative")
+
+
+def check_upload(
+    upload: Mapping[str, torch.Tensor],
+    allowed: frozenset[str],
+    global_state: Mapping[str, torch.Tensor],
+) -> str | None:
+    """Why an upload must not be averaged in (``None``: it may).
+
+    Rejected: names outside the round's envelope, shapes or dtypes other than
+    the global model's, and any NaN or Inf.
+    """
+    unexpected = sorted(set(upload) - allowed)
+    if unexpected:
+        return f"unexpected parameter {unexpected[0]} ({len(unexpected)} in all)"
+    for name, value in upload.items():
+        reference = global_state[name]
+        if tuple(value.shape) != tuple(reference.shape):
+            return f"{name}: shape {tuple(value.shape)}, expected {tuple(reference.shape)}"
+        if value.dtype != reference.dtype:
+            return f"{name}: dtype {value.dtype}, expected {reference.dtype}"
+        if not bool(torch.isfinite(value).all()):
+            return f"{name}: NaN or Inf"
+    return None
+
+
+def check_record(reply: Reply) -> str | None:
+    record = reply.record
+    if not isinstance(record, dict):
+        return "reply without a site record"
+    if "refused" in record:
+        return None
+    examples = record.get("examples")
+    if not isinstance(examples, int) or isinstance(examples, bool) or examples < 1:
+        return "reply without a positive number of examples"
+    return None
+
+
+def sample_sites(names: list[str], fraction: float, rng: np.random.Generator) -> list[str]:
+    """The sites that train this round (at least one), in a stable order."""
+    count = max(1, round(fraction * len(names)))
+    if count >= len(names):
+        return list(names)
+    chosen = set(rng.choice(len(names), size=count, replace=False).tolist())
+    return [n for i, n in enumerate(names) if i in chosen]
+
+
+Reporter = Callable[[str, dict[str, Any]], None]
+
+
+def _quiet(event: str, info: dict[str, Any]) -> None:
+    del event, info
+
+
+class RoundEngine:
+    """Runs the rounds of one federated run into a run folder.
+
+    Parameters
+    ----------
+    task
+        For metrics from summed counts.
+    strategy
+        The server's strategy object.
+    global_state
+        The model every site starts from (the run's seeded model).
+    names
+        The model's parameter names (what plans and envelopes speak of).
+    out
+        The run folder (created by the caller, with ``config.json``).
+    rounds, fraction, seed
+        The federation's settings.
+    """
+
+    def __init__(
+        self,
+        task: Task,
+        strategy: Strategy,
+        global_state: dict[str, torch.Tensor],
+        names: list[str],
+        out: Path,
+        rounds: int,
+        fraction: float = 1.0,
+        seed: int = 0,
+        deployment: Deployment | None = None,
+        report: Reporter = _quiet,
+        log: Callable[[str], None] = lambda line: None,
+    ):
+        self.task, self.strategy, self.names = task, strategy, names
+        self.global_state = {k: v.detach().clone() for k, v in global_state.items()}
+        self.out, self.rounds, self.fraction = Path(out), rounds, fraction
+        self.deployment = deployment or Deployment()
+        self.report, self.log = report, log
+        self.sampling = np.random.default_rng([seed, 1])
+        self.first_round = 1
+        self.holds: dict[str, int] = {}  # site -> global round its copy holds
+        self.site_of: dict[str, str] = {}  # address -> site name (learnt from replies)
+        self.ledgers: dict[str, dict[str, Any]] = {}
+        self.pending_observed: dict[str, Any] = {}
+        self.last_record: dict[str, Any] = {}
+        self.stopped: str | None = None
+        # FedAvg's payload for this model: the yardstick for every strategy.
+        self.full_bytes = len(payload.encode(self._params()))
+
+    def _params(self) -> dict[str, torch.Tensor]:
+        return {n: self.global_state[n] for n in self.names}
+
+    # ---------------------------------------------------------- durability
+    def resume(self) -> None:
+        """Continue from the last commit of ``self.out``."""
+        committed = state.load(self.out)
+        self.global_state = state.load_tensors(self.out / committed.checkpoint)
+        self.sampling.bit_generator.state = committed.sampling
+        self.strategy.load_state_dict(committed.strategy, self.global_state)
+        if committed.strategy_tensors:
+            self.strategy.load_tensor_state(
+                state.load_tensors(self.out / committed.strategy_tensors)
+            )
+        self.holds = dict(committed.holds)
+        self.pending_observed = dict(committed.strategy.get("_observed", {}))
+        self.first_round = committed.round + 1
+        state.cut_metrics(self.out, committed.metrics_bytes)
+
+    def _commit(self, round_number: int) -> None:
+        self._write_privacy()
+        strategy_state = self.strategy.state_dict() | {"_observed": self.pending_observed}
+        state.commit(
+            self.out,
+            round_number,
+            self.global_state,
+            strategy_state,
+            self.strategy.tensor_state(),
+            self.sampling.bit_generator.state,
+            self.holds,
+        )
+
+    def _metrics(self, record: dict[str, Any]) -> None:
+        append_jsonl(self.out / "metrics.jsonl", record)
+
+    # ----------------------------------------------------------- exchanges
+    def _wait(self, transport: Transport) -> list[str]:
+        deadline = time.monotonic() + self.deployment.wait_for_sites
+        while True:
+            addresses = sorted(transport.addresses())
+            if len(addresses) >= self.deployment.min_sites or time.monotonic() >= deadline:
+                return addresses
+            time.sleep(1.0)
+
+    def _messages(
+        self, addresses: list[str], training: set[str], round_number: int, predictions: bool
+    ) -> tuple[dict[str, Message], dict[str, int]]:
+        envelope = self.strategy.envelope(round_number, self.names).downloaded
+        sizes: dict[tuple[str, ...], int] = {}
+        messages, bytes_down = {}, {}
+        for address in addresses:
+            site = self.site_of.get(address)
+            in_sync = site is not None and self.holds.get(site) == round_number - 2
+            # A site with a model of its own never takes more than the shared
+            # part: the rest of the server's copy is not its.
+            full = self.strategy.shares_model and not in_sync
+            names = sorted(self.global_state) if full else sorted(envelope)
+            download = {n: self.global_state[n] for n in names}
+            kind = "train" if address in training else "evaluate"
+            if kind == "evaluate" and round_number == 1:
+                continue  # nothing to evaluate yet, nothing to train
+            key = tuple(names)
+            if key not in sizes:
+                # Bytes on the wire: the serialized download, measured once
+                # per distinct set of tensors.
+                sizes[key] = len(payload.encode(download)) if names else 0
+            bytes_down[address] = sizes[key]
+            messages[address] = Message(
+                kind,
+                round_number,
+                download,
+                full,
+                evaluate=round_number > 1,
+                write_predictions=predictions,
+                strategy_state=self.strategy.state_dict(),
+            )
+        return messages, bytes_down
+
+    # --------------------------------------------------------------- round
+    def run_round(self, transport: Transport, round_number: int) -> bool:
+        """One round; False when it could not be completed (the run stops)."""
+        for attempt in range(self.deployment.round_retries + 1):
+            addresses = self._wait(transport)
+            if not addresses:
+                break
+            training = set(sample_sites(addresses, self.fraction, self.sampling))
+            messages, bytes_down = self._messages(addresses, training, round_number, False)
+            self.log(
+                f"round {round_number}/{self.rounds}: sending to {len(training)} sites"
+                + (f" (attempt {attempt + 1})" if attempt else "")
+            )
+            outcome = self._collect(transport, messages, bytes_down, round_number)
+            if outcome is not None:
+                return outcome
+        self.stopped = (
+            f"stopped in round {round_number}: fewer than {self.deployment.min_sites} sites replied"
+        )
+        return False
+
+    def _collect(
+        self,
+        transport: Transport,
+        messages: dict[str, Message],
+        bytes_down: dict[str, int],
+        round_number: int,
+    ) -> bool | None:
+        """Send, fold replies in, write records; ``None``: too few replies (retry)."""
+        allowed = self.strategy.envelope(round_number, self.names).uploaded
+        aggregator = self.strategy.aggregator(round_number)
+        evaluations: list[tuple[str, dict[str, Any]]] = []
+        records: list[dict[str, Any]] = []
+        holds: dict[str, int] = {}
+        sent: set[str] = set()
+        trained = refused = 0
+        for address, reply in transport.exchange(messages, self.deployment.round_timeout):
+            site = self.site_of.get(address, f"node {address}")
+            if isinstance(reply, str):
+                records.append({"round": round_number, "client": site, "failed": reply})
+                self.log(f"round {round_number}: {site}: no usable reply ({reply})")
+                continue
+            self.site_of[address] = site = reply.site
+            message = messages[address]
+            if reply.ledger:
+                self.ledgers[site] = reply.ledger
+            if reply.evaluation:
+                evaluations.append((site, reply.evaluation))
+            if message.kind == "evaluate":
+                holds[site] = round_number - 1
+                continue
+            reason = check_record(reply) or check_upload(reply.upload, allowed, self.global_state)
+            if reason is not None:
+                records.append({"round": round_number, "client": site, "rejected": reason})
+                self.log(f"round {round_number}: {site}: update rejected ({reason})")
+                continue
+            holds[site] = round_number - 1
+            record = dict(reply.record)
+            if "refused" in record:
+                refused += 1
+                records.append(record)
+                self.report("site_refused", record)
+                continue
+            record["bytes_down"] = bytes_down[address]
+            if reply.upload:
+                aggregator.add(reply.upload, record["examples"])
+                sent |= set(reply.upload)
+            trained += 1
+            records.append(record)
+        if trained + refused < self.deployment.min_sites:
+            for record in records:
+                self._metrics(record)
+            self.log(
+                f"round {round_number}: {trained + refused} of the "
+                f"{self.deployment.min_sites} sites needed replied"
+            )
+            return None
+        if round_number > 1:
+            self._evaluation_record(round_number - 1, evaluations)
+        for record in sorted(records, key=lambda r: r["client"]):
+            self._metrics(record)
+            if "bytes_up" in record:
+                self.report("site_end", record)
+        self.holds |= holds
+        if not trained:
+            self.stopped = (
+                f"stopped before round {round_number}: no site can train within its privacy budget"
+            )
+            self.report("stopped", {"round": round_number, "reason": self.stopped})
+            return False
+        mean = aggregator.result(self.global_state)
+        self.global_state = self.strategy.apply(
+            round_number, self.global_state, mean, frozenset(sent)
+        )
+        self.pending_observed = self.strategy.observe(round_number, self.global_state)
+        self._commit(round_number)
+        return True
+
+    def _evaluation_record(
+        self, round_number: int, evaluations: list[tuple[str, dict[str, Any]]]
+    ) -> dict[str, Any]:
+        """The global record of ``round_number`` from the sites' summed counts."""
+        totals: dict[str, dict[str, list[float]]] = {}
+        per_site: dict[str, dict[str, float]] = {}
+        seconds = 0.0
+        for site, evaluation in sorted(evaluations):
+            seconds = max(seconds, float(evaluation.get("seconds", 0.0)))
+            for variant, counts in evaluation["counts"].items():
+                per_site.setdefault(variant, {})[site] = self.task.metrics_from_counts(counts)["f1"]
+                total = totals.setdefault(variant, {})
+                for key, values in counts.items():
+                    total[key] = (
+                        [a + b for a, b in zip(total[key], values)]
+                        if key in total
+                        else list(values)
+                    )
+        record: dict[str, Any] = {"round": round_number}
+        for variant in sorted(totals):
+            metrics = self.task.metrics_from_counts(totals[variant])
+            prefix = f"{variant}_" if variant else ""
+            if variant:
+                metrics = {"f1": metrics["f1"]}
+            record |= {prefix + k: v for k, v in metrics.items()}
+            record[prefix + "per_site_f1"] = per_site[variant]
+        record.setdefault("f1", 0.0)
+        record |= {"eval_seconds": seconds, "evaluated_sites": len(evaluations)}
+        record |= self.pending_observed
+        self._metrics(record)
+        self.last_record = record
+        self.report("round_end", record)
+        self.log(f"round {round_number}: f1 {record['f1']:.4f} on {len(evaluations)} sites")
+        return record
+
+    def _final_evaluation(
+        self, transport: Transport, round_number: int
+    ) -> list[tuple[str, dict[str, Any]]]:
+        """Score the model of ``round_number`` everywhere; sites write predictions."""
+        addresses = self._wait(transport)
+        messages, _ = self._messages(addresses, set(), round_number + 1, True)
+        evaluations = []
+        for address, reply in transport.exchange(messages, self.deployment.round_timeout):
+            if isinstance(reply, str):
+                site = self.site_of.get(address, f"node {address}")
+                self.log(f"final evaluation: {site}: no reply ({reply})")
+                continue
+            self.site_of[address] = reply.site
+            if reply.ledger:
+                self.ledgers[reply.site] = reply.ledger
+            if reply.evaluation:
+                evaluations.append((reply.site, reply.evaluation))
+        return evaluations
+
+    # ----------------------------------------------------------------- run
+    def run(self, transport: Transport) -> dict[str, Any]:
+        """Every round from the first uncommitted one, then the final
+        evaluation; returns the summary (also ``RUN/summary.json``)."""
+        self.deployment.validate()
+        if self.first_round == 1:  # the model every site starts from
+            self.strategy.observe(0, self.global_state)
+        last = self.first_round - 1
+        for round_number in range(self.first_round, self.rounds + 1):
+            if not self.run_round(transport, round_number):
+                break
+            last = round_number
+        evaluations = self._final_evaluation(transport, last)
+        if self.stopped is None or not self.last_record:
+            self._evaluation_record(last, evaluations)
+        self._write_privacy()
+        return self.summary()
+
+    def summary(self) -> dict[str, Any]:
+        from clinfed.runs import read_jsonl
+
+        sites = [r for r in read_jsonl(self.out / "metrics.jsonl") if "bytes_up" in r]
+        up = sum(r["bytes_up"] for r in sites)
+        down = sum(r["bytes_down"] for r in sites)
+        fedavg = self.full_bytes * len(sites)
+        summary = dict(self.last_record) | {
+            "mb_up": up / 1e6,
+            "mb_down": down / 1e6,
+            "fedavg_mb_up": fedavg / 1e6,
+            "ratio_to_fedavg_up": up / fedavg if fedavg else 0.0,
+        }
+        if self.stopped:
+            summary["stopped"] = self.stopped
+            self.log(self.stopped)
+        if self.ledgers:
+            summary["epsilon"] = {
+                site: (ledger["lines"][-1]["epsilon"] if ledger["lines"] else 0.0)
+                for site, ledger in sorted(self.ledgers.items())
+            }
+            summary["epsilon_reported_by_sites"] = True
+            summary["delta"] = next(iter(self.ledgers.values()))["policy"]["delta"]
+        atomic_write_json(self.out / "summary.json", summary)
+        return summary
+
+    def _write_privacy(self) -> None:
+        """The sites' ledgers as they reported them (each site keeps its
+        own), marked so, and the policy as the sites described it."""
+        if not self.ledgers:
+            return
+        folder = self.out / "privacy"
+        folder.mkdir(parents=True, exist_ok=True)
+        sites = {}
+        common: dict[str, Any] = {}
+        for site, ledger in sorted(self.ledgers.items()):
+            lines = [line | {"reported_by_site": True} for line in ledger["lines"]]
+            text = "".join(json.dumps(line, sort_keys=True) + "\n" for line in lines)
+            atomic_write_text(folder / f"{site}.jsonl", text)
+            sites[site] = ledger["site"] | {"budget": ledger.get("budget")}
+            common = ledger["policy"]
+        atomic_write_json(
+            folder / "policy.json", common | {"sites": sites, "reported_by_sites": True}
+        )

@@ -1,0 +1,236 @@
+"""The site runner: what one site does with a message, in every transport.
+
+A site receives a :class:`~clinfed.federated.engine.Message`, rebuilds the
+model it is told to start from (its own copy with the download overlaid,
+or the whole model the server sent), evaluates it if asked (summable counts,
+never examples), trains if asked (select -> plan -> the strategy's local
+procedure, inside the privacy layer under DP), keeps its copy for the next
+round and replies with the planned upload and its record.
+
+The site's copy of the model lives in ``state_dir`` as
+``copy.rNNNN.safetensors``, ``NNNN`` the global round it received (its own
+training on top, for what it trained), with the tensors it keeps for itself
+(``personal/...``: Ditto's personal model). A message of round ``R`` carries
+global round ``R-1``; the site starts from its latest copy of a round
+``<= R-2`` (a copy written in a round that was never committed is never
+used). A partial download of a shared model needs the copy of round
+``R-2`` exactly, or the site refuses it and the server sends the whole
+model next time.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import datasets
+import torch
+from torch import nn
+
+from clinfed.errors import ClinfedError
+from clinfed.federated import payload
+from clinfed.federated.client import LocalSettings, LocalWork, site_generator
+from clinfed.federated.state import load_tensors, save_tensors
+from clinfed.federated.strategies import Strategy
+from clinfed.privacy.site import SitePrivacy
+from clinfed.tasks.base import Task
+from clinfed.training import predict
+
+COPY = re.compile(r"^copy\.r(\d{4,})\.safetensors$")
+PERSONAL = "personal/"
+KEPT_COPIES = 2
+
+Reporter = Callable[[str, dict[str, Any]], None]
+
+
+def _quiet(event: str, info: dict[str, Any]) -> None:
+    del event, info
+
+
+class SiteRunner:
+    """One site: its data, its copy of the model, its privacy ledger.
+
+    Parameters
+    ----------
+    name
+        The site's name (as in its records and the server's log).
+    model
+        The model object the site trains; the in-process transport shares
+        one between all sites (weights are loaded into it, never copied).
+    initial_state
+        The run's seeded starting weights (a site with a model of its own
+        starts from them).
+    train, test, test_records
+        The site's encoded training and held-out examples, and the records
+        the held-out examples come from (for counting).
+    state_dir
+        The site's state folder (its model copies).
+    privacy
+        The site's privacy layer (``None``: no DP).
+    predictions_dir
+        Where the final evaluation writes predictions in the task's format
+        (``None``: kept in ``final_outputs`` for the caller to write).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        task: Task,
+        model: nn.Module,
+        initial_state: dict[str, torch.Tensor],
+        strategy: Strategy,
+        train: datasets.Dataset,
+        test: datasets.Dataset,
+        test_records: Any,
+        settings: LocalSettings,
+        seed: int,
+        state_dir: Path,
+        privacy: SitePrivacy | None = None,
+        eval_batch_size: int = 64,
+        predictions_dir: Path | None = None,
+        report: Reporter = _quiet,
+    ):
+        self.name, self.task, self.model, self.strategy = name, task, model, strategy
+        self.initial_state = initial_state
+        self.train, self.test, self.test_records = train, test, test_records
+        self.settings, self.seed = settings, seed
+        self.state_dir, self.privacy = Path(state_dir), privacy
+        self.eval_batch_size, self.predictions_dir = eval_batch_size, predictions_dir
+        self.report = report
+        self.names = [n for n, _ in model.named_parameters()]
+        self.personal: dict[str, torch.Tensor] = {}
+        self.final_outputs: list | None = None
+
+    # ------------------------------------------------------------- messages
+    def handle(self, message: Any) -> Any:
+        """One message in, one reply out (see the module docstring)."""
+        from clinfed.federated.engine import Reply
+
+        self._start_from(message.round, message.download, message.full)
+        evaluation = self.evaluate(message.write_predictions) if message.evaluate else None
+        upload: dict[str, torch.Tensor] = {}
+        record = None
+        if message.kind == "train":
+            self.report("site_start", {"round": message.round, "client": self.name})
+            upload, record = self.train_round(message.round, message.strategy_state)
+        # The copy is on disk before anything leaves the site: the next
+        # round's partial download overlays it.
+        self._save_copy(message.round - 1)
+        ledger = self.privacy.report() if self.privacy is not None else None
+        return Reply(self.name, upload, record, evaluation, ledger)
+
+    # ---------------------------------------------------------------- state
+    def _copies(self) -> dict[int, Path]:
+        found = {}
+        if self.state_dir.is_dir():
+            for path in self.state_dir.iterdir():
+                match = COPY.match(path.name)
+                if match:
+                    found[int(match.group(1))] = path
+        return found
+
+    def _start_from(self, round_number: int, download: dict[str, torch.Tensor], full: bool) -> None:
+        usable = {r: p for r, p in self._copies().items() if r <= round_number - 2}
+        base_round = max(usable, default=None)
+        saved = load_tensors(usable[base_round]) if base_round is not None else {}
+        self.personal = {k[len(PERSONAL) :]: v for k, v in saved.items() if k.startswith(PERSONAL)}
+        state = {k: v for k, v in saved.items() if not k.startswith(PERSONAL)}
+        if full:
+            self._load(download, strict=True)
+            return
+        if self.strategy.shares_model and base_round != round_number - 2:
+            raise ClinfedError(
+                f"site {self.name}: no copy of global round {round_number - 2} to update "
+                "(restarted or lagging); the server sends the whole model next round"
+            )
+        self._load(state or self.initial_state, strict=True)
+        self._load(download, strict=False)
+
+    def _load(self, tensors: dict[str, torch.Tensor], strict: bool) -> None:
+        own = self.model.state_dict()
+        unknown = sorted(set(tensors) - set(own))
+        if unknown:
+            raise ClinfedError(
+                f"site {self.name}: received parameters this model lacks: {', '.join(unknown[:3])}"
+            )
+        for name, value in tensors.items():
+            if tuple(value.shape) != tuple(own[name].shape):
+                raise ClinfedError(
+                    f"site {self.name}: received {name} with shape {tuple(value.shape)}"
+                )
+        if strict and set(tensors) != set(own):
+            missing = sorted(set(own) - set(tensors))
+            raise ClinfedError(f"site {self.name}: incomplete model ({missing[0]} missing)")
+        with torch.no_grad():
+            for name, value in tensors.items():
+                own[name].copy_(value)
+
+    def _save_copy(self, received_round: int) -> None:
+        tensors = {k: v for k, v in self.model.state_dict().items()}
+        tensors |= {PERSONAL + k: v for k, v in self.personal.items()}
+        save_tensors(self.state_dir / f"copy.r{received_round:04d}.safetensors", tensors)
+        copies = self._copies()
+        for old in sorted(copies)[:-KEPT_COPIES]:
+            copies[old].unlink(missing_ok=True)
+
+    # ------------------------------------------------------------- the work
+    def evaluate(self, write_predictions: bool = False) -> dict[str, Any] | None:
+        """Counts (never examples) of each model the strategy evaluates."""
+        if len(self.test) == 0:
+            return None
+        started = time.perf_counter()
+        counts = {}
+        for variant, context in self.strategy.evaluations(self.model, self.personal).items():
+            with context:
+                outputs = predict(self.model, self.task, self.test, self.eval_batch_size)
+            counts[variant] = self.task.evaluation_counts(self.test_records, self.test, outputs)
+            if variant == "" and write_predictions:
+                if self.predictions_dir is not None:
+                    # Predictions carry the notes' spans: they stay at the site.
+                    self.task.write_predictions(
+                        self.test_records, self.test, outputs, self.predictions_dir
+                    )
+                else:
+                    self.final_outputs = outputs
+        return {
+            "counts": counts,
+            "examples": len(self.test),
+            "seconds": round(time.perf_counter() - started, 3),
+        }
+
+    def train_round(
+        self, round_number: int, strategy_state: dict[str, Any]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Train one round; return the upload and the site's record. Under DP
+        the privacy layer checks the budget and writes the ledger first."""
+        self.strategy.load_state_dict(strategy_state, None)
+
+        def update(dp: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+            chosen = self.strategy.select(
+                round_number, self.name, self.model, self.task, self.train
+            )
+            plan = self.strategy.plan(round_number, self.name, self.names)
+            generator = site_generator(self.seed, round_number, self.name)
+            work = LocalWork(
+                self.model,
+                self.task,
+                self.train,
+                plan,
+                self.settings,
+                generator,
+                dp,
+                self.personal,
+            )
+            result = self.strategy.local_update(work)
+            bytes_up = len(payload.encode(result.upload)) if plan.uploaded else 0
+            record = result.record(round_number, self.name, bytes_up) | chosen
+            if result.clipping is not None:
+                record["clipping"] = result.clipping
+            return result.upload, record
+
+        if self.privacy is None:
+            return update(None)
+        return self.privacy.run(round_number, update)

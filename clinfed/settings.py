@@ -1,0 +1,526 @@
+"""The settings of a run, declared once.
+
+Every setting is a dataclass field with its help text and its bounds, in one
+dataclass per concern (data, model, local training, federation, privacy,
+machine); each strategy declares its own options dataclass in its own file
+(``clinfed.federated.strategies``). From this one schema come:
+
+* the ``clinfed train`` / ``sweep`` / ``flower run`` flags, grouped into
+  ``--help`` panels by concern (``clinfed.commands.options``);
+* ``--config FILE`` (TOML, or a run's own ``config.json``): keys named like
+  the fields, at the top level or in a table per concern;
+* ``RUN/config.json`` (written by :meth:`RunConfig.to_dict`, read back by
+  :meth:`RunConfig.from_values`);
+* the run config a Flower run carries to the ServerApp and every node.
+
+One name per setting: the flag is the field name with dashes. Unknown keys
+are refused with the nearest valid name; values are type-checked strictly
+(``rounds = 1.5`` and ``rounds = true`` are errors, not 1); floats must be
+finite unless the field says ``inf`` means something.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import MISSING, Field, asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from clinfed.errors import ClinfedError
+
+
+def setting(default: Any = None, help: str = "", **meta: Any) -> Any:  # noqa: A002
+    """A field of the schema.
+
+    ``meta`` may hold ``choices`` (allowed values), ``minimum`` / ``maximum``
+    (inclusive bounds), ``above`` (exclusive lower bound), ``allow_inf``
+    (``inf`` is a meaningful value), ``simulator_only`` (no Flower form) and
+    ``resumable`` (``--resume`` may change it: it does not change results).
+    """
+    if isinstance(default, (list, dict)):
+        return field(
+            default_factory=lambda: type(default)(default), metadata={"help": help, **meta}
+        )
+    return field(default=default, metadata={"help": help, **meta})
+
+
+# ------------------------------------------------------------------ concerns
+@dataclass
+class RunSettings:
+    """Where the run lives."""
+
+    out: str = setting("", "New run folder (refused if it holds files).", flag_only=True)
+    resume: bool = setting(
+        False, "Continue the run in --out from its last committed round.", flag_only=True
+    )
+
+
+@dataclass
+class DataSettings:
+    """Task and data: what is read and how it becomes examples."""
+
+    task: str = setting("i2b2", "Task: i2b2 (concept extraction) or mimic3 (ICD-9 coding).")
+    data: str = setting(
+        "",
+        "Corpus folder (train/ and test/, or one folder to split).",
+        simulator_only=True,
+    )
+    on_error: str = setting(
+        "strict",
+        "strict: report every problem and stop (exit 2); skip: report and leave the bad item out.",
+        choices=("strict", "skip"),
+    )
+    max_length: int | None = setting(
+        None, "Encoder window in tokens (default: the task's).", minimum=8, maximum=512
+    )
+    codes: str = setting(
+        "diagnoses",
+        "mimic3: which ICD-9 codes are labels.",
+        choices=("diagnoses", "procedures", "both"),
+    )
+    top_k: int = setting(50, "mimic3: keep the K most frequent codes (0: all).", minimum=0)
+    max_chunks: int = setting(8, "mimic3: windows kept per admission.", minimum=1)
+    labels: list[str] | None = setting(
+        None, "mimic3: the codes to predict (a file: one per line, or a run's labels.json)."
+    )
+
+
+@dataclass
+class ModelSettings:
+    """The encoder."""
+
+    model: str = setting("minilm", "minilm (bundled), tiny (random, tests) or a checkpoint folder.")
+
+
+@dataclass
+class TrainingSettings:
+    """Local training: how a model learns from one site's examples."""
+
+    epochs: int = setting(3, "centralized: passes over the pooled training data.", minimum=1)
+    local_epochs: int = setting(1, "Passes over a site's data per round.", minimum=1)
+    batch_size: int | None = setting(None, "Examples per step (default: the task's).", minimum=1)
+    lr: float | None = setting(None, "AdamW rate of the encoder (default: the task's).", above=0.0)
+    head_lr: float | None = setting(
+        None, "Rate of the freshly initialised task head (default: the task's).", above=0.0
+    )
+    weight_decay: float = setting(0.01, "AdamW weight decay.", minimum=0.0)
+    lr_warmup: float = setting(
+        0.1,
+        "centralized: share of the steps with a linear learning-rate warm-up.",
+        minimum=0.0,
+        below=1.0,
+    )
+    seed: int = setting(0, "Seeds the model head, data order, dropout and splits.", minimum=0)
+
+
+@dataclass
+class FederationSettings:
+    """The federation: who trains, how often, with which strategy."""
+
+    strategy: str = setting("centralized", "Training strategy (see clinfed strategies).")
+    rounds: int = setting(5, "Federated rounds.", minimum=1)
+    fraction: float = setting(
+        1.0, "Share of the sites sampled to train each round.", above=0.0, maximum=1.0
+    )
+    partition: str = setting(
+        "sites",
+        "Clients: sites (one per hospital, as the corpus says), iid, or dirichlet label skew "
+        "(with --clients).",
+        choices=("sites", "iid", "dirichlet"),
+        simulator_only=True,
+    )
+    clients: int = setting(
+        0, "With --partition iid|dirichlet: this many clients.", minimum=0, simulator_only=True
+    )
+    alpha: float = setting(
+        0.5, "Dirichlet concentration (small: skewed).", above=0.0, simulator_only=True
+    )
+
+
+@dataclass
+class PrivacySettings:
+    """DP-SGD at every site (off unless a target epsilon or a noise is given)."""
+
+    target_epsilon: float | None = setting(
+        None,
+        "DP-SGD at every site, each site's noise calibrated so the planned rounds end at or "
+        "just under this epsilon; sites refuse rounds past it ('inf': no DP).",
+        above=0.0,
+        allow_inf=True,
+    )
+    delta: float = setting(1e-5, "DP delta (below 1 / site examples).", above=0.0, below=1.0)
+    noise_multiplier: float | None = setting(
+        None,
+        "DP-SGD with this noise multiplier at every site instead of calibrating one.",
+        above=0.0,
+    )
+    max_grad_norm: float = setting(1.0, "DP-SGD per-example clipping norm.", above=0.0)
+    clipping: str = setting(
+        "auto",
+        "DP-SGD per-example clipping: hooks, ghost, or auto (ghost when embeddings train and "
+        "examples are single rows, else hooks).",
+        choices=("auto", "hooks", "ghost"),
+    )
+
+
+@dataclass
+class MachineSettings:
+    """This machine: none of these change results."""
+
+    threads: int = setting(0, "CPU threads (0: all cores).", minimum=0)
+    cache_dir: str | None = setting(
+        None,
+        "Keep tokenized data here for reuse (it holds note content: protect it like the "
+        "data). Default: a temporary folder, deleted after the run.",
+        simulator_only=True,
+        resumable=True,
+    )
+    eval_batch_size: int = setting(64, "Examples per evaluation step.", minimum=1, resumable=True)
+
+
+CONCERNS: dict[str, type] = {
+    "run": RunSettings,
+    "data": DataSettings,
+    "model": ModelSettings,
+    "training": TrainingSettings,
+    "federation": FederationSettings,
+    "privacy": PrivacySettings,
+    "machine": MachineSettings,
+}
+PANELS = {
+    "run": "Run",
+    "data": "Task and data",
+    "model": "Model",
+    "training": "Local training",
+    "federation": "Federation",
+    "strategy_options": "Strategy options",
+    "privacy": "Privacy (DP-SGD)",
+    "machine": "Machine",
+}
+# Keys a run's config.json carries beside the settings (ignored on reading).
+METADATA_KEYS = {"clinfed_version", "runner", "deployment", "versions", "command"}
+
+
+@dataclass
+class RunConfig(
+    MachineSettings,
+    PrivacySettings,
+    FederationSettings,
+    TrainingSettings,
+    ModelSettings,
+    DataSettings,
+    RunSettings,
+):
+    """Everything that decides a run: the concern dataclasses above, plus the
+    chosen strategy's options (``strategy_options``, validated by that
+    strategy's own options dataclass). Written to ``RUN/config.json``."""
+
+    strategy_options: dict[str, Any] = field(
+        default_factory=dict, metadata={"help": "The chosen strategy's options."}
+    )
+
+    # ----------------------------------------------------------- building
+    @classmethod
+    def from_values(cls, values: Mapping[str, Any], source: str = "settings") -> RunConfig:
+        """A config from keys named like the fields: flat, or nested in a
+        table per concern (``[training] lr = 1e-4``), strategy options at the
+        top level or under ``strategy_options``. ``source`` names the file in
+        errors."""
+        flat = flatten(values, source)
+        known = schema_fields()
+        options_known = strategy_option_fields()
+        direct: dict[str, Any] = {}
+        options: dict[str, Any] = dict(flat.pop("strategy_options", None) or {})
+        for key, value in flat.items():
+            name = key.replace("-", "_")
+            if name in known:
+                direct[name] = check_value(known[name], value, source)
+            elif name in options_known:
+                options[name] = value
+            else:
+                raise unknown_key(key, source)
+        for key in list(options):
+            name = key.replace("-", "_")
+            if name not in options_known:
+                raise unknown_key(key, source)
+            options[name] = check_value(options_known[name], options.pop(key), source)
+        return cls(**direct, strategy_options=options)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings nested by concern (``RUN/config.json``; accepted back
+        by :meth:`from_values`). ``out`` and ``resume`` are where and how it
+        ran, not what: they are left out."""
+        values = asdict(self)
+        nested: dict[str, Any] = {}
+        for concern, cls in CONCERNS.items():
+            if concern == "run":
+                continue
+            nested[concern] = {f.name: values[f.name] for f in fields(cls)}
+        nested["strategy_options"] = dict(self.strategy_options)
+        return nested
+
+    def replace(self, **changes: Any) -> RunConfig:
+        return replace(self, **changes)
+
+    # ---------------------------------------------------------- checking
+    def validate(self, check_data: bool = True) -> None:
+        """Reject impossible settings before anything is read or written
+        (``check_data=False``: the data is elsewhere, at Flower nodes)."""
+        from clinfed.federated.strategies import STRATEGIES
+        from clinfed.tasks import TASKS
+
+        if self.task not in TASKS:
+            raise ClinfedError(f"--task must be one of {', '.join(TASKS)}, not {self.task!r}")
+        if self.strategy not in STRATEGIES:
+            raise ClinfedError(
+                f"--strategy must be one of {', '.join(STRATEGIES)}, not {self.strategy!r}"
+            )
+        for f in schema_fields().values():
+            check_bounds(f, getattr(self, f.name))
+        strategy = STRATEGIES[self.strategy]
+        strategy.make_options(self.strategy_options, self.strategy)  # raises on bad options
+        task = TASKS[self.task]
+        if self.labels is not None and not task.accepts_fixed_labels:
+            raise ClinfedError(
+                f"--labels (a fixed label list) does not apply to --task {self.task}"
+            )
+        if self.partition != "sites" and self.clients < 1:
+            raise ClinfedError(f"--partition {self.partition} needs --clients N")
+        if self.partition == "sites" and self.clients:
+            raise ClinfedError("--clients N needs --partition iid or dirichlet")
+        if not strategy.shares_model and self.partition != "sites":
+            raise ClinfedError(
+                f"--strategy {self.strategy} evaluates each site's own model on its own data: "
+                "use --partition sites"
+            )
+        if self.dp:
+            if not (self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)):
+                raise ClinfedError("--max-grad-norm must be a positive finite number under DP")
+            if strategy.pooled:
+                raise ClinfedError(
+                    "DP-SGD runs at the sites of a federated strategy, not "
+                    f"--strategy {self.strategy}"
+                )
+        if check_data and not Path(self.data).is_dir():
+            raise ClinfedError(f"--data {self.data}: not a folder")
+
+    @property
+    def dp(self) -> bool:
+        """Whether sites train under DP-SGD (``--target-epsilon inf`` is no DP)."""
+        finite_target = self.target_epsilon is not None and not math.isinf(self.target_epsilon)
+        return finite_target or self.noise_multiplier is not None
+
+    def resolved(self) -> RunConfig:
+        """A copy with every unset setting filled from the task's defaults and
+        the strategy's (its options completed from their own defaults)."""
+        from clinfed.federated.strategies import STRATEGIES
+        from clinfed.tasks import TASKS
+
+        strategy = STRATEGIES[self.strategy]
+        defaults = dict(TASKS[self.task].defaults) | dict(strategy.training_defaults)
+        changes = {k: v for k, v in defaults.items() if getattr(self, k) is None}
+        options = asdict(strategy.make_options(self.strategy_options, self.strategy))
+        return replace(self, **changes, strategy_options=options)
+
+    def options(self) -> Any:
+        """The chosen strategy's options dataclass."""
+        from clinfed.federated.strategies import STRATEGIES
+
+        return STRATEGIES[self.strategy].make_options(self.strategy_options, self.strategy)
+
+
+# --------------------------------------------------------------- helpers
+def schema_fields() -> dict[str, Field]:
+    """Every field of the concern dataclasses, by name."""
+    return {f.name: f for f in fields(RunConfig) if f.name != "strategy_options"}
+
+
+def concern_of(name: str) -> str:
+    for concern, cls in CONCERNS.items():
+        if any(f.name == name for f in fields(cls)):
+            return concern
+    return "strategy_options"
+
+
+def strategy_option_fields() -> dict[str, Field]:
+    """Every registered strategy's option fields, by name (a name shared by
+    two strategies means the same setting, with the same default)."""
+    from clinfed.federated.strategies import STRATEGIES
+
+    found: dict[str, Field] = {}
+    for strategy in STRATEGIES.values():
+        for f in fields(strategy.options):
+            found.setdefault(f.name, f)
+    return found
+
+
+def option_owners() -> dict[str, list[str]]:
+    """Option name -> the strategies that take it."""
+    from clinfed.federated.strategies import STRATEGIES
+
+    owners: dict[str, list[str]] = {}
+    for name, strategy in STRATEGIES.items():
+        for f in fields(strategy.options):
+            owners.setdefault(f.name, []).append(name)
+    return owners
+
+
+def all_names() -> list[str]:
+    return [*schema_fields(), *strategy_option_fields()]
+
+
+def unknown_key(key: str, source: str) -> ClinfedError:
+    names = all_names()
+    close = difflib.get_close_matches(key.replace("-", "_"), names, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ClinfedError(f"{source}: unknown setting {key!r}{hint}")
+
+
+def flatten(values: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """Concern tables merged into one level; metadata keys dropped."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if key in METADATA_KEYS:
+            continue
+        if key in CONCERNS and isinstance(value, Mapping):
+            for inner, inner_value in value.items():
+                if inner in flat:
+                    raise ClinfedError(f"{source}: setting {inner!r} given twice")
+                flat[inner] = inner_value
+        elif key == "strategy_options":
+            if not isinstance(value, Mapping):
+                raise ClinfedError(f"{source}: strategy_options must be a table")
+            flat.setdefault("strategy_options", {}).update(value)
+        else:
+            if key in flat:
+                raise ClinfedError(f"{source}: setting {key!r} given twice")
+            flat[key] = value
+    return flat
+
+
+def field_type(f: Field) -> tuple[type, bool]:
+    """The base type of a field and whether ``None`` is allowed."""
+    hint = typing.get_type_hints(_owner(f))[f.name]
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        hint = next(a for a in args if a is not type(None))
+    origin = typing.get_origin(hint)
+    return (origin or hint), optional
+
+
+def _owner(f: Field) -> type:
+    from clinfed.federated.strategies import STRATEGIES
+
+    for cls in (*CONCERNS.values(), *(s.options for s in STRATEGIES.values())):
+        if any(g is f for g in fields(cls)):
+            return cls
+    raise KeyError(f.name)
+
+
+def check_value(f: Field, value: Any, source: str) -> Any:
+    """``value`` checked against the field's type (strictly: no bool for an
+    int, no float for an int) and bounds; returned normalised."""
+    kind, optional = field_type(f)
+    flag = "--" + f.name.replace("_", "-")
+    where = f"{source}: {f.name}" if source != "flags" else flag
+    if value is None:
+        if optional:
+            return None
+        raise ClinfedError(f"{where}: a value is required")
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        if isinstance(value, str) and value.strip().lower() in ("inf", "+inf", "infinity"):
+            value = math.inf
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif kind is str:
+        if isinstance(value, int) and not isinstance(value, bool) and f.metadata.get("int_ok"):
+            value = str(value)
+        ok = isinstance(value, str)
+    elif kind is list:
+        ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+    else:  # pragma: no cover - the schema has no other types
+        ok = True
+    if not ok:
+        expected = {
+            bool: "true or false",
+            int: "an integer",
+            float: "a number",
+            str: "text",
+            list: "a list of text",
+        }[kind]
+        raise ClinfedError(f"{where}: expected {expected}, got {value!r}")
+    check_bounds(f, value, where)
+    return value
+
+
+def check_bounds(f: Field, value: Any, where: str | None = None) -> None:
+    if value is None:
+        return
+    meta = f.metadata
+    where = where or "--" + f.name.replace("_", "-")
+    if isinstance(value, float):
+        if math.isnan(value) or (math.isinf(value) and not meta.get("allow_inf")):
+            raise ClinfedError(f"{where} must be a finite number, not {value}")
+    choices = meta.get("choices")
+    if choices is not None and value not in choices:
+        raise ClinfedError(f"{where} must be one of {', '.join(map(str, choices))}, not {value!r}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if "minimum" in meta and value < meta["minimum"]:
+            raise ClinfedError(f"{where} must be at least {meta['minimum']}, not {value}")
+        if "maximum" in meta and value > meta["maximum"]:
+            raise ClinfedError(f"{where} must be at most {meta['maximum']}, not {value}")
+        if "above" in meta and not value > meta["above"]:
+            raise ClinfedError(f"{where} must be above {meta['above']}, not {value}")
+        if "below" in meta and not value < meta["below"]:
+            raise ClinfedError(f"{where} must be below {meta['below']}, not {value}")
+
+
+def load_file(path: Path) -> dict[str, Any]:
+    """Settings from a TOML file or a run's ``config.json``."""
+    import json
+
+    import tomllib
+
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ClinfedError(f"{path}: cannot read ({exc.__class__.__name__})") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ClinfedError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ClinfedError(f"{path}: not valid TOML ({exc})") from None
+    if not isinstance(data, dict):
+        raise ClinfedError(f"{path}: expected a table of settings")
+    return data
+
+
+def default_of(f: Field) -> Any:
+    if f.default is not MISSING:
+        return f.default
+    if f.default_factory is not MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return None
+
+
+def read_run_config(run: Path) -> dict[str, Any]:
+    """A run folder's settings, flat (strategy options beside the rest), for
+    readers of finished runs (report, audit, sweep tables)."""
+    path = Path(run) / "config.json"
+    if not path.is_file():
+        raise ClinfedError(f"{run}: no config.json (not a clinfed run folder?)")
+    config = RunConfig.from_values(load_file(path), str(path))
+    flat = asdict(config)
+    options = flat.pop("strategy_options")
+    return flat | options
