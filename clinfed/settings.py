@@ -250,6 +250,11 @@ class RunConfig(
             options[name] = check_value(options_known[name], options.pop(key), source)
         return cls(**direct, strategy_options=options)
 
+    @classmethod
+    def of(cls, **values: Any) -> RunConfig:
+        """:meth:`from_values` with keyword arguments (strategy options too)."""
+        return cls.from_values(values, "settings")
+
     def to_dict(self) -> dict[str, Any]:
         """The settings nested by concern (``RUN/config.json``; accepted back
         by :meth:`from_values`). ``out`` and ``resume`` are where and how it
@@ -427,7 +432,7 @@ def check_value(f: Field, value: Any, source: str) -> Any:
     int, no float for an int) and bounds; returned normalised."""
     kind, optional = field_type(f)
     flag = "--" + f.name.replace("_", "-")
-    where = f"{source}: {f.name}" if source != "flags" else flag
+    where = flag if source in ("flags", "settings") else f"{source}: {f.name}"
     if value is None:
         if optional:
             return None
@@ -476,9 +481,19 @@ def check_bounds(f: Field, value: Any, where: str | None = None) -> None:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if "minimum" in meta and value < meta["minimum"]:
             raise ClinfedError(f"{where} must be at least {meta['minimum']}, not {value}")
+        if "maximum" in meta and "above" in meta and not meta["above"] < value <= meta["maximum"]:
+            raise ClinfedError(
+                f"{where} must be in ({meta['above']:g}, {meta['maximum']:g}], not {value}"
+            )
+        if "below" in meta and "above" in meta and not meta["above"] < value < meta["below"]:
+            raise ClinfedError(
+                f"{where} must be in ({meta['above']:g}, {meta['below']:g}), not {value}"
+            )
         if "maximum" in meta and value > meta["maximum"]:
             raise ClinfedError(f"{where} must be at most {meta['maximum']}, not {value}")
         if "above" in meta and not value > meta["above"]:
+            if meta["above"] == 0:
+                raise ClinfedError(f"{where} must be positive, not {value}")
             raise ClinfedError(f"{where} must be above {meta['above']}, not {value}")
         if "below" in meta and not value < meta["below"]:
             raise ClinfedError(f"{where} must be below {meta['below']}, not {value}")

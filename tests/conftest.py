@@ -50,3 +50,40 @@ def mimic_corpus(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("mimic3") / "data"
     generate(out, sites=2, docs=24, seed=1, canary=CANARY)
     return out
+
+
+class Traffic:
+    """What the in-process transport carried: per message, the round, kind,
+    site, and the names of the tensors sent down and up."""
+
+    def __init__(self) -> None:
+        self.messages: list[dict] = []
+
+    def of(self, round_number: int, kind: str = "train") -> list[dict]:
+        return [m for m in self.messages if m["round"] == round_number and m["kind"] == kind]
+
+
+@pytest.fixture
+def traffic(monkeypatch) -> Traffic:
+    """Record every message the in-process transport delivers."""
+    from clinfed.federated.inprocess import InProcessTransport
+
+    seen = Traffic()
+    original = InProcessTransport.exchange
+
+    def exchange(self, messages, timeout):
+        for address, reply in original(self, messages, timeout):
+            message = messages[address]
+            seen.messages.append(
+                {
+                    "round": message.round,
+                    "kind": message.kind,
+                    "site": address,
+                    "down": set(message.download),
+                    "up": set(reply.upload) if not isinstance(reply, str) else set(),
+                }
+            )
+            yield address, reply
+
+    monkeypatch.setattr(InProcessTransport, "exchange", exchange)
+    return seen

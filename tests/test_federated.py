@@ -10,9 +10,9 @@ from clinfed.errors import ClinfedError
 from clinfed.federated import payload
 from clinfed.federated.aggregation import Aggregator
 from clinfed.federated.client import apply_plan
+from clinfed.federated.engine import sample_sites as sample_clients
 from clinfed.federated.partition import partition
-from clinfed.federated.plan import Plan, full_plan
-from clinfed.federated.simulator import sample_clients
+from clinfed.federated.plan import Plan
 from clinfed.federated.strategies import get_strategy
 from clinfed.models import build_model
 
@@ -68,13 +68,12 @@ def test_plan_freezes_what_it_does_not_train():
     assert all(p.requires_grad == n.startswith("head.") for n, p in model.named_parameters())
     with pytest.raises(ValueError, match="does not train"):
         Plan(head, frozenset(names), frozenset())
-    assert full_plan(names, 0.1).proximal_mu == 0.1
 
 
 def test_strategy_plans():
     names = ["encoder.embeddings.word_embeddings.weight", "head.weight"]
     assert get_strategy("fedavg").plan(1, "a", names).uploaded == frozenset(names)
-    assert get_strategy("fedprox", mu=0.5).plan(1, "a", names).proximal_mu == 0.5
+    assert get_strategy("fedprox", {"mu": 0.5}).opts.mu == 0.5
     local = get_strategy("local").plan(1, "a", names)
     assert local.trainable == frozenset(names) and not local.uploaded and not local.downloaded
     with pytest.raises(ClinfedError):

@@ -7,8 +7,7 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from clinfed.federated import payload
-from clinfed.federated.strategies.fedfrozen import FedFrozen, is_query_key
+from clinfed.federated.strategies.fedfrozen import FedFrozen, FedFrozenOptions, is_query_key
 from clinfed.pipeline import RunConfig, run_training
 
 
@@ -21,7 +20,7 @@ def test_plans_before_and_after_warmup():
         "encoder.encoder.layer.0.output.dense.weight",
         "head.weight",
     ]
-    strategy = FedFrozen(warmup=2)
+    strategy = FedFrozen(FedFrozenOptions(freeze_from="2"))
     early, first, late = (strategy.plan(r, "s", names) for r in (1, 2, 3))
     assert any(is_query_key(n) for n in early.uploaded)
     assert not any(is_query_key(n) for n in first.trainable | first.uploaded)
@@ -31,12 +30,14 @@ def test_plans_before_and_after_warmup():
     assert not any(is_query_key(n) for n in late.trainable | late.uploaded | late.downloaded)
     assert "encoder.embeddings.word_embeddings.weight" not in early.trainable
     assert early.downloaded == frozenset(names)  # round 1 syncs everything
-    with_embeddings = FedFrozen(warmup=2, train_embeddings=True).plan(3, "s", names)
+    options = FedFrozenOptions(freeze_from="2", train_embeddings=True)
+    with_embeddings = FedFrozen(options).plan(3, "s", names)
     assert "encoder.embeddings.word_embeddings.weight" in with_embeddings.uploaded
 
 
 def test_auto_warmup_freezes_once_qk_settles():
-    strategy = FedFrozen(warmup="auto", threshold=0.05, patience=2)
+    options = FedFrozenOptions(freeze_from="auto", freeze_threshold=0.05, freeze_patience=2)
+    strategy = FedFrozen(options)
     state = {"encoder.encoder.layer.0.attention.self.query.weight": torch.ones(4)}
     steps = [1.0, 1.5, 1.52, 1.53, 1.531]  # change 0.5, ~0.013, ~0.007, ~0.0007
     infos = []
@@ -48,32 +49,24 @@ def test_auto_warmup_freezes_once_qk_settles():
     assert strategy.frozen(5) and not strategy.frozen(4)
 
 
-def test_qk_bit_identical_after_warmup_and_never_uploaded(i2b2_corpus, tmp_path, monkeypatch):
+def test_qk_bit_identical_after_warmup_and_never_uploaded(i2b2_corpus, tmp_path, traffic):
     run = tmp_path / "run"
     checkpoints: dict[int, dict[str, torch.Tensor]] = {}
-    uploads: list[set[str]] = []
-    encode = payload.encode
-
-    def spy(tensors):
-        uploads.append(set(tensors))
-        return encode(tensors)
-
-    monkeypatch.setattr(payload, "encode", spy)
 
     def report(event, info):
-        if event == "round_end":
+        if event == "round_end" and (run / "state.json").is_file():
             state = json.loads((run / "state.json").read_text())
-            checkpoints[info["round"]] = load_file(str(run / state["checkpoint"]))
+            checkpoints[state["round"]] = load_file(str(run / state["checkpoint"]))
 
     run_training(
-        RunConfig(
+        RunConfig.of(
             task="i2b2",
             data=str(i2b2_corpus),
             out=str(run),
             strategy="fedfrozen",
             model="tiny",
             rounds=4,
-            freeze_warmup="2",
+            freeze_from="2",
         ),
         report,
     )
@@ -82,20 +75,16 @@ def test_qk_bit_identical_after_warmup_and_never_uploaded(i2b2_corpus, tmp_path,
     for later in (2, 3, 4):  # frozen from round 2: what round 1 produced stays, bit for bit
         assert all(torch.equal(checkpoints[1][k], checkpoints[later][k]) for k in qk)
     assert not all(torch.equal(checkpoints[1][k], checkpoints[4][k]) for k in checkpoints[1])
-    # the first payload is the full model, serialized once as FedAvg's yardstick;
-    # then each round: one download and one upload payload per site (3 sites)
-    uploads = uploads[1:]
-    per_round = [uploads[i : i + 6] for i in range(0, len(uploads), 6)]
-    assert len(per_round) == 4
-    assert any(is_query_key(k) for k in per_round[0][1])  # round 1 upload carries Q/K
+    checkpoints[4] = load_file(str(run / "checkpoints" / "round-0004.safetensors"))
+    assert all(len(traffic.of(r)) == 3 for r in (1, 2, 3, 4))
+    assert all(any(is_query_key(k) for k in m["up"]) for m in traffic.of(1))
     # Round 2 (the first frozen one) still delivers the Q/K averaged at the
     # end of round 1; no upload carries them, and from round 3 nothing does.
-    downloads, uploads_2 = per_round[1][0::2], per_round[1][1::2]
-    assert all(any(is_query_key(k) for k in keys) for keys in downloads)
-    assert not any(is_query_key(k) for keys in uploads_2 for k in keys)
-    for round_payloads in per_round[2:]:
-        for keys in round_payloads:
-            assert not any(is_query_key(k) for k in keys)
+    assert all(any(is_query_key(k) for k in m["down"]) for m in traffic.of(2))
+    assert not any(is_query_key(k) for m in traffic.of(2) for k in m["up"])
+    for later in (3, 4):
+        for m in traffic.of(later):
+            assert not any(is_query_key(k) for k in m["down"] | m["up"])
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     rounds = [r for r in records if "client" not in r]
     assert [r["qk_frozen_from"] for r in rounds] == [2, 2, 2, 2]

@@ -154,7 +154,7 @@ def _epsilons(path: Path) -> list[tuple[int, float]]:
 def _simulate_then_deploy(config: RunConfig, data: Path, tmp_path: Path, certs) -> None:
     """The same run in the simulator (``tmp_path/sim``) and on a SuperLink
     with one SuperNode per site (state under ``tmp_path/deploy/state``)."""
-    simulated = RunConfig(**(vars(config) | {"data": str(data), "out": str(tmp_path / "sim")}))
+    simulated = RunConfig.of(**(vars(config) | {"data": str(data), "out": str(tmp_path / "sim")}))
     run_training(simulated)
     (tmp_path / "deploy").mkdir()
     federation = LocalFederation(tmp_path / "deploy", certs=certs)

@@ -84,17 +84,9 @@ def test_prompted_model_is_saved_and_rebuilt(tmp_path):
     torch.testing.assert_close(model(ids, mask), rebuilt(ids, mask))
 
 
-def test_pfeddc_run_uploads_only_the_global_prompt(i2b2_corpus, tmp_path, monkeypatch):
-    sent = []
-    encode = payload.encode
-
-    def spy(tensors):
-        sent.append(set(tensors))
-        return encode(tensors)
-
-    monkeypatch.setattr(payload, "encode", spy)
+def test_pfeddc_run_uploads_only_the_global_prompt(i2b2_corpus, tmp_path, traffic):
     summary = run_training(
-        RunConfig(
+        RunConfig.of(
             task="i2b2",
             data=str(i2b2_corpus),
             out=str(tmp_path / "run"),
@@ -104,9 +96,12 @@ def test_pfeddc_run_uploads_only_the_global_prompt(i2b2_corpus, tmp_path, monkey
             threads=1,
         )
     )
-    # after FedAvg's yardstick (the whole model, once), per site: download then upload
-    for keys in sent[1:]:
-        assert all(k.startswith("prompt.global_prompt.") for k in keys)
+    # Both ways, every message carried the global prompt and nothing else.
+    assert traffic.messages
+    for message in traffic.messages:
+        for keys in (message["down"], message["up"]):
+            assert all(k.startswith("prompt.global_prompt.") for k in keys)
+    assert all(m["up"] for m in traffic.messages if m["kind"] == "train")
     records = [
         json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().split("\n") if x
     ]
@@ -181,4 +176,4 @@ def test_ablations_run(i2b2_corpus, tmp_path, fusion):
     )
     assert result.returncode == 0, result.stderr
     config = json.loads((tmp_path / fusion / "config.json").read_text())
-    assert config["prompt_fusion"] == fusion
+    assert config["strategy_options"]["prompt_fusion"] == fusion

@@ -5,16 +5,19 @@ from __future__ import annotations
 import pytest
 
 from clinfed.errors import ClinfedError
-from clinfed.pipeline import TASK_DEFAULTS, RunConfig
+from clinfed.pipeline import RunConfig
+from clinfed.tasks.mimic3.adapter import Mimic3Task
+
+TASK_DEFAULTS = {"mimic3": Mimic3Task.defaults}
 
 
 def test_unset_settings_take_the_task_defaults(tmp_path):
-    config = RunConfig(task="mimic3", data=str(tmp_path), out=str(tmp_path / "run"), lr=3e-5)
+    config = RunConfig.of(task="mimic3", data=str(tmp_path), out=str(tmp_path / "run"), lr=3e-5)
     resolved = config.resolved()
     assert resolved.lr == 3e-5  # set by the user: kept
     assert resolved.batch_size == TASK_DEFAULTS["mimic3"]["batch_size"]
     assert resolved.max_length == 256 and resolved.head_lr == 1e-2
-    assert RunConfig(task="i2b2", data="d", out="o").resolved().max_length == 128
+    assert RunConfig.of(task="i2b2", data="d", out="o").resolved().max_length == 128
 
 
 @pytest.mark.parametrize(
@@ -25,11 +28,12 @@ def test_unset_settings_take_the_task_defaults(tmp_path):
         ({"batch_size": 0}, "--batch-size must be at least 1"),
         ({"lr": -1.0}, "--lr must be positive"),
         ({"head_lr": 0.0}, "--head-lr must be positive"),
+        ({"lr": float("inf")}, "--lr must be a finite number"),
         ({"data": "/no/such/folder"}, "not a folder"),
     ],
 )
 def test_impossible_settings_are_refused(tmp_path, changes, message):
     values = {"task": "i2b2", "data": str(tmp_path), "out": str(tmp_path / "run")} | changes
     with pytest.raises(ClinfedError, match=message):
-        RunConfig(**values).validate()
+        RunConfig.of(**values).validate()
     assert not (tmp_path / "run").exists()

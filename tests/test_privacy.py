@@ -216,7 +216,7 @@ def test_ghost_clipping_is_refused_for_chunked_examples():
 
 
 def test_target_epsilon_run_ends_just_under_it_at_every_site(i2b2_corpus, tmp_path):
-    config = RunConfig(
+    config = RunConfig.of(
         task="i2b2",
         data=str(i2b2_corpus),
         out=str(tmp_path / "run"),
@@ -224,7 +224,7 @@ def test_target_epsilon_run_ends_just_under_it_at_every_site(i2b2_corpus, tmp_pa
         model="tiny",
         rounds=3,
         max_length=32,
-        freeze_warmup="1",
+        freeze_from="1",
         top_layers=1,
         target_epsilon=1.0,
         delta=1e-5,

@@ -69,7 +69,7 @@ def test_k2_of_6_uploads_at_most_40_percent_of_fedavg_on_minilm():
     model = build_model("token", "minilm", num_labels=7)
     names = [n for n, _ in model.named_parameters()]
     params = dict(model.named_parameters())
-    strategy = get_strategy("safl", top_layers=2, selection="private")
+    strategy = get_strategy("safl", {"top_layers": 2, "selection": "private"})
     strategy._chosen["s"] = [1, 4]
     plan = strategy.plan(2, "s", names)
     safl_bytes = len(payload.encode({n: params[n] for n in plan.uploaded}))
@@ -83,7 +83,7 @@ def test_k2_of_6_uploads_at_most_40_percent_of_fedavg_on_minilm():
 def test_safl_run_records_layers_scores_and_selection_cost(i2b2_corpus, tmp_path, selection):
     run = tmp_path / "run"
     summary = run_training(
-        RunConfig(
+        RunConfig.of(
             task="i2b2",
             data=str(i2b2_corpus),
             out=str(run),

@@ -17,7 +17,7 @@ def test_minilm_centralized_i2b2_beats_the_dictionary_and_reaches_080(tmp_path):
     corpus = I2b2Task().load(tmp_path / "data", ProblemLog())
     dictionary = i2b2_dictionary(corpus.train, corpus.test)["f1"]
     summary = run_training(
-        RunConfig(
+        RunConfig.of(
             task="i2b2",
             data=str(tmp_path / "data"),
             out=str(tmp_path / "run"),

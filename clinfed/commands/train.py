@@ -119,6 +119,8 @@ def train(
     from clinfed.pipeline import RunConfig, run_training
 
     values = merge(config_file, given(settings))
+    if values.get("clients") and "partition" not in values:
+        values["partition"] = "iid"  # N synthetic clients: dealt out at random
     config = RunConfig.from_values(values, str(config_file) if config_file else "flags")
     for required in ("task", "data", "out"):
         if not values.get(required):
