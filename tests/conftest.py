@@ -1,8 +1,9 @@
-"""Shared test fixtures: the real-format samples in ../shared/fixtures and
+"""Shared test fixtures: the real-format samples in tests/fixtures and
 small synthetic corpora made once per session."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import datasets
@@ -10,8 +11,24 @@ import pytest
 import transformers
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURES = REPO.parent / "shared" / "fixtures"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"  # see fixtures/SOURCES.md
 CANARY = "ZQXCANARY7731"
+
+class _OneNameOnly:
+    """``tasks/`` and ``privacy/`` install as ``clinfed.tasks`` and
+    ``clinfed.privacy``. The checkout's root is on ``sys.path`` in tests, so
+    ``import privacy`` would load a second copy of the same code under
+    another name (two ``Mechanism`` classes, two registries); refuse it."""
+
+    blocked = ("tasks", "privacy")
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in self.blocked:
+            raise ImportError(f"{name}: import it as clinfed.{name}")
+        return None
+
+
+sys.meta_path.insert(0, _OneNameOnly())
 
 datasets.disable_progress_bars()
 transformers.logging.set_verbosity_error()
@@ -20,7 +37,7 @@ transformers.logging.set_verbosity_error()
 def _fixture_dir(name: str) -> Path:
     path = FIXTURES / name
     if not path.is_dir():
-        pytest.fail(f"missing fixtures: {path} (shared/ must sit beside the checkout)")
+        pytest.fail(f"missing fixtures: {path}")
     return path
 
 

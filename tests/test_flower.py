@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 
 from clinfed.commands import main
 from clinfed.errors import ClinfedError, ProblemLog
+from clinfed.federated.engine import check_upload
 from clinfed.federated.strategies import get_strategy
-from clinfed.flower.coordinator import check_upload
 from clinfed.flower.deploy import (
     flower_run_config,
     make_certificates,
@@ -25,7 +25,7 @@ from clinfed.flower.deploy import (
     read_labels,
     register_command,
 )
-from clinfed.flower.site import NodeConfig, Site
+from clinfed.flower.node import NodeConfig, NodeSite
 from clinfed.pipeline import RunConfig, run_training
 from clinfed.privacy.accountant import Mechanism, epsilon
 from clinfed.runs import read_jsonl
@@ -63,7 +63,7 @@ def test_bad_uploads_are_rejected_with_the_reason(upload, reason):
 def test_an_upload_outside_the_rounds_envelope_is_rejected():
     # After FedFrozen's warm-up, Q/K may not come back even though the
     # model has them.
-    strategy = get_strategy("fedfrozen", warmup=2)
+    strategy = get_strategy("fedfrozen", {"freeze_from": "2"})
     names = ["encoder.layer.0.attention.self.query.weight", "encoder.layer.0.output.dense.weight"]
     envelope = strategy.envelope(2, names)
     state = {n: torch.zeros(2) for n in names}
@@ -74,7 +74,8 @@ def test_an_upload_outside_the_rounds_envelope_is_rejected():
 def test_the_first_frozen_round_still_delivers_the_last_averaged_query_key():
     names = ["encoder.layer.0.attention.self.query.weight", "encoder.layer.0.output.dense.weight"]
     for name in ("fedfrozen", "safl+fedfrozen"):
-        strategy = get_strategy(name, warmup=3, top_layers=1, probe=[])
+        options = {"freeze_from": "3"} | ({"top_layers": 1} if name.startswith("safl") else {})
+        strategy = get_strategy(name, options)
         assert names[0] in strategy.envelope(3, names).downloaded  # averaged at the end of 2
         assert names[0] not in strategy.envelope(4, names).downloaded
         assert names[0] not in strategy.envelope(3, names).uploaded
@@ -90,8 +91,10 @@ def test_flower_run_settings_refuse_what_belongs_to_the_simulator(tmp_path):
         flower_run_config({"task": "mimic3", "strategy": "fedavg"}, tmp_path)
     with pytest.raises(ClinfedError, match="unknown setting"):
         flower_run_config({"task": "i2b2", "strategy": "fedavg", "colour": 1}, tmp_path)
-    config = flower_run_config({"task": "i2b2", "strategy": "fedfrozen", "warmup": 2}, tmp_path)
-    assert config.freeze_warmup == "2" and config.batch_size == 16  # resolved defaults
+    config = flower_run_config(
+        {"task": "i2b2", "strategy": "fedfrozen", "freeze_from": 2}, tmp_path
+    )
+    assert config.options().freeze_from == "2" and config.batch_size == 16  # resolved defaults
 
 
 def test_node_config_errors_name_the_key(tmp_path):
@@ -138,7 +141,7 @@ def _settings(**extra) -> dict:
         "model": "tiny",
         "strategy": "safl+fedfrozen",
         "rounds": 2,
-        "warmup": 2,
+        "freeze_from": "2",
         "top_layers": 1,
         "max_length": 32,
         "batch_size": 8,
@@ -154,7 +157,7 @@ def _epsilons(path: Path) -> list[tuple[int, float]]:
 def _simulate_then_deploy(config: RunConfig, data: Path, tmp_path: Path, certs) -> None:
     """The same run in the simulator (``tmp_path/sim``) and on a SuperLink
     with one SuperNode per site (state under ``tmp_path/deploy/state``)."""
-    simulated = RunConfig.of(**(vars(config) | {"data": str(data), "out": str(tmp_path / "sim")}))
+    simulated = config.replace(data=str(data), out=str(tmp_path / "sim"))
     run_training(simulated)
     (tmp_path / "deploy").mkdir()
     federation = LocalFederation(tmp_path / "deploy", certs=certs)
@@ -192,23 +195,18 @@ def test_flower_over_tls_matches_the_simulator(tmp_path):
         reported = read_jsonl(run / "privacy" / f"{site}.jsonl")
         assert all(line["reported_by_site"] for line in reported)
 
-    # Same site records and the same global F1 per round as the simulator.
-    def rounds(path: Path) -> dict[int, float]:
-        return {r["round"]: r["f1"] for r in read_jsonl(path) if "client" not in r}
+    # The same metrics.jsonl, record for record: keys and values (timings aside).
+    timing = {"wall_s", "eval_seconds"}
 
-    assert rounds(run / "metrics.jsonl") == pytest.approx(
-        rounds(tmp_path / "sim" / "metrics.jsonl"), abs=1e-9
+    def records(path: Path) -> list[dict]:
+        return [{k: v for k, v in r.items() if k not in timing} for r in read_jsonl(path)]
+
+    ours_records, sim_records = (
+        records(run / "metrics.jsonl"),
+        records(tmp_path / "sim" / "metrics.jsonl"),
     )
-    site_keys = {"round", "client", "bytes_up", "examples", "epsilon", "layers"}
-    ours_sites = [
-        {k: r[k] for k in site_keys} for r in read_jsonl(run / "metrics.jsonl") if "client" in r
-    ]
-    sim_sites = [
-        {k: r[k] for k in site_keys}
-        for r in read_jsonl(tmp_path / "sim" / "metrics.jsonl")
-        if "client" in r
-    ]
-    assert ours_sites == sim_sites
+    assert ours_records == sim_records
+
     # Only the planned tensors came down after round 1 (Q/K and embeddings stay put).
     down = {
         (r["round"], r["client"]): r["bytes_down"]
@@ -225,7 +223,7 @@ def test_flower_over_tls_matches_the_simulator(tmp_path):
 @pytest.mark.slow
 def test_a_killed_node_is_tolerated_and_rejoins_with_its_ledger(tmp_path):
     data = _corpus(tmp_path)
-    config = flower_run_config(_settings(rounds=3, warmup=3), tmp_path / "flower-run")
+    config = flower_run_config(_settings(rounds=3, freeze_from="3"), tmp_path / "flower-run")
     (tmp_path / "deploy").mkdir()
     federation = LocalFederation(tmp_path / "deploy", certs=None)
     round_two = threading.Event()
@@ -280,13 +278,13 @@ def _site(i2b2_corpus, tmp_path, max_epsilon, **settings):
         tmp_path / "run",
     )
     node = NodeConfig(i2b2_corpus, tmp_path / "state", site="beth", max_epsilon=max_epsilon)
-    return Site(config, node, "run")
+    return NodeSite(config, node, "run")
 
 
 def test_a_node_refuses_rounds_past_its_own_budget_whatever_the_server_asks(i2b2_corpus, tmp_path):
     site = _site(i2b2_corpus, tmp_path, max_epsilon=0.5, target_epsilon=8.0)
     try:
-        upload, record = site.train_round(1, {})
+        upload, record = site.runner.train_round(1, {})
         assert upload == {} and record["refused"] == "privacy budget"
         assert record["epsilon_if_trained"] > 0.5
         assert not (tmp_path / "state" / "run" / "privacy" / "beth.jsonl").exists()
@@ -337,10 +335,10 @@ def test_pfeddc_over_flower_keeps_local_state_at_the_sites_like_the_simulator(tm
     _simulate_then_deploy(config, data, tmp_path, certs=None)
     run = Path(config.out)
     for site in SITES:
-        at_site = load_file(
-            str(tmp_path / "deploy" / "state" / site / run.name / "model.safetensors")
-        )
-        simulated_site = load_file(str(tmp_path / "sim" / "sites" / f"{site}.r0002.safetensors"))
+        # The copy each site kept after the final evaluation (it received round 2).
+        name = "copy.r0002.safetensors"
+        at_site = load_file(str(tmp_path / "deploy" / "state" / site / run.name / name))
+        simulated_site = load_file(str(tmp_path / "sim" / "sites" / site / name))
         assert all(torch.equal(at_site[k], simulated_site[k]) for k in simulated_site)
     # Only P_g travelled, both ways.
     shared = [r for r in read_jsonl(run / "metrics.jsonl") if "client" in r]

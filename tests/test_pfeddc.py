@@ -135,12 +135,13 @@ def test_local_state_survives_sigkill_and_resume(i2b2_corpus, tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-c", code, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
-    # Kill once round 2 has saved some site's own model (local prompt, fusion, head).
+    # Kill once a site has trained round 2 (its copy of global round 1, with
+    # its own local prompt, fusion and head, is saved) before round 2 commits.
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
-        if list((run / "sites").glob("*.r0002.safetensors")):
+        if list((run / "sites").glob("*/copy.r0001.safetensors")):
             break
-        time.sleep(0.02)
+        time.sleep(0.01)
     assert proc.poll() is None, "the run finished before it could be killed"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -149,13 +150,13 @@ def test_local_state_survives_sigkill_and_resume(i2b2_corpus, tmp_path):
     resumed = run_cli("train", *ARGS, "--data", str(i2b2_corpus), "--out", str(run), "--resume")
     assert resumed.returncode == 0, resumed.stderr
     for site in ("beth", "partners", "site3"):
-        a = load_file(str(whole / "sites" / f"{site}.r0003.safetensors"))
-        b = load_file(str(run / "sites" / f"{site}.r0003.safetensors"))
+        a = load_file(str(whole / "sites" / site / "copy.r0003.safetensors"))
+        b = load_file(str(run / "sites" / site / "copy.r0003.safetensors"))
         local = [k for k in a if block_of(k) == LOCAL_PROMPT or k.startswith("head.")]
         assert local and all(torch.equal(a[k], b[k]) for k in a)
-    assert sorted(p.name for p in (run / "sites").iterdir()) == sorted(
-        p.name for p in (whole / "sites").iterdir()
-    )
+        assert sorted(p.name for p in (run / "sites" / site).glob("*.safetensors")) == sorted(
+            p.name for p in (whole / "sites" / site).glob("*.safetensors")
+        )
 
 
 @pytest.mark.parametrize("fusion", ["concat", "global"])
