@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -136,18 +138,24 @@ def _corpus(tmp_path: Path) -> Path:
 
 
 def _settings(**extra) -> dict:
-    return {
+    """A small run; the strategy options it sets are those its strategy takes."""
+    from clinfed.sweep import options_for
+
+    values = {
         "task": "i2b2",
         "model": "tiny",
         "strategy": "safl+fedfrozen",
         "rounds": 2,
-        "freeze_from": "2",
-        "top_layers": 1,
         "max_length": 32,
         "batch_size": 8,
         "target_epsilon": 8.0,
         "threads": 1,
     } | extra
+    options = {"freeze_from": "2", "top_layers": 1} | {
+        k: v for k, v in extra.items() if k in ("freeze_from", "top_layers", "prompt_depth")
+    }
+    values = {k: v for k, v in values.items() if k not in options}
+    return values | options_for(values["strategy"], options)
 
 
 def _epsilons(path: Path) -> list[tuple[int, float]]:
@@ -361,3 +369,59 @@ def test_mimic3_on_flower_takes_a_fixed_code_list(mimic_corpus, tmp_path):
     assert task.labels == sorted(codes)  # known before any data: the server builds the model
     task.load(mimic_corpus, ProblemLog())
     assert task.labels == sorted(codes)  # a site's own code frequencies do not change it
+
+
+def _serverapp_pids() -> list[int]:
+    """Processes running a ServerApp (``flwr-serverapp``), found in /proc."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"flwr-serverapp" in command:
+            pids.append(int(entry.name))
+    return pids
+
+
+@pytest.mark.slow
+def test_a_killed_serverapp_resumes_from_its_run_folder(tmp_path):
+    data = _corpus(tmp_path)
+    settings = _settings(strategy="fedfrozen", rounds=3, target_epsilon=None)
+    config = flower_run_config(settings, tmp_path / "flower-run")
+    reference = config.replace(data=str(data), out=str(tmp_path / "sim"))
+    run_training(reference)
+    (tmp_path / "deploy").mkdir()
+    federation = LocalFederation(tmp_path / "deploy", certs=None)
+    round_two = threading.Event()
+
+    def watch(line: str) -> None:
+        if "round 2/3: sending" in line:
+            round_two.set()
+
+    try:
+        federation.start_superlink()
+        for site in SITES:
+            federation.start_node(site, data)
+        first = federation.submit(config, min_sites=3, round_timeout=300, wait=False, on_line=watch)
+        assert round_two.wait(timeout=600), "\n".join(federation.lines[-50:])
+        pids = _serverapp_pids()
+        assert pids, "no ServerApp process found"
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        first.wait(timeout=120)
+        state = json.loads((Path(config.out) / "state.json").read_text())
+        assert state["round"] in (1, 2)  # killed before the run's end
+        again = federation.submit(config.replace(resume=True), min_sites=3, round_timeout=300)
+    finally:
+        federation.close()
+    assert again.returncode == 0, "\n".join(federation.lines[-40:])
+    ours = load_file(str(Path(config.out) / "model" / "model.safetensors"))
+    theirs = load_file(str(tmp_path / "sim" / "model" / "model.safetensors"))
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    rounds = [
+        r["round"] for r in read_jsonl(Path(config.out) / "metrics.jsonl") if "client" not in r
+    ]
+    assert rounds == [1, 2, 3]  # the interrupted round's records were cut back, not doubled
