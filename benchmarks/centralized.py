@@ -34,7 +34,7 @@ def train(task: str, data: Path, out: Path, model: str, epochs: int) -> dict:
     """A centralized run with the task's default settings."""
     started = time.perf_counter()
     summary = run_training(
-        RunConfig(task=task, data=str(data), out=str(out), model=model, epochs=epochs)
+        RunConfig.of(task=task, data=str(data), out=str(out), model=model, epochs=epochs)
     )
     wall = time.perf_counter() - started
     records = read_jsonl(out / "metrics.jsonl")

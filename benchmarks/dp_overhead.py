@@ -25,7 +25,7 @@ import transformers
 
 from clinfed.blocks import HEAD, Block
 from clinfed.errors import ProblemLog
-from clinfed.federated.client import LocalSettings, client_update
+from clinfed.federated.client import LocalSettings, LocalWork, client_update
 from clinfed.federated.plan import Plan, full_plan, names_in
 from clinfed.models import build_model, load_tokenizer
 from clinfed.privacy.dpsgd import DPSettings
@@ -74,8 +74,9 @@ def main() -> None:
                     for mode in ("plain", "dp"):
                         model.load_state_dict(start)
                         dp = DPSettings(1.0, 1.0, "auto") if mode == "dp" else None
+                        generator = np.random.default_rng(repeat)
                         result = client_update(
-                            model, task, examples, plan, settings, np.random.default_rng(repeat), dp
+                            LocalWork(model, task, examples, plan, settings, generator, dp)
                         )
                         tokens = sum(s.tokens for s in result.stats)
                         timings[mode].append(result.seconds / tokens)

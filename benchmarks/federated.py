@@ -54,7 +54,7 @@ def main() -> None:
             out = Path(work) / strategy
             started = time.perf_counter()
             summary = run_training(
-                RunConfig(
+                RunConfig.of(
                     task="i2b2",
                     data=str(data),
                     out=str(out),

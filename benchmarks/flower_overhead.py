@@ -35,7 +35,7 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from clinfed.flower.deploy import flower_run_config, make_certificates  # noqa: E402
-from clinfed.pipeline import RunConfig, run_training  # noqa: E402
+from clinfed.pipeline import run_training  # noqa: E402
 from clinfed.quiet import quiet_libraries  # noqa: E402
 from clinfed.runs import atomic_write_json, atomic_write_text  # noqa: E402
 from clinfed.tasks.i2b2.synth import generate  # noqa: E402
@@ -75,7 +75,7 @@ def main() -> None:
 
         # --- simulator: sites one after another, all cores
         config = flower_run_config(settings | {"threads": cores}, root / "flower-run")
-        simulated = RunConfig(**(vars(config) | {"data": str(data), "out": str(root / "sim")}))
+        simulated = config.replace(data=str(data), out=str(root / "sim"))
         sim_ends: dict[int, float] = {}
 
         def on_event(event: str, info: dict) -> None:

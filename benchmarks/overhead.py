@@ -30,8 +30,10 @@ import transformers
 
 from clinfed.errors import ProblemLog
 from clinfed.federated.client import LocalSettings
+from clinfed.federated.engine import RoundEngine
+from clinfed.federated.inprocess import InProcessTransport
 from clinfed.federated.partition import partition
-from clinfed.federated.simulator import Federation, Simulator
+from clinfed.federated.site import SiteRunner
 from clinfed.federated.strategies import get_strategy
 from clinfed.models import build_model, load_tokenizer
 from clinfed.runs import atomic_write_json, atomic_write_text
@@ -41,16 +43,11 @@ from clinfed.training import length_grouped_batches, make_optimizer
 
 PEAK_RSS = """
 import resource, sys
-from clinfed.cli import main
+from clinfed.commands import main
 status = main(sys.argv[1:])
 print("PEAK_RSS_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 sys.exit(status)
 """
-
-
-class _NoEval(Simulator):
-    def evaluate(self, round_number):  # (a) and (b) time the round without evaluation
-        return {"round": round_number, "f1": 0.0}
 
 
 def bare_loop_seconds(model, task, dataset, batch_size, generator, lr, head_lr):
@@ -123,29 +120,36 @@ def main() -> None:
         # (a), (b): one FedAvg round, then the same batches in a bare loop
         model = build_model(task.head, args.model, len(task.labels), seed=0)
         start_state = {k: v.clone() for k, v in model.state_dict().items()}
-        fed = Federation(
-            task,
-            model,
-            get_strategy("fedavg"),
-            train,
-            test,
-            corpus.test,
-            clients,
-            settings,
-            rounds=1,
-            fraction=1.0,
-            seed=0,
-        )
-        simulator = _NoEval(fed, Path(work) / "run", lambda *_: None)
+        strategy = get_strategy("fedavg")
+        runners = {
+            name: SiteRunner(
+                name,
+                task,
+                model,
+                start_state,
+                strategy,
+                train.select(idx),
+                test.select([]),
+                corpus.test,
+                settings,
+                0,
+                Path(work) / "sites" / name,
+            )
+            for name, idx in clients.items()
+        }
+        names = [n for n, _ in model.named_parameters()]
+        engine = RoundEngine(task, strategy, start_state, names, Path(work) / "run", rounds=1)
         (Path(work) / "run").mkdir()
         started = time.perf_counter()
-        simulator.run_round(1)
+        # (a) and (b) time round 1, which evaluates nothing (round 2 would
+        # carry round 1's evaluation).
+        engine.run_round(InProcessTransport(runners), 1)
         round_s = time.perf_counter() - started
         site_records = [json.loads(x) for x in (Path(work) / "run" / "metrics.jsonl").open()]
         client_s = sum(r["wall_s"] for r in site_records)
 
         bare_s = bare_tokens = 0
-        order = np.random.default_rng(0)  # the simulator's data-order generator, replayed:
+        order = np.random.default_rng(0)  # a data order of the same kind, replayed:
         for name in sorted(clients):  # the very same batches, client by client
             model.load_state_dict(start_state)
             model.requires_grad_(True)

@@ -35,7 +35,7 @@ PROMPT_RATES = {"lr": 1e-2, "head_lr": 1e-2}
 CONFIGS: dict[str, dict] = {
     "fedavg": {"strategy": "fedavg"},
     "local": {"strategy": "local"},
-    "safl+fedfrozen K=2 W=3": {"strategy": "safl+fedfrozen", "top_layers": 2, "freeze_warmup": "3"},
+    "safl+fedfrozen K=2 W=3": {"strategy": "safl+fedfrozen", "top_layers": 2, "freeze_from": "3"},
     "pfeddc": {"strategy": "pfeddc", **PROMPT_RATES},
     "pfeddc, no fusion (concat)": {"strategy": "pfeddc", "prompt_fusion": "concat", **PROMPT_RATES},
     "pfeddc, no local prompt": {"strategy": "pfeddc", "prompt_fusion": "global", **PROMPT_RATES},
@@ -80,7 +80,7 @@ def run_cell(
         import shutil
 
         shutil.rmtree(out)
-    config = RunConfig(
+    config = RunConfig.of(
         task=task,
         data=str(data),
         out=str(out),
