@@ -15,84 +15,25 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
 
-from opacus.accountants.analysis import rdp as rdp_analysis
+from clinfed.privacy.accountants import BUDGET, Accountant, Mechanism, check_delta
+from clinfed.privacy.accountants.pld import PLDAccountant
 
-ACCOUNTANT = "RDP (Opacus RDP analysis of the Poisson-subsampled Gaussian)"
-# Opacus's default order grid, extended: small epsilons need large orders.
-ORDERS = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)) + [80, 128, 256, 512]
+ACCOUNTANT = BUDGET.description
 
-
-@dataclass(frozen=True)
-class Mechanism:
-    """One accounted release.
-
-    Attributes
-    ----------
-    name
-        ``dp-sgd`` (local training) or ``safl-selection`` (noisy layer choice).
-    noise_multiplier
-        Gaussian noise standard deviation divided by the L2 sensitivity.
-    sample_rate
-        Poisson sampling probability of each example (1.0: no subsampling).
-    steps
-        How many times the mechanism runs.
-    """
-
-    name: str
-    noise_multiplier: float
-    sample_rate: float
-    steps: int
-
-    def __post_init__(self) -> None:
-        if self.noise_multiplier <= 0:
-            raise ValueError("noise multiplier must be positive")
-        if not 0 < self.sample_rate <= 1:
-            raise ValueError("sample rate must be in (0, 1]")
-        if self.steps < 0:
-            raise ValueError("steps must be >= 0")
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-def check_delta(delta: float) -> None:
-    if not 0 < delta < 1:
-        raise ValueError(f"delta must be in (0, 1), not {delta}")
+__all__ = ["ACCOUNTANT", "Mechanism", "calibrate_noise", "epsilon", "pld_epsilon"]
 
 
 def epsilon(mechanisms: Sequence[Mechanism], delta: float) -> float:
-    """Epsilon at ``delta`` of the composition of ``mechanisms`` (RDP)."""
-    check_delta(delta)
-    active = [m for m in mechanisms if m.steps > 0]
-    if not active:
-        return 0.0
-    rdp = sum(
-        rdp_analysis.compute_rdp(
-            q=m.sample_rate, noise_multiplier=m.noise_multiplier, steps=m.steps, orders=ORDERS
-        )
-        for m in active
-    )
-    eps, _ = rdp_analysis.get_privacy_spent(orders=ORDERS, rdp=rdp, delta=delta)
-    return float(eps)
+    """Epsilon at ``delta`` of the composition of ``mechanisms`` by the
+    budget accountant (RDP)."""
+    return BUDGET.epsilon(mechanisms, delta)
 
 
 def pld_epsilon(mechanisms: Sequence[Mechanism], delta: float) -> float:
     """The same composition through a privacy loss distribution (tighter;
     shown beside the RDP figure, never used for budget checks)."""
-    import dp_accounting
-    from dp_accounting.pld import PLDAccountant
-
-    check_delta(delta)
-    accountant = PLDAccountant(value_discretization_interval=1e-3)
-    for m in mechanisms:
-        if m.steps > 0:
-            event = dp_accounting.PoissonSampledDpEvent(
-                m.sample_rate, dp_accounting.GaussianDpEvent(m.noise_multiplier)
-            )
-            accountant.compose(event, m.steps)
-    return float(accountant.get_epsilon(delta))
+    return PLDAccountant().epsilon(mechanisms, delta)
 
 
 def calibrate_noise(
@@ -101,6 +42,7 @@ def calibrate_noise(
     round_mechanisms: Callable[[float], Sequence[Mechanism]],
     rounds: int,
     tolerance: float = 0.005,
+    accountant: Accountant = BUDGET,
 ) -> float:
     """The smallest DP-SGD noise multiplier that keeps a planned run within
     ``target_epsilon``.
@@ -132,7 +74,7 @@ def calibrate_noise(
     check_delta(delta)
 
     def planned(sigma: float) -> float:
-        return epsilon(list(round_mechanisms(sigma)) * rounds, delta)
+        return accountant.epsilon(list(round_mechanisms(sigma)) * rounds, delta)
 
     high = 1.0
     while planned(high) > target_epsilon:

@@ -1,25 +1,20 @@
-"""DP-SGD for one site's local training, on Opacus.
+"""DP-SGD for one site's local training, composed from small parts like
+Opacus's ``make_private``:
 
-Per round: the plan decides which parameters train (``apply_plan``) before
-anything here runs; Opacus's per-example gradient hooks are then attached
-to exactly those parameters, the round trains, and the hooks come off again,
-so the same model object can serve the next site with another plan. Each
-step samples a Poisson batch (every example joins with probability
-``q = batch_size / n``), clips each example's gradient over all trainable
-parameters jointly to ``max_grad_norm``, adds Gaussian noise of standard
-deviation ``noise_multiplier * max_grad_norm`` and divides by the expected
-batch size: exactly the subsampled Gaussian mechanism the ledger accounts.
+* :mod:`clinfed.privacy.sampler` - Poisson batches (each example joins with
+  probability ``q = batch_size / n``);
+* :mod:`clinfed.privacy.clipping` - per-example clipping over all trainable
+  parameters jointly (Opacus hooks, or ghost clipping);
+* :mod:`clinfed.privacy.noise` - Gaussian noise of standard deviation
+  ``noise_multiplier * max_grad_norm`` on each step's sum (Opacus's DP
+  optimizer; a noise-only step for an empty batch);
+* the optimizer step (the round's AdamW, wrapped for the round).
 
-Two ways to clip, picked by what is trainable (``--clipping auto``):
-
-* ``hooks``: per-example gradients materialised by Opacus's layer hooks.
-  Works for every task; needed for MIMIC-III, where an admission is several
-  encoder rows (chunks) whose per-row gradients are summed into the
-  admission's before clipping.
-* ``ghost``: Opacus's ghost clipping computes per-example norms without
-  materialising per-example gradients (two backward passes). Cheaper when
-  the 30k x 384 word-embedding matrix trains; needs one encoder row per
-  example (i2b2).
+Per round the plan decides which parameters train before anything here
+runs; :func:`make_private` attaches clipping to exactly those, the round
+trains, and :meth:`PrivateStep.detach` takes it off again, so the same model
+object can serve the next site with another plan. Each step is exactly the
+subsampled Gaussian mechanism the ledger accounts.
 """
 
 from __future__ import annotations
@@ -32,37 +27,28 @@ from dataclasses import dataclass
 import datasets
 import numpy as np
 import torch
-from opacus.grad_sample import (
-    GradSampleHooks,
-    GradSampleHooksFastGradientClipping,
-    register_grad_sampler,
-)
-from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
-from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
 from torch import nn
 
-from clinfed.blocks import EMBEDDINGS, block_of
-from clinfed.errors import ClinfedError
-from clinfed.models import LabelwiseLinear
-from clinfed.privacy.accountant import Mechanism
+from clinfed.privacy.accountants import Mechanism
+from clinfed.privacy.clipping import CLIPPERS, CLIPPINGS, choose_clipping
+from clinfed.privacy.noise import noise_only_step
+from clinfed.privacy.sampler import PoissonSampler, sample_rate, steps_per_epoch
 from clinfed.tasks.base import Task
 from clinfed.training import EpochStats
 
-CLIPPINGS = ("auto", "hooks", "ghost")
-
-
-@register_grad_sampler(LabelwiseLinear)
-def _labelwise_grad_sample(
-    layer: LabelwiseLinear, activations: list[torch.Tensor], backprops: torch.Tensor
-) -> dict[nn.Parameter, torch.Tensor]:
-    # logit_bl = <w_l, v_bl> + b_l, so d logit_bl / d w_l = v_bl per example.
-    summary = activations[0]  # (B, L, H)
-    grads = {}
-    if layer.weight.requires_grad:
-        grads[layer.weight] = backprops.unsqueeze(-1) * summary
-    if layer.bias.requires_grad:
-        grads[layer.bias] = backprops
-    return grads
+__all__ = [
+    "CLIPPINGS",
+    "MICROBATCH_OVERHEAD_TOKENS",
+    "DPSettings",
+    "PrivateStep",
+    "choose_clipping",
+    "make_private",
+    "microbatches",
+    "round_mechanism",
+    "sample_rate",
+    "steps_per_epoch",
+    "train_private",
+]
 
 
 @dataclass(frozen=True)
@@ -84,16 +70,6 @@ class DPSettings:
     clipping: str = "auto"
 
 
-def sample_rate(examples: int, batch_size: int) -> float:
-    """Poisson sampling rate of a site with ``examples`` examples."""
-    return min(1.0, batch_size / examples)
-
-
-def steps_per_epoch(examples: int, batch_size: int) -> int:
-    """Steps that make one expected pass over the site's data."""
-    return max(1, round(examples / batch_size))
-
-
 def round_mechanism(examples: int, batch_size: int, epochs: int, noise: float) -> Mechanism:
     """The DP-SGD mechanism of one round at one site."""
     return Mechanism(
@@ -102,26 +78,6 @@ def round_mechanism(examples: int, batch_size: int, epochs: int, noise: float) -
         sample_rate(examples, batch_size),
         epochs * steps_per_epoch(examples, batch_size),
     )
-
-
-def choose_clipping(model: nn.Module, task: Task, requested: str) -> str:
-    """``hooks`` or ``ghost`` for the parameters trainable now."""
-    if requested not in CLIPPINGS:
-        raise ClinfedError(f"--clipping must be one of {', '.join(CLIPPINGS)}")
-    one_row_per_example = task.head == "token"
-    if requested == "ghost" and not one_row_per_example:
-        raise ClinfedError(
-            f"--clipping ghost needs one encoder row per example; {task.name} splits an example "
-            "into chunks: use hooks (or auto)"
-        )
-    if requested != "auto":
-        return requested
-    embeddings = any(
-        p.requires_grad and block_of(n) == EMBEDDINGS for n, p in model.named_parameters()
-    )
-    # Measured on MiniLM (DESIGN.md 6): ghost wins with trainable embeddings,
-    # hooks without.
-    return "ghost" if embeddings and one_row_per_example else "hooks"
 
 
 # Fixed cost of one forward/backward pass, in padded tokens: measured on
@@ -160,24 +116,81 @@ def microbatches(lengths: np.ndarray, overhead_tokens: int) -> list[np.ndarray]:
     return groups
 
 
-def _fold_rows(params: list[nn.Parameter], examples: int) -> None:
-    """Sum per-row gradients into per-example ones where an example spans
-    several encoder rows (MIMIC-III chunks, laid out example-major)."""
-    for p in params:
-        g = p.grad_sample
-        if g is not None and g.shape[0] != examples:
-            p.grad_sample = g.reshape(examples, g.shape[0] // examples, *g.shape[1:]).sum(1)
+class PrivateStep:
+    """One round's DP-SGD machinery on a model: clipping attached to the
+    trainable parameters and the optimizer wrapped to noise and step.
+
+    Use :meth:`backward` for every pass of a drawn batch, :meth:`step` after
+    its last pass, :meth:`noise_only` for an empty batch, and
+    :meth:`detach` when the round is over.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        mode: str,
+        dp: DPSettings,
+        expected_batch: int,
+    ):
+        self.mode, self.dp, self.expected_batch = mode, dp, expected_batch
+        self.optimizer = optimizer
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.clipper = CLIPPERS[mode](model, dp.max_grad_norm)
+        self.dp_optimizer = self.clipper.optimizer_class(
+            optimizer,
+            noise_multiplier=dp.noise_multiplier,
+            max_grad_norm=dp.max_grad_norm,
+            expected_batch_size=expected_batch,
+            loss_reduction="mean",
+        )
+
+    def zero_grad(self) -> None:
+        self.dp_optimizer.zero_grad(set_to_none=True)
+
+    def backward(self, losses: torch.Tensor, examples: int, last: bool) -> bool:
+        """Clip this pass's per-example gradients into the step's sum
+        (Opacus's virtual steps: every pass but the last accumulates; the
+        last adds the noise once). Returns whether the step is ready."""
+        self.clipper.backward(losses, self.dp_optimizer, examples)
+        self.dp_optimizer.signal_skip_step(not last)
+        ready = self.dp_optimizer.pre_step()
+        if not ready and not last:
+            self.dp_optimizer.zero_grad(set_to_none=True)
+        return ready
+
+    def step(self, extra_grad: Callable[[], None] | None = None) -> None:
+        """The optimizer step on the noisy mean, plus a data-independent
+        gradient (FedProx's proximal term) that costs no privacy."""
+        if extra_grad is not None:
+            extra_grad()
+        self.optimizer.step()
+
+    def noise_only(self) -> None:
+        noise_only_step(
+            self.params,
+            self.optimizer,
+            self.dp.noise_multiplier,
+            self.dp.max_grad_norm,
+            self.expected_batch,
+        )
+
+    def detach(self) -> None:
+        self.dp_optimizer.zero_grad(set_to_none=True)
+        self.clipper.cleanup()
 
 
-def _noise_only_step(
-    params: list[nn.Parameter], optimizer: torch.optim.Optimizer, dp: DPSettings, batch_size: int
-) -> None:
-    # An empty Poisson batch still releases a noisy step: skipping it would
-    # reveal that the batch was empty, which depends on membership.
-    for p in params:
-        p.grad = torch.normal(0.0, dp.noise_multiplier * dp.max_grad_norm, p.shape) / batch_size
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+def make_private(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    task: Task,
+    dp: DPSettings,
+    expected_batch: int,
+) -> PrivateStep:
+    """Attach per-example clipping and noise for the parameters trainable now."""
+    return PrivateStep(
+        model, optimizer, choose_clipping(model, task, dp.clipping), dp, expected_batch
+    )
 
 
 def train_private(
@@ -209,25 +222,10 @@ def train_private(
     -------
     (stats per epoch, clipping mode used)
     """
-    params = [p for p in model.parameters() if p.requires_grad]
-    mode = choose_clipping(model, task, dp.clipping)
     n = len(dataset)
-    q = sample_rate(n, batch_size)
+    sampler = PoissonSampler(n, batch_size, generator)
     lengths = np.asarray(dataset["n_tokens"])
-    common = {
-        "noise_multiplier": dp.noise_multiplier,
-        "max_grad_norm": dp.max_grad_norm,
-        "expected_batch_size": batch_size,
-        "loss_reduction": "mean",
-    }
-    if mode == "ghost":
-        hooks = GradSampleHooksFastGradientClipping(
-            model, loss_reduction="sum", strict=False, max_grad_norm=dp.max_grad_norm
-        )
-        dp_optimizer = DPOptimizerFastGradientClipping(optimizer, **common)
-    else:
-        hooks = GradSampleHooks(model, loss_reduction="sum", strict=False)
-        dp_optimizer = DPOptimizer(optimizer, **common)
+    private = make_private(model, optimizer, task, dp, batch_size)
     model.train()
     stats = []
     # With frozen embeddings no module input requires a gradient, and torch
@@ -238,34 +236,20 @@ def train_private(
         for _ in range(epochs):
             started = time.perf_counter()
             total_loss, tokens, steps = 0.0, 0, 0
-            for _ in range(steps_per_epoch(n, batch_size)):
-                dp_optimizer.zero_grad(set_to_none=True)
-                idx = np.flatnonzero(generator.random(n) < q)
+            for _ in range(sampler.steps_per_epoch):
+                private.zero_grad()
+                idx = sampler.draw()
                 if len(idx) == 0:
-                    _noise_only_step(params, optimizer, dp, batch_size)
+                    private.noise_only()
                     continue
                 groups = microbatches(lengths[idx], microbatch_overhead)
                 batch_loss = 0.0
                 for number, group in enumerate(groups):
                     part = idx[group]
                     batch = task.collate(dataset[part.tolist()])
-                    logits = model(**task.model_inputs(batch))
-                    losses = task.example_losses(logits, batch)
-                    if mode == "ghost":
-                        DPTensorFastGradientClipping(hooks, dp_optimizer, losses, "sum").backward()
-                    else:
-                        losses.sum().backward()
-                        _fold_rows(params, len(part))
-                    last = number == len(groups) - 1
-                    # Opacus's virtual steps: every pass but the last clips and
-                    # adds into the running sum; the last adds noise once.
-                    dp_optimizer.signal_skip_step(not last)
-                    if dp_optimizer.pre_step():
-                        if extra_grad is not None:
-                            extra_grad()
-                        optimizer.step()
-                    elif not last:
-                        dp_optimizer.zero_grad(set_to_none=True)
+                    losses = task.example_losses(model(**task.model_inputs(batch)), batch)
+                    if private.backward(losses, len(part), last=number == len(groups) - 1):
+                        private.step(extra_grad)
                     batch_loss += float(losses.detach().sum())
                     tokens += int(batch["attention_mask"].sum())
                 total_loss += batch_loss / len(idx)
@@ -274,6 +258,5 @@ def train_private(
                 EpochStats(total_loss / max(steps, 1), n, tokens, time.perf_counter() - started)
             )
     finally:
-        dp_optimizer.zero_grad(set_to_none=True)
-        hooks.cleanup()
-    return stats, mode
+        private.detach()
+    return stats, private.mode

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from clinfed.privacy.accountant import ACCOUNTANT, Mechanism, epsilon
+from clinfed.privacy.accountants import BUDGET, Accountant, Mechanism
 from clinfed.runs import append_jsonl, read_jsonl
 
 # Budget checks allow for float noise in the accountant, nothing more.
@@ -38,10 +38,20 @@ class Ledger:
         The delta every epsilon is reported at.
     budget
         Epsilon the site may not exceed (``None``: unlimited, still recorded).
+    accountant
+        The accountant budgets are checked with (RDP).
     """
 
-    def __init__(self, path: Path, client: str, delta: float, budget: float | None = None):
+    def __init__(
+        self,
+        path: Path,
+        client: str,
+        delta: float,
+        budget: float | None = None,
+        accountant: Accountant = BUDGET,
+    ):
         self.path, self.client, self.delta, self.budget = Path(path), client, delta, budget
+        self.accountant = accountant
         self.lines = read_jsonl(self.path) if self.path.exists() else []
         self.history = [
             Mechanism(r["mechanism"], r["noise_multiplier"], r["sample_rate"], r["steps"])
@@ -51,11 +61,11 @@ class Ledger:
     @property
     def spent(self) -> float:
         """Epsilon spent so far."""
-        return epsilon(self.history, self.delta)
+        return self.accountant.epsilon(self.history, self.delta)
 
     def after(self, mechanisms: Sequence[Mechanism]) -> float:
         """Epsilon the site would have spent after ``mechanisms`` too."""
-        return epsilon([*self.history, *mechanisms], self.delta)
+        return self.accountant.epsilon([*self.history, *mechanisms], self.delta)
 
     def affords(self, mechanisms: Sequence[Mechanism]) -> bool:
         return self.budget is None or self.after(mechanisms) <= self.budget * (1 + SLACK)
@@ -65,7 +75,7 @@ class Ledger:
         eps = 0.0
         for mechanism in mechanisms:
             self.history.append(mechanism)
-            eps = epsilon(self.history, self.delta)
+            eps = self.accountant.epsilon(self.history, self.delta)
             line = {
                 "client": self.client,
                 "round": round_number,
@@ -75,7 +85,7 @@ class Ledger:
                 "noise_multiplier": mechanism.noise_multiplier,
                 "sample_rate": mechanism.sample_rate,
                 "steps": mechanism.steps,
-                "accountant": ACCOUNTANT,
+                "accountant": self.accountant.description,
             }
             append_jsonl(self.path, line)
             self.lines.append(line)

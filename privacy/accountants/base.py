@@ -1,0 +1,62 @@
+"""The accountant interface, and the mechanism every accountant composes."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import ClassVar
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    """One accounted release: ``steps`` compositions of the Poisson-subsampled
+    Gaussian mechanism.
+
+    Attributes
+    ----------
+    name
+        ``dp-sgd`` (local training) or ``safl-selection`` (noisy layer choice).
+    noise_multiplier
+        Gaussian noise standard deviation divided by the L2 sensitivity.
+    sample_rate
+        Poisson sampling probability of each example (1.0: no subsampling).
+    steps
+        How many times the mechanism runs.
+    """
+
+    name: str
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
+
+    def __post_init__(self) -> None:
+        if not self.noise_multiplier > 0:
+            raise ValueError("noise multiplier must be positive")
+        if not 0 < self.sample_rate <= 1:
+            raise ValueError("sample rate must be in (0, 1]")
+        if self.steps < 0:
+            raise ValueError("steps must be >= 0")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def check_delta(delta: float) -> None:
+    if not 0 < delta < 1:
+        raise ValueError(f"delta must be in (0, 1), not {delta}")
+
+
+class Accountant(ABC):
+    """Epsilon of a composition of mechanisms at a given delta.
+
+    ``name`` is the registry key; ``description`` goes on every ledger line
+    and into reports, so a reader knows which analysis produced a figure.
+    """
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+
+    @abstractmethod
+    def epsilon(self, mechanisms: Sequence[Mechanism], delta: float) -> float:
+        """Epsilon at ``delta`` of running every mechanism (their composition)."""

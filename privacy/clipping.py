@@ -1,0 +1,117 @@
+"""Per-example clipping for DP-SGD, on Opacus: two ways to get each
+example's gradient norm over every trainable parameter jointly.
+
+* ``hooks``: per-example gradients materialised by Opacus's layer hooks.
+  Works for every task; needed for MIMIC-III, where an admission is several
+  encoder rows (chunks) whose per-row gradients are summed into the
+  admission's before clipping.
+* ``ghost``: Opacus's ghost clipping computes per-example norms without
+  materialising per-example gradients (two backward passes). Cheaper when
+  the 30k x 384 word-embedding matrix trains; needs one encoder row per
+  example (i2b2).
+
+``auto`` picks ghost when embeddings train and examples are single rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from opacus.grad_sample import (
+    GradSampleHooks,
+    GradSampleHooksFastGradientClipping,
+    register_grad_sampler,
+)
+from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
+from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
+from torch import nn
+
+from clinfed.blocks import EMBEDDINGS, block_of
+from clinfed.errors import ClinfedError
+from clinfed.models import LabelwiseLinear
+from clinfed.tasks.base import Task
+
+CLIPPINGS = ("auto", "hooks", "ghost")
+
+
+@register_grad_sampler(LabelwiseLinear)
+def _labelwise_grad_sample(
+    layer: LabelwiseLinear, activations: list[torch.Tensor], backprops: torch.Tensor
+) -> dict[nn.Parameter, torch.Tensor]:
+    # logit_bl = <w_l, v_bl> + b_l, so d logit_bl / d w_l = v_bl per example.
+    summary = activations[0]  # (B, L, H)
+    grads = {}
+    if layer.weight.requires_grad:
+        grads[layer.weight] = backprops.unsqueeze(-1) * summary
+    if layer.bias.requires_grad:
+        grads[layer.bias] = backprops
+    return grads
+
+
+def choose_clipping(model: nn.Module, task: Task, requested: str) -> str:
+    """``hooks`` or ``ghost`` for the parameters trainable now."""
+    if requested not in CLIPPINGS:
+        raise ClinfedError(f"--clipping must be one of {', '.join(CLIPPINGS)}")
+    one_row_per_example = task.head == "token"
+    if requested == "ghost" and not one_row_per_example:
+        raise ClinfedError(
+            f"--clipping ghost needs one encoder row per example; {task.name} splits an example "
+            "into chunks: use hooks (or auto)"
+        )
+    if requested != "auto":
+        return requested
+    embeddings = any(
+        p.requires_grad and block_of(n) == EMBEDDINGS for n, p in model.named_parameters()
+    )
+    # Measured on MiniLM (DESIGN.md 6): ghost wins with trainable embeddings,
+    # hooks without.
+    return "ghost" if embeddings and one_row_per_example else "hooks"
+
+
+def _fold_rows(params: list[nn.Parameter], examples: int) -> None:
+    """Sum per-row gradients into per-example ones where an example spans
+    several encoder rows (MIMIC-III chunks, laid out example-major)."""
+    for p in params:
+        g = p.grad_sample
+        if g is not None and g.shape[0] != examples:
+            p.grad_sample = g.reshape(examples, g.shape[0] // examples, *g.shape[1:]).sum(1)
+
+
+class HooksClipping:
+    """Per-example gradients from layer hooks, clipped by the DP optimizer."""
+
+    mode = "hooks"
+    optimizer_class = DPOptimizer
+
+    def __init__(self, model: nn.Module, max_grad_norm: float):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.hooks = GradSampleHooks(model, loss_reduction="sum", strict=False)
+
+    def backward(self, losses: torch.Tensor, optimizer, examples: int) -> None:
+        del optimizer
+        losses.sum().backward()
+        _fold_rows(self.params, examples)
+
+    def cleanup(self) -> None:
+        self.hooks.cleanup()
+
+
+class GhostClipping:
+    """Per-example norms without per-example gradients (two backward passes)."""
+
+    mode = "ghost"
+    optimizer_class = DPOptimizerFastGradientClipping
+
+    def __init__(self, model: nn.Module, max_grad_norm: float):
+        self.hooks = GradSampleHooksFastGradientClipping(
+            model, loss_reduction="sum", strict=False, max_grad_norm=max_grad_norm
+        )
+
+    def backward(self, losses: torch.Tensor, optimizer, examples: int) -> None:
+        del examples
+        DPTensorFastGradientClipping(self.hooks, optimizer, losses, "sum").backward()
+
+    def cleanup(self) -> None:
+        self.hooks.cleanup()
+
+
+CLIPPERS = {"hooks": HooksClipping, "ghost": GhostClipping}
