@@ -3,18 +3,20 @@
 Run folder layout::
 
     RUN/config.json        the resolved configuration
-    RUN/metrics.jsonl      centralized: one object per epoch (``epoch``, ``f1``...);
+    RUN/metrics.jsonl      pooled (centralized): one object per epoch (``epoch``, ``f1``...);
                            federated: per round and client (``round``, ``client``,
                            ``bytes_up``...) and per round (``round``, ``f1``...)
     RUN/state.json         federated: the last committed round (for --resume)
     RUN/checkpoints/       federated: global weights after that round
-    RUN/sites/             local: each site's own weights
+    RUN/sites/<site>/      federated: each site's copies of the model and its ledger
     RUN/model/             model.safetensors, model.json, tokenizer/
     RUN/predictions/       test-split predictions in the task's real format
     RUN/summary.json       final metrics (and, federated, communication totals)
 
-``centralized`` trains on all sites' data pooled (the upper reference); the
-federated strategies run in the in-process simulator.
+A pooled strategy (``centralized``) trains on all sites' data in one place
+(the upper reference); federated strategies run on the round engine over the
+in-process transport (:func:`run_training`) or, with the sites elsewhere,
+over Flower (:func:`run_federation`).
 """
 
 from __future__ import annotations
@@ -76,7 +78,9 @@ def _check_resume(config: RunConfig) -> None:
     if not saved_path.is_file():
         raise ClinfedError(f"{out}: no run to resume (no config.json)")
     if STRATEGIES[config.strategy].pooled:
-        raise ClinfedError("--resume applies to federated strategies (rounds), not centralized")
+        raise ClinfedError(
+            f"--resume applies to federated strategies (rounds), not {config.strategy}"
+        )
     saved = RunConfig.from_values(load_file(saved_path), str(saved_path)).to_dict()
     ours = config.to_dict()
     from clinfed.settings import schema_fields
@@ -171,9 +175,9 @@ def run_training(config: RunConfig, report: Reporter = _quiet) -> dict[str, Any]
         prep = _Prepared(task, corpus, tokenizer, model, Path(config.out), cache_dir)
         if strategy_cls.pooled:
             out = create_run_folder(config.out)
-            _write_start(out, config, task, corpus, "centralized")
+            _write_start(out, config, task, corpus, "pooled")
             _loaded(report, train, test, corpus, None, problems)
-            return _centralized(prep, config, train, test, report)
+            return _pooled(prep, config, train, test, report)
         clients, test_parts = _clients(config, task, corpus, train, test)
         strategy = make_strategy(config, task, tokenizer, cache_dir)
         policies: dict[str, PrivacyPolicy] = {}
@@ -310,7 +314,7 @@ def local_settings(config: RunConfig) -> LocalSettings:
     )
 
 
-def _centralized(prep: _Prepared, config: RunConfig, train, test, report: Reporter) -> dict:
+def _pooled(prep: _Prepared, config: RunConfig, train, test, report: Reporter) -> dict:
     task, model = prep.task, prep.model
     optimizer = make_optimizer(model, config.lr, config.weight_decay, config.head_lr)
     steps = config.epochs * -(-len(train) // config.batch_size)

@@ -305,6 +305,15 @@ def test_a_node_with_a_budget_refuses_a_run_without_dp(i2b2_corpus, tmp_path):
         _site(i2b2_corpus, tmp_path, max_epsilon=2.0)
 
 
+def test_key_files_are_created_readable_by_their_owner_only(tmp_path):
+    written = make_certificates(tmp_path / "pki", ["127.0.0.1"])
+    private, public = make_node_key(tmp_path / "keys", "beth")
+    for path in (written["ca.key"], written["server.key"], private):
+        assert path.stat().st_mode & 0o777 == 0o600, path
+    assert public.stat().st_mode & 0o077 != 0  # the public half is meant to be shared
+
+
+@pytest.mark.slow
 def test_supernode_authentication_lets_only_registered_keys_in(i2b2_corpus, tmp_path):
     certs = tmp_path / "certs"
     make_certificates(certs, ["127.0.0.1"])
