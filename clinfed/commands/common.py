@@ -38,43 +38,9 @@ class CodeKind(str, Enum):
     both = "both"
 
 
-class Strategy(str, Enum):
-    centralized = "centralized"
-    fedavg = "fedavg"
-    fedprox = "fedprox"
-    local = "local"
-    fedfrozen = "fedfrozen"
-    safl = "safl"
-    safl_fedfrozen = "safl+fedfrozen"
-    pfeddc = "pfeddc"
-
-
-class Selection(str, Enum):
-    global_ = "global"
-    public = "public"
-    private = "private"
-
-
 class Heterogeneity(str, Enum):
     normal = "normal"
     strong = "strong"
-
-
-class PromptFusion(str, Enum):
-    attention = "attention"
-    concat = "concat"
-    global_ = "global"
-
-
-class Clipping(str, Enum):
-    auto = "auto"
-    hooks = "hooks"
-    ghost = "ghost"
-
-
-class Partition(str, Enum):
-    iid = "iid"
-    dirichlet = "dirichlet"
 
 
 class BaselineKind(str, Enum):

@@ -74,13 +74,17 @@ class Objective:
     grad: Any
 
 
-def proximal(model: nn.Module, mu: float) -> Objective | None:
-    """``mu/2 * ||w - w0||^2`` over the trainable parameters, ``w0`` their
-    values now (the weights the site received)."""
+def proximal(
+    model: nn.Module, mu: float, anchor: Mapping[str, torch.Tensor] | None = None
+) -> Objective | None:
+    """``mu/2 * ||w - w0||^2`` over the trainable parameters; ``w0`` is
+    ``anchor`` (by name), or the parameters' values now (the weights the
+    site received)."""
     if mu <= 0:
         return None
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    anchor = {n: p.detach().clone() for n, p in params}
+    if anchor is None:
+        anchor = {n: p.detach().clone() for n, p in params}
 
     def loss() -> torch.Tensor:
         return mu / 2 * sum(((p - anchor[n]) ** 2).sum() for n, p in params)

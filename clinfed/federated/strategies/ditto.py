@@ -28,7 +28,7 @@ from torch import nn
 
 from clinfed.federated.client import ClientResult, LocalWork, client_update
 from clinfed.federated.plan import Plan, full_plan
-from clinfed.federated.strategies.base import Objective, Strategy, swapped
+from clinfed.federated.strategies.base import Strategy, proximal, swapped
 from clinfed.settings import setting
 
 
@@ -57,7 +57,7 @@ class Ditto(Strategy):
         model.load_state_dict(work.personal or received)
         names = [n for n, _ in model.named_parameters()]
         personal = replace(work, plan=Plan(frozenset(names), frozenset(), frozenset()))
-        client_update(personal, lambda: _toward(model, received, self.opts.ditto_lambda))
+        client_update(personal, lambda: proximal(model, self.opts.ditto_lambda, received))
         work.personal.clear()
         work.personal.update({k: v.detach().clone() for k, v in model.state_dict().items()})
         # The site's copy of the shared model is the global one it trained.
@@ -70,19 +70,3 @@ class Ditto(Strategy):
         own = swapped(model, personal) if personal else contextlib.nullcontext()
         return {"": own, "global": contextlib.nullcontext()}
 
-
-def _toward(model: nn.Module, anchor: dict[str, torch.Tensor], lam: float) -> Objective | None:
-    """``lam/2 * ||v - anchor||^2`` over the trainable parameters."""
-    if lam <= 0:
-        return None
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-
-    def loss() -> torch.Tensor:
-        return lam / 2 * sum(((p - anchor[n]) ** 2).sum() for n, p in params)
-
-    def grad() -> None:
-        with torch.no_grad():
-            for n, p in params:
-                p.grad.add_(p - anchor[n], alpha=lam)
-
-    return Objective(loss, grad)
