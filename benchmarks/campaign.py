@@ -152,7 +152,7 @@ def summarize(runs: list[dict]) -> dict:
     }
 
 
-def plot(task: str, runs: dict[str, list[dict]], results: Path, name: str = "campaign") -> None:
+def plot(task: str, runs: dict[str, list[dict]], results: Path, stem: str = "campaign") -> None:
     fig, (by_round, by_mb) = plt.subplots(1, 2, figsize=(11, 4.2))
     for name, seeds in runs.items():
         rounds = len(seeds[0]["f1_curve"])
@@ -171,7 +171,7 @@ def plot(task: str, runs: dict[str, list[dict]], results: Path, name: str = "cam
     by_mb.set_xscale("log")
     by_round.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(results / f"{name}-{task}.png", dpi=110)
+    fig.savefig(results / f"{stem}-{task}.png", dpi=110)
     plt.close(fig)
 
 
