@@ -228,26 +228,33 @@ def test_flower_over_tls_matches_the_simulator(tmp_path):
     assert "reported by the sites" in report
 
 
+def _submit_until_round_two(federation, config, data, min_sites: int, timeout: float):
+    """Start a SuperLink and a SuperNode per site, submit ``config`` and
+    return its ``flwr run`` process once round 2 is being sent."""
+    federation.root.mkdir(parents=True, exist_ok=True)
+    round_two = threading.Event()
+
+    def watch(line: str) -> None:
+        if f"round 2/{config.rounds}: sending" in line:
+            round_two.set()
+
+    federation.start_superlink()
+    for site in SITES:
+        federation.start_node(site, data)
+    process = federation.submit(
+        config, min_sites=min_sites, round_timeout=timeout, wait=False, on_line=watch
+    )
+    assert round_two.wait(timeout=600), "\n".join(federation.lines[-50:])
+    return process
+
+
 @pytest.mark.slow
 def test_a_killed_node_is_tolerated_and_rejoins_with_its_ledger(tmp_path):
     data = _corpus(tmp_path)
     config = flower_run_config(_settings(rounds=3, freeze_from="3"), tmp_path / "flower-run")
-    (tmp_path / "deploy").mkdir()
     federation = LocalFederation(tmp_path / "deploy", certs=None)
-    round_two = threading.Event()
-
-    def watch(line: str) -> None:
-        if "round 2/3: sending" in line:
-            round_two.set()
-
     try:
-        federation.start_superlink()
-        for site in SITES:
-            federation.start_node(site, data)
-        process = federation.submit(
-            config, min_sites=2, round_timeout=90, wait=False, on_line=watch
-        )
-        assert round_two.wait(timeout=600), "\n".join(federation.lines[-50:])
+        process = _submit_until_round_two(federation, config, data, min_sites=2, timeout=90)
         ledger = tmp_path / "deploy" / "state" / "site3" / Path(config.out).name / "privacy"
         before = _epsilons(ledger / "site3.jsonl")
         federation.kill_node("site3")
@@ -402,20 +409,9 @@ def test_a_killed_serverapp_resumes_from_its_run_folder(tmp_path):
     config = flower_run_config(settings, tmp_path / "flower-run")
     reference = config.replace(data=str(data), out=str(tmp_path / "sim"))
     run_training(reference)
-    (tmp_path / "deploy").mkdir()
     federation = LocalFederation(tmp_path / "deploy", certs=None)
-    round_two = threading.Event()
-
-    def watch(line: str) -> None:
-        if "round 2/3: sending" in line:
-            round_two.set()
-
     try:
-        federation.start_superlink()
-        for site in SITES:
-            federation.start_node(site, data)
-        first = federation.submit(config, min_sites=3, round_timeout=300, wait=False, on_line=watch)
-        assert round_two.wait(timeout=600), "\n".join(federation.lines[-50:])
+        first = _submit_until_round_two(federation, config, data, min_sites=3, timeout=300)
         pids = _serverapp_pids()
         assert pids, "no ServerApp process found"
         for pid in pids:
