@@ -174,3 +174,29 @@ def test_tasks_and_privacy_import_only_under_clinfed(name):
     # One module name each: a second name would load a second copy of the code.
     with pytest.raises(ImportError):
         __import__(name)
+
+
+def test_records_written_after_the_last_commit_are_cut_back_on_resume(tmp_path, monkeypatch):
+    from clinfed.federated import state
+
+    def behave(site, message, attempt):
+        return good(site, message, value=float(message.round))
+
+    commit = state.commit
+
+    def crash_at_round_two(out, round_number, *args, **kwargs):
+        if round_number == 2:
+            raise KeyboardInterrupt  # killed after round 2's records, before its commit
+        return commit(out, round_number, *args, **kwargs)
+
+    monkeypatch.setattr(state, "commit", crash_at_round_two)
+    with pytest.raises(KeyboardInterrupt):
+        engine(tmp_path, rounds=3).run(ScriptedTransport(["a", "b"], behave))
+    written = read_jsonl(tmp_path / "metrics.jsonl")
+    assert any(r["round"] == 2 for r in written)  # round 2 had written its records
+    monkeypatch.setattr(state, "commit", commit)
+    again = engine(tmp_path, rounds=3)
+    again.resume()
+    again.run(ScriptedTransport(["a", "b"], behave))
+    keys = [(r["round"], r.get("client")) for r in read_jsonl(tmp_path / "metrics.jsonl")]
+    assert len(keys) == len(set(keys)) == 3 * 3  # 3 rounds x (2 sites + 1 global record)
