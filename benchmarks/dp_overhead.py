@@ -29,6 +29,7 @@ from clinfed.federated.client import LocalSettings, LocalWork, client_update
 from clinfed.federated.plan import Plan, full_plan, names_in
 from clinfed.models import build_model, load_tokenizer
 from clinfed.privacy.dpsgd import DPSettings
+from clinfed.privacy.randomness import secret
 from clinfed.runs import atomic_write_json, atomic_write_text
 from clinfed.tasks.i2b2.adapter import I2b2Task
 from clinfed.tasks.i2b2.synth import generate
@@ -75,9 +76,10 @@ def main() -> None:
                         model.load_state_dict(start)
                         dp = DPSettings(1.0, 1.0, "auto") if mode == "dp" else None
                         generator = np.random.default_rng(repeat)
-                        result = client_update(
-                            LocalWork(model, task, examples, plan, settings, generator, dp)
-                        )
+                        randomness = secret() if dp is not None else None
+                        work = LocalWork(model, task, examples, plan, settings, generator, dp)
+                        work.randomness = randomness
+                        result = client_update(work)
                         tokens = sum(s.tokens for s in result.stats)
                         timings[mode].append(result.seconds / tokens)
                         clipping[mode] = result.clipping

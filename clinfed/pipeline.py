@@ -300,6 +300,7 @@ def privacy_policy(
         config.clipping,
         strategy.selection_mechanism(),
         strategy.trainings_per_round,
+        config.reproducible_noise,
     )
 
 

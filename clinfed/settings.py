@@ -165,6 +165,11 @@ class PrivacySettings:
         "examples are single rows, else hooks).",
         choices=("auto", "hooks", "ghost"),
     )
+    reproducible_noise: bool = setting(
+        False,
+        "Derive DP noise and sampling from the public seed instead of OS entropy (tests and "
+        "runner comparisons only): the run is marked NOT private everywhere.",
+    )
 
 
 @dataclass

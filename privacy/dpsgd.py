@@ -32,6 +32,7 @@ from torch import nn
 from clinfed.privacy.accountants import Mechanism
 from clinfed.privacy.clipping import CLIPPERS, CLIPPINGS, choose_clipping
 from clinfed.privacy.noise import noise_only_step
+from clinfed.privacy.randomness import SiteRandomness
 from clinfed.privacy.sampler import PoissonSampler, sample_rate, steps_per_epoch
 from clinfed.tasks.base import Task
 from clinfed.training import EpochStats
@@ -68,6 +69,7 @@ class DPSettings:
     noise_multiplier: float
     max_grad_norm: float = 1.0
     clipping: str = "auto"
+    reproducible: bool = False  # noise from the public seed: tests only, not private
 
 
 def round_mechanism(examples: int, batch_size: int, epochs: int, noise: float) -> Mechanism:
@@ -132,8 +134,10 @@ class PrivateStep:
         mode: str,
         dp: DPSettings,
         expected_batch: int,
+        noise: torch.Generator,
     ):
         self.mode, self.dp, self.expected_batch = mode, dp, expected_batch
+        self.noise = noise
         self.optimizer = optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.clipper = CLIPPERS[mode](model, dp.max_grad_norm)
@@ -143,6 +147,11 @@ class PrivateStep:
             max_grad_norm=dp.max_grad_norm,
             expected_batch_size=expected_batch,
             loss_reduction="mean",
+            # The site's own generator, and Opacus's defence against
+            # floating-point attacks on Gaussian sampling
+            # (clinfed.privacy.randomness).
+            generator=noise,
+            secure_mode=True,
         )
 
     def zero_grad(self) -> None:
@@ -173,6 +182,7 @@ class PrivateStep:
             self.dp.noise_multiplier,
             self.dp.max_grad_norm,
             self.expected_batch,
+            self.noise,
         )
 
     def detach(self) -> None:
@@ -186,11 +196,12 @@ def make_private(
     task: Task,
     dp: DPSettings,
     expected_batch: int,
+    noise: torch.Generator,
 ) -> PrivateStep:
-    """Attach per-example clipping and noise for the parameters trainable now."""
-    return PrivateStep(
-        model, optimizer, choose_clipping(model, task, dp.clipping), dp, expected_batch
-    )
+    """Attach per-example clipping and noise (drawn from ``noise``) for the
+    parameters trainable now."""
+    mode = choose_clipping(model, task, dp.clipping)
+    return PrivateStep(model, optimizer, mode, dp, expected_batch, noise)
 
 
 def train_private(
@@ -201,7 +212,7 @@ def train_private(
     batch_size: int,
     epochs: int,
     dp: DPSettings,
-    generator: np.random.Generator,
+    randomness: SiteRandomness,
     extra_grad: Callable[[], None] | None = None,
     microbatch_overhead: int = MICROBATCH_OVERHEAD_TOKENS,
 ) -> tuple[list[EpochStats], str]:
@@ -211,6 +222,9 @@ def train_private(
     ----------
     optimizer
         Built over the trainable parameters; wrapped here for the round.
+    randomness
+        The site's privacy-protecting randomness: Poisson sampling and noise
+        (secret unless ``dp.reproducible``; see ``clinfed.privacy.randomness``).
     extra_grad
         Adds a data-independent gradient after clipping and noise (FedProx's
         proximal term), so it costs no privacy.
@@ -223,9 +237,9 @@ def train_private(
     (stats per epoch, clipping mode used)
     """
     n = len(dataset)
-    sampler = PoissonSampler(n, batch_size, generator)
+    sampler = PoissonSampler(n, batch_size, randomness.sampling)
     lengths = np.asarray(dataset["n_tokens"])
-    private = make_private(model, optimizer, task, dp, batch_size)
+    private = make_private(model, optimizer, task, dp, batch_size, randomness.noise)
     model.train()
     stats = []
     # With frozen embeddings no module input requires a gradient, and torch

@@ -38,6 +38,9 @@ class Ledger:
         The delta every epsilon is reported at.
     budget
         Epsilon the site may not exceed (``None``: unlimited, still recorded).
+    not_private
+        Why the figures do not protect anyone (reproducible noise), written
+        on every line; ``None`` for a private run.
     accountant
         The accountant budgets are checked with (RDP).
     """
@@ -49,9 +52,10 @@ class Ledger:
         delta: float,
         budget: float | None = None,
         accountant: Accountant = BUDGET,
+        not_private: str | None = None,
     ):
         self.path, self.client, self.delta, self.budget = Path(path), client, delta, budget
-        self.accountant = accountant
+        self.accountant, self.not_private = accountant, not_private
         self.lines = read_jsonl(self.path) if self.path.exists() else []
         self.history = [
             Mechanism(r["mechanism"], r["noise_multiplier"], r["sample_rate"], r["steps"])
@@ -87,6 +91,8 @@ class Ledger:
                 "steps": mechanism.steps,
                 "accountant": self.accountant.description,
             }
+            if self.not_private:
+                line["not_private"] = self.not_private
             append_jsonl(self.path, line)
             self.lines.append(line)
         return eps

@@ -23,11 +23,12 @@ def noise_only_step(
     noise_multiplier: float,
     max_grad_norm: float,
     expected_batch: int,
+    generator: torch.Generator,
 ) -> None:
-    """A step of noise alone. Skipping an empty batch would reveal that it
-    was empty, which depends on membership."""
+    """A step of noise alone, from the site's generator. Skipping an empty
+    batch would reveal that it was empty, which depends on membership."""
     std = noise_std(noise_multiplier, max_grad_norm)
     for p in params:
-        p.grad = torch.normal(0.0, std, p.shape) / expected_batch
+        p.grad = torch.normal(0.0, std, p.shape, generator=generator) / expected_batch
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -17,6 +17,7 @@ from clinfed.errors import ClinfedError
 from clinfed.privacy.accountant import ACCOUNTANT, Mechanism, calibrate_noise, epsilon
 from clinfed.privacy.dpsgd import CLIPPINGS, DPSettings, round_mechanism
 from clinfed.privacy.ledger import Ledger
+from clinfed.privacy.randomness import NOT_PRIVATE
 
 UNIT = "one training example (an i2b2 sentence window; a MIMIC-III admission)"
 PATIENT_CAVEAT = (
@@ -77,6 +78,7 @@ class PrivacyPolicy:
     selection: Mechanism | None = None
     warnings: list[str] = field(default_factory=list)
     trainings: int = 1  # DP-SGD trainings per round (Ditto trains twice)
+    reproducible: bool = False  # noise from the public seed: NOT private
     _ledgers: dict[str, Ledger] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -94,6 +96,7 @@ class PrivacyPolicy:
         clipping: str = "auto",
         selection: Mechanism | None = None,
         trainings: int = 1,
+        reproducible: bool = False,
     ) -> PrivacyPolicy:
         """Calibrate (or take) each site's noise for the planned rounds."""
         check_settings(target_epsilon, delta, noise_multiplier, max_grad_norm, clipping)
@@ -133,7 +136,10 @@ class PrivacyPolicy:
             selection,
             warnings,
             trainings,
+            reproducible,
         )
+        if reproducible:
+            policy.warnings.append(NOT_PRIVATE)
         if target_epsilon is not None and noise_multiplier is not None:
             for site in sizes:
                 planned = epsilon(policy.round_mechanisms(site) * rounds, delta)
@@ -145,7 +151,7 @@ class PrivacyPolicy:
         return policy
 
     def settings(self, site: str) -> DPSettings:
-        return DPSettings(self.noise[site], self.max_grad_norm, self.clipping)
+        return DPSettings(self.noise[site], self.max_grad_norm, self.clipping, self.reproducible)
 
     def round_mechanisms(self, site: str) -> list[Mechanism]:
         """What one round costs ``site``: its DP-SGD and any private selection."""
@@ -157,7 +163,11 @@ class PrivacyPolicy:
         if site not in self._ledgers:
             self.folder.mkdir(parents=True, exist_ok=True)
             self._ledgers[site] = Ledger(
-                self.folder / f"{site}.jsonl", site, self.delta, self.budget
+                self.folder / f"{site}.jsonl",
+                site,
+                self.delta,
+                self.budget,
+                not_private=NOT_PRIVATE if self.reproducible else None,
             )
         return self._ledgers[site]
 
@@ -180,6 +190,9 @@ class PrivacyPolicy:
             "planned_rounds": self.rounds,
             "selection": self.selection.as_dict() if self.selection else None,
             "trainings_per_round": self.trainings,
+            "noise": "reproducible from the public seed: NOT private"
+            if self.reproducible
+            else "secret: OS entropy at the site, Opacus secure_mode",
             "warnings": self.warnings,
         }
 

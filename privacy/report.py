@@ -159,6 +159,15 @@ def build(run: Path) -> dict[str, Any]:
     run_data = _load(run)
     config, policy, summary = run_data["config"], run_data["policy"], run_data["summary"]
     private = policy is not None
+    not_private = summary.get("not_private") or next(
+        (
+            line["not_private"]
+            for lines in run_data["ledgers"].values()
+            for line in lines
+            if line.get("not_private")
+        ),
+        None,
+    )
     releases = [
         "the model updates listed per round (parameters of the planned layers only)",
         "each site's number of training examples (the weight of its update in the average)",
@@ -174,6 +183,7 @@ def build(run: Path) -> dict[str, Any]:
         "strategy": config.get("strategy"),
         "task": config.get("task"),
         "differential_privacy": private,
+        "not_private": not_private,
         "unit": UNIT,
         "patient_caveat": PATIENT_CAVEAT,
         "accountant": ACCOUNTANT if private else None,
@@ -206,6 +216,8 @@ def _fmt(value: Any, spec: str = ".3f") -> str:
 
 def _markdown(content: dict[str, Any], images: dict[str, str]) -> str:
     lines = [f"# Privacy report: {content['run']}", ""]
+    if content.get("not_private"):
+        lines += [f"**NOT PRIVATE.** {content['not_private']}.", ""]
     if content["differential_privacy"]:
         lines += [
             f"Every site trained with DP-SGD. Privacy unit: {content['unit']}.",

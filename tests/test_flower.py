@@ -149,6 +149,8 @@ def _settings(**extra) -> dict:
         "max_length": 32,
         "batch_size": 8,
         "target_epsilon": 8.0,
+        # Bit-for-bit comparisons need noise both runs can draw: not private.
+        "reproducible_noise": True,
         "threads": 1,
     } | extra
     options = {"freeze_from": "2", "top_layers": 1} | {

@@ -31,6 +31,7 @@ from clinfed.privacy.dpsgd import (
     train_private,
 )
 from clinfed.privacy.ledger import Ledger
+from clinfed.privacy.randomness import reproducible
 from clinfed.runs import read_jsonl
 from clinfed.tasks.i2b2.adapter import I2b2Task
 from clinfed.tasks.mimic3.adapter import Mimic3Task
@@ -198,7 +199,7 @@ def test_dp_step_clips_each_example_jointly(
         batch_size=len(examples),
         epochs=1,
         dp=DPSettings(noise_multiplier=0.0, max_grad_norm=clip, clipping=clipping),
-        generator=np.random.default_rng(0),
+        randomness=reproducible(np.random.default_rng(0)),
         microbatch_overhead=overhead,
     )
     assert mode == clipping and stats[0].examples == len(examples)

@@ -18,6 +18,7 @@ from torch import nn
 
 from clinfed.federated.plan import Plan
 from clinfed.privacy.dpsgd import DPSettings, train_private
+from clinfed.privacy.randomness import SiteRandomness
 from clinfed.tasks.base import Task
 from clinfed.training import EpochStats, make_optimizer, train_epoch
 
@@ -51,6 +52,8 @@ class LocalWork:
     generator: np.random.Generator
     dp: DPSettings | None = None
     personal: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Under DP: the site's secret sampling and noise (clinfed.privacy.randomness).
+    randomness: SiteRandomness | None = None
 
 
 @dataclass
@@ -89,10 +92,12 @@ def site_key(site: str) -> int:
 def site_generator(seed: int, round_number: int, site: str) -> np.random.Generator:
     """The random stream of ``site`` in round ``round_number``; also seeds torch.
 
-    Data order and Poisson sampling draw from the returned generator, dropout
-    and DP-SGD noise from torch's, seeded here from it. Both depend on
-    (seed, round, site) only, so a site computes the same update whichever
-    transport carries it, in whatever order sites run, and after any restart.
+    Data order draws from the returned generator, dropout from torch's,
+    seeded here from it. Both depend on (seed, round, site) only, so a site
+    computes the same update whichever transport carries it, in whatever
+    order sites run, and after any restart. This randomness is public: what
+    protects privacy under DP (Poisson sampling, noise) comes from
+    ``clinfed.privacy.randomness`` instead.
     """
     generator = np.random.default_rng([seed, round_number, site_key(site)])
     torch.manual_seed(int(generator.integers(2**62)))
@@ -114,7 +119,7 @@ def apply_plan(model: nn.Module, plan: Plan) -> int:
 
 def client_update(work: LocalWork, objective: Any = None) -> ClientResult:
     """Train ``work.model`` on ``work.dataset`` under ``work.plan``; return
-    the planned upload.
+    the planned upload. Under DP ``work.randomness`` must be set.
 
     The optimizer is fresh every round, so nothing but the weights carries
     over from one round to the next (as in FedAvg). With ``work.dp``, every
@@ -131,6 +136,8 @@ def client_update(work: LocalWork, objective: Any = None) -> ClientResult:
     optimizer = make_optimizer(model, settings.lr, settings.weight_decay, settings.head_lr)
     clipping = None
     if work.dp is not None:
+        if work.randomness is None:
+            raise ValueError("DP-SGD needs the site's randomness (LocalWork.randomness)")
         stats, clipping = train_private(
             model,
             work.task,
@@ -139,7 +146,7 @@ def client_update(work: LocalWork, objective: Any = None) -> ClientResult:
             settings.batch_size,
             settings.epochs,
             work.dp,
-            work.generator,
+            work.randomness,
             objective.grad if objective is not None else None,
         )
     else:

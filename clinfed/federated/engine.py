@@ -494,6 +494,14 @@ class RoundEngine:
             }
             summary["epsilon_reported_by_sites"] = True
             summary["delta"] = next(iter(self.ledgers.values()))["policy"]["delta"]
+            reproducible = [
+                line["not_private"]
+                for ledger in self.ledgers.values()
+                for line in ledger["lines"]
+                if line.get("not_private")
+            ]
+            if reproducible:
+                summary["not_private"] = reproducible[0]
         atomic_write_json(self.out / "summary.json", summary)
         return summary
 

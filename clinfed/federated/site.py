@@ -35,6 +35,7 @@ from clinfed.federated import payload
 from clinfed.federated.client import LocalSettings, LocalWork, site_generator
 from clinfed.federated.state import load_tensors, save_tensors
 from clinfed.federated.strategies import Strategy
+from clinfed.privacy.randomness import reproducible, secret
 from clinfed.privacy.site import SitePrivacy
 from clinfed.tasks.base import Task
 from clinfed.training import predict
@@ -209,11 +210,20 @@ class SiteRunner:
         self.strategy.load_state_dict(strategy_state, None)
 
         def update(dp: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+            generator = site_generator(self.seed, round_number, self.name)
+            randomness = None
+            if dp is not None:
+                # Secret unless the run asked for reproducible (not private) noise.
+                randomness = reproducible(generator) if dp.reproducible else secret()
             chosen = self.strategy.select(
-                round_number, self.name, self.model, self.task, self.train
+                round_number,
+                self.name,
+                self.model,
+                self.task,
+                self.train,
+                rng=randomness.sampling if randomness is not None else None,
             )
             plan = self.strategy.plan(round_number, self.name, self.names)
-            generator = site_generator(self.seed, round_number, self.name)
             work = LocalWork(
                 self.model,
                 self.task,
@@ -223,6 +233,7 @@ class SiteRunner:
                 generator,
                 dp,
                 self.personal,
+                randomness,
             )
             result = self.strategy.local_update(work)
             bytes_up = len(payload.encode(result.upload)) if plan.uploaded else 0

@@ -219,12 +219,14 @@ class Strategy(ABC):
 
     # ------------------------------------------------------------ site side
     def select(
-        self, round_number: int, site: str, model: Any, task: Any, local: Any
+        self, round_number: int, site: str, model: Any, task: Any, local: Any, rng: Any = None
     ) -> dict[str, Any]:
         """Data-dependent choices made at the site before :meth:`plan` (SAFL's
         attention profile); ``model`` holds the weights the site starts the
-        round from. What it returns joins the site's record."""
-        del round_number, site, model, task, local
+        round from. Under DP, ``rng`` is the site's secret generator: any
+        noise that protects the choice must come from it. What it returns
+        joins the site's record."""
+        del round_number, site, model, task, local, rng
         return {}
 
     def selection_mechanism(self) -> Mechanism | None:

@@ -135,7 +135,13 @@ class SAFL(Strategy):
 
     # ------------------------------------------------------------ selection
     def select(
-        self, round_number: int, site: str, model: nn.Module, task: Task, local: datasets.Dataset
+        self,
+        round_number: int,
+        site: str,
+        model: nn.Module,
+        task: Task,
+        local: datasets.Dataset,
+        rng: np.random.Generator | None = None,
     ) -> dict[str, Any]:
         layers_total = num_layers(parameter_blocks([n for n, _ in model.named_parameters()]))
         if self.top_k > layers_total:
@@ -158,9 +164,11 @@ class SAFL(Strategy):
             if self.selection == "global":
                 self._global_choice = (round_number, layers, scores)
         else:
-            # The noise depends only on (seed, round, site): resume-safe, and
-            # independent of the data-order generator.
-            rng = np.random.default_rng([self.seed, round_number, site_key(site)])
+            if rng is None:
+                # Without DP nothing is protected: a public stream, resume-safe
+                # and independent of the data order. Under DP the site passes
+                # its secret generator.
+                rng = np.random.default_rng([self.seed, round_number, site_key(site)])
             idx = rng.choice(len(local), size=min(self.profile_examples, len(local)), replace=False)
             per_example = np.clip(profile(model, task, local.select(np.sort(idx))), 0.0, 1.0)
             sigma = self.noise * math.sqrt(layers_total)

@@ -1,0 +1,94 @@
+"""The privacy-protecting randomness: the noise has the calibrated standard
+deviation, comes from a secret source by default, and a replay with the
+public seed does not reproduce what a site released."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from clinfed.pipeline import RunConfig, run_training
+from clinfed.privacy.dpsgd import DPSettings, PrivateStep
+from clinfed.privacy.randomness import NOT_PRIVATE, reproducible, secret
+from clinfed.runs import read_jsonl
+
+
+def one_noisy_step(randomness, sigma=1.7, clip=0.5, batch=8) -> torch.Tensor:
+    """One DP-SGD step of plain SGD (lr 1) on a loss with zero gradient: the
+    update is minus the noise over the expected batch size."""
+    torch.manual_seed(0)
+    model = nn.Linear(200, 500)
+    before = model.weight.detach().clone()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    step = PrivateStep(
+        model, optimizer, "hooks", DPSettings(sigma, clip, "hooks"), batch, randomness.noise
+    )
+    try:
+        step.zero_grad()
+        x = torch.randn(batch, 200)
+        losses = (model(x) * 0.0).sum(dim=1)
+        assert step.backward(losses, batch, last=True)
+        step.step()
+    finally:
+        step.detach()
+    return (before - model.weight.detach()) * batch  # the noise added to the clipped sum
+
+
+def test_the_noise_has_the_calibrated_standard_deviation():
+    noise = one_noisy_step(secret(), sigma=1.7, clip=0.5)
+    assert noise.numel() == 100_000
+    assert float(noise.std()) == pytest.approx(1.7 * 0.5, rel=0.05)
+    assert abs(float(noise.mean())) < 0.05
+
+
+def test_noise_is_secret_by_default_and_reproducible_only_when_asked():
+    assert not torch.equal(one_noisy_step(secret()), one_noisy_step(secret()))
+    replay = [one_noisy_step(reproducible(np.random.default_rng([0, 1]))) for _ in range(2)]
+    assert torch.equal(*replay)
+
+
+def _dp_run(i2b2_corpus, out, **extra):
+    config = RunConfig.of(
+        task="i2b2",
+        data=str(i2b2_corpus),
+        out=str(out),
+        strategy="fedavg",
+        model="tiny",
+        rounds=1,
+        max_length=32,
+        batch_size=8,
+        noise_multiplier=50.0,
+        threads=1,
+        **extra,
+    )
+    return run_training(config)
+
+
+def test_a_replay_with_the_public_seed_does_not_reproduce_the_release(i2b2_corpus, tmp_path):
+    # The same public settings (seed included) twice: the model the server
+    # built from the sites' uploads differs, so knowing the seed does not
+    # let anyone regenerate a site's noise and subtract it.
+    _dp_run(i2b2_corpus, tmp_path / "a")
+    _dp_run(i2b2_corpus, tmp_path / "b")
+    a = load_file(str(tmp_path / "a" / "model" / "model.safetensors"))
+    b = load_file(str(tmp_path / "b" / "model" / "model.safetensors"))
+    assert not all(torch.equal(a[k], b[k]) for k in a)
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert "not_private" not in summary
+
+    # Only --reproducible-noise replays, and such a run says it is not private.
+    _dp_run(i2b2_corpus, tmp_path / "c", reproducible_noise=True)
+    summary = _dp_run(i2b2_corpus, tmp_path / "d", reproducible_noise=True)
+    c = load_file(str(tmp_path / "c" / "model" / "model.safetensors"))
+    d = load_file(str(tmp_path / "d" / "model" / "model.safetensors"))
+    assert all(torch.equal(c[k], d[k]) for k in c)
+    assert summary["not_private"] == NOT_PRIVATE
+    ledger = read_jsonl(tmp_path / "d" / "privacy" / "beth.jsonl")
+    assert ledger and all(line["not_private"] == NOT_PRIVATE for line in ledger)
+    policy = json.loads((tmp_path / "d" / "privacy" / "policy.json").read_text())
+    assert "NOT private" in policy["noise"] and NOT_PRIVATE in policy["warnings"]
