@@ -11,15 +11,34 @@ The line is fsynced before the site trains, so a crash can only leave a
 line for a round whose update never left the site (over-counting), never
 an update without a line. Resume reads every line back: a round that is
 re-run after a crash is counted again, which is the safe direction.
+
+Surviving crashes and neighbours:
+
+* a torn last line (a crash mid-append) is cut back to the last complete
+  line, with a warning; a complete line is never dropped, and a complete
+  line that does not parse is an error naming the file and line;
+* the ledger's folder is fsynced when the file is created, so the file
+  itself survives a crash;
+* :meth:`Ledger.charge` holds an exclusive lock (``fcntl``) on
+  ``<ledger>.lock`` while it re-reads the file, checks the budget and
+  appends, so two processes can never both charge within one budget.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import fcntl
+import json
+import logging
+import os
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from clinfed.errors import ClinfedError
 from clinfed.privacy.accountants import BUDGET, Accountant, Mechanism
-from clinfed.runs import append_jsonl, read_jsonl
+from clinfed.runs import append_jsonl
+
+log = logging.getLogger("clinfed.privacy")
 
 # Budget checks allow for float noise in the accountant, nothing more.
 SLACK = 1e-9
@@ -56,11 +75,84 @@ class Ledger:
     ):
         self.path, self.client, self.delta, self.budget = Path(path), client, delta, budget
         self.accountant, self.not_private = accountant, not_private
-        self.lines = read_jsonl(self.path) if self.path.exists() else []
+        self.repaired_bytes = 0  # what a torn last line cost, if one was cut back
+        self._load()
+
+    # ---------------------------------------------------------------- file
+    def _load(self) -> None:
+        """Read every complete line; cut a torn last line back."""
+        self.lines = []
+        if not self.path.exists():
+            self.history = []
+            return
+        data = self.path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            keep = data.rfind(b"\n") + 1
+            with open(self.path, "r+b") as fh:
+                fh.truncate(keep)
+                fh.flush()
+                os.fsync(fh.fileno())
+            self.repaired_bytes += len(data) - keep
+            log.warning(
+                "%s: torn last line (%d bytes, a crash mid-write) cut back to the last "
+                "complete line",
+                self.path,
+                len(data) - keep,
+            )
+            data = data[:keep]
+        for number, raw in enumerate(data.decode("utf-8").splitlines(), start=1):
+            try:
+                line = json.loads(raw)
+                Mechanism(
+                    line["mechanism"], line["noise_multiplier"], line["sample_rate"], line["steps"]
+                )
+            except (ValueError, KeyError, TypeError):
+                raise ClinfedError(
+                    f"{self.path}:{number}: not a ledger line; the ledger cannot be trusted"
+                ) from None
+            self.lines.append(line)
         self.history = [
             Mechanism(r["mechanism"], r["noise_multiplier"], r["sample_rate"], r["steps"])
             for r in self.lines
         ]
+
+    def _create(self) -> None:
+        """Create the file and fsync its folder, so the file survives a crash."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
+        os.close(fd)
+        folder = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        lock_path = self.path.with_name(self.path.name + ".lock")
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise ClinfedError(
+                    f"{self.path}: another process is charging this ledger now; one site, "
+                    "one run at a time"
+                ) from None
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def charge(self, round_number: int, mechanisms: Sequence[Mechanism]) -> float | None:
+        """Check the budget and record ``mechanisms`` as one step under the
+        ledger's lock (re-reading the file first); the new epsilon, or
+        ``None`` when the budget does not afford them."""
+        with self._locked():
+            self._load()
+            if not self.affords(mechanisms):
+                return None
+            return self.record(round_number, mechanisms)
 
     @property
     def spent(self) -> float:
@@ -75,7 +167,10 @@ class Ledger:
         return self.budget is None or self.after(mechanisms) <= self.budget * (1 + SLACK)
 
     def record(self, round_number: int, mechanisms: Sequence[Mechanism]) -> float:
-        """Append (and fsync) one line per mechanism; return the new epsilon."""
+        """Append (and fsync) one line per mechanism; return the new epsilon.
+        Use :meth:`charge` to check and record under the lock."""
+        if not self.path.exists():
+            self._create()
         eps = 0.0
         for mechanism in mechanisms:
             self.history.append(mechanism)

@@ -43,7 +43,10 @@ class SitePrivacy:
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         ledger = self.ledger
         mechanisms = self.policy.round_mechanisms(self.site)
-        if not ledger.affords(mechanisms):
+        # Write-ahead: checked and charged (under the ledger's lock) before
+        # anything is computed for release.
+        spent = ledger.charge(round_number, mechanisms)
+        if spent is None:
             return {}, {
                 "round": round_number,
                 "client": self.site,
@@ -51,8 +54,6 @@ class SitePrivacy:
                 "epsilon": ledger.spent,
                 "epsilon_if_trained": ledger.after(mechanisms),
             }
-        # Write-ahead: charged before anything is computed for release.
-        spent = ledger.record(round_number, mechanisms)
         upload, record = update(self.policy.settings(self.site))
         return upload, release_filter(record) | {"epsilon": spent}
 
