@@ -60,7 +60,14 @@ class LocalFederation:
             time.sleep(0.3)
         raise RuntimeError("SuperLink did not start; see superlink.log")
 
-    def start_node(self, site: str, data: Path, threads: int = 1, key: Path | None = None) -> None:
+    def start_node(
+        self,
+        site: str,
+        data: Path,
+        threads: int = 1,
+        key: Path | None = None,
+        allow_no_dp: bool = False,
+    ) -> None:
         state = self.root / "state" / site
         command = deploy.supernode_command(
             self.address,
@@ -72,6 +79,7 @@ class LocalFederation:
             key=key,
             port=free_port(),
             threads=threads,
+            allow_no_dp=allow_no_dp,
         )
         env = deploy.environment(self.root / "node-homes" / site)
         self.nodes[site] = self._start(command, self.root / f"node-{site}.log", env)

@@ -174,7 +174,7 @@ def _simulate_then_deploy(config: RunConfig, data: Path, tmp_path: Path, certs) 
     try:
         federation.start_superlink()
         for site in SITES:
-            federation.start_node(site, data)
+            federation.start_node(site, data, allow_no_dp=not config.dp)
         process = federation.submit(config, min_sites=3, round_timeout=300)
     finally:
         federation.close()
@@ -242,7 +242,7 @@ def _submit_until_round_two(federation, config, data, min_sites: int, timeout: f
 
     federation.start_superlink()
     for site in SITES:
-        federation.start_node(site, data)
+        federation.start_node(site, data, allow_no_dp=not config.dp)
     process = federation.submit(
         config, min_sites=min_sites, round_timeout=timeout, wait=False, on_line=watch
     )
@@ -289,13 +289,19 @@ def test_a_killed_node_is_tolerated_and_rejoins_with_its_ledger(tmp_path):
     assert json.loads((Path(config.out) / "summary.json").read_text())["f1"] >= 0.0
 
 
-def _site(i2b2_corpus, tmp_path, max_epsilon, **settings):
+def _site(i2b2_corpus, tmp_path, max_epsilon, run_name="run", node_options=None, **settings):
     config = flower_run_config(
         {"task": "i2b2", "model": "tiny", "strategy": "fedavg", "max_length": 32} | settings,
         tmp_path / "run",
     )
-    node = NodeConfig(i2b2_corpus, tmp_path / "state", site="beth", max_epsilon=max_epsilon)
-    return NodeSite(config, node, "run")
+    node = NodeConfig(
+        i2b2_corpus,
+        tmp_path / "state",
+        site="beth",
+        max_epsilon=max_epsilon,
+        **(node_options or {}),
+    )
+    return NodeSite(config, node, run_name)
 
 
 def test_a_node_refuses_rounds_past_its_own_budget_whatever_the_server_asks(i2b2_corpus, tmp_path):
@@ -312,6 +318,32 @@ def test_a_node_refuses_rounds_past_its_own_budget_whatever_the_server_asks(i2b2
 def test_a_node_with_a_budget_refuses_a_run_without_dp(i2b2_corpus, tmp_path):
     with pytest.raises(ClinfedError, match="without DP"):
         _site(i2b2_corpus, tmp_path, max_epsilon=2.0)
+
+
+def test_a_node_refuses_training_without_dp_unless_its_operator_allows_it(i2b2_corpus, tmp_path):
+    with pytest.raises(ClinfedError, match="trains under DP only"):
+        _site(i2b2_corpus, tmp_path, max_epsilon=None)
+    site = _site(i2b2_corpus, tmp_path, max_epsilon=None, node_options={"allow_no_dp": True})
+    site.close()
+
+
+@pytest.mark.parametrize("name", ["../escaped", "a/b", "..", "", "x" * 101, "/abs"])
+def test_a_node_refuses_run_names_that_would_leave_its_state_folder(i2b2_corpus, tmp_path, name):
+    with pytest.raises(ClinfedError, match="run name .* refused"):
+        _site(i2b2_corpus, tmp_path, max_epsilon=1.0, run_name=name, target_epsilon=1.0)
+    assert not (tmp_path / "escaped").exists() and not (tmp_path / "state").exists()
+
+
+def test_a_node_refuses_a_delta_above_its_cap(i2b2_corpus, tmp_path):
+    # The server asks for delta 0.5 (a far smaller noise "within" a budget):
+    # the site's default cap is 1/(10 n).
+    with pytest.raises(ClinfedError, match="above this site's cap"):
+        _site(i2b2_corpus, tmp_path, max_epsilon=8.0, target_epsilon=8.0, delta=0.5)
+    with pytest.raises(ClinfedError, match="above this site's cap 1e-06"):
+        _site(i2b2_corpus, tmp_path, 8.0, node_options={"max_delta": 1e-6}, target_epsilon=8.0)
+    assert NodeConfig.parse(
+        {"data": str(i2b2_corpus), "state": str(tmp_path), "max-delta": 1e-4, "allow-no-dp": True}
+    ).allow_no_dp
 
 
 def test_key_files_are_created_readable_by_their_owner_only(tmp_path):

@@ -111,8 +111,15 @@ def flower_supernode(
         True, "--share-ledger/--keep-ledger", help="Report ledger lines to the server's report."
     ),
     threads: int = typer.Option(0, "--threads", help="CPU threads (0: all cores)."),
+    max_delta: float = typer.Option(
+        None, "--max-delta", help="Largest delta this site accepts (default 1/(10 n))."
+    ),
+    allow_no_dp: bool = typer.Option(
+        False, "--allow-no-dp", help="Also train in runs without DP (refused by default)."
+    ),
 ) -> None:
-    """Start a SuperNode for one site (trains when the SuperLink asks)."""
+    """Start a SuperNode for one site (trains when the SuperLink asks, within
+    this site's own policy)."""
     from clinfed.flower.deploy import environment, supernode_command
 
     command = supernode_command(
@@ -127,6 +134,8 @@ def flower_supernode(
         port,
         share_ledger,
         threads,
+        max_delta,
+        allow_no_dp,
     )
     state.mkdir(parents=True, exist_ok=True)
     raise typer.Exit(_exec(command, environment(state / "flwr")))

@@ -108,6 +108,8 @@ def supernode_command(
     port: int = 9094,
     share_ledger: bool = True,
     threads: int = 0,
+    max_delta: float | None = None,
+    allow_no_dp: bool = False,
 ) -> list[str]:
     """``flower-supernode`` for one site; its node config names the site's
     data and state folders (see ``clinfed.flower.site``)."""
@@ -120,6 +122,10 @@ def supernode_command(
     node_config = " ".join(f"{k}={_toml(v)}" for k, v in values.items())
     if max_epsilon is not None:
         node_config += f" max-epsilon={float(max_epsilon)!r}"
+    if max_delta is not None:
+        node_config += f" max-delta={float(max_delta)!r}"
+    if allow_no_dp:
+        node_config += " allow-no-dp=true"
     node_config += f" share-ledger={'true' if share_ledger else 'false'} threads={int(threads)}"
     command = [_bin("flower-supernode"), "--superlink", superlink, "--port", str(port)]
     command += ["--node-config", node_config]

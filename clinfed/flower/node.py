@@ -15,8 +15,13 @@ A node is configured by its operator, not by the server (``--node-config``):
     the one site found there).
 ``max-epsilon``
     The most epsilon this site will spend on the run, whatever the server's
-    run config asks (the lower of the two is enforced); a node with one
-    refuses runs without DP.
+    run config asks (the lower of the two is enforced).
+``max-delta``
+    The largest delta the site accepts (default ``1 / (10 n)``, ``n`` its
+    training examples); a run asking for more is refused.
+``allow-no-dp``
+    Whether the site trains in runs without DP (default false: it refuses
+    them).
 ``share-ledger``
     Whether the site reports its ledger lines to the server for the run's
     privacy report (default true). The ledger that counts stays at the site.
@@ -30,6 +35,7 @@ Nothing here imports Flower: :func:`build_site` returns the same
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -63,11 +69,22 @@ class NodeConfig:
     max_epsilon: float | None = None
     share_ledger: bool = True
     threads: int = 0
+    max_delta: float | None = None
+    allow_no_dp: bool = False
 
     @classmethod
     def parse(cls, values: Mapping[str, Any]) -> NodeConfig:
         """From Flower's ``context.node_config`` (keys as in ``--node-config``)."""
-        known = {"data", "state", "site", "max-epsilon", "share-ledger", "threads"}
+        known = {
+            "data",
+            "state",
+            "site",
+            "max-epsilon",
+            "max-delta",
+            "allow-no-dp",
+            "share-ledger",
+            "threads",
+        }
         unknown = sorted(set(values) - known)
         if unknown:
             raise ClinfedError(
@@ -82,6 +99,9 @@ class NodeConfig:
         max_epsilon = values.get("max-epsilon")
         if max_epsilon is not None and not float(max_epsilon) > 0:
             raise ClinfedError("--node-config max-epsilon must be positive")
+        max_delta = values.get("max-delta")
+        if max_delta is not None and not 0 < float(max_delta) < 1:
+            raise ClinfedError("--node-config max-delta must be in (0, 1)")
         return cls(
             data=data,
             state=Path(str(values["state"])),
@@ -89,7 +109,23 @@ class NodeConfig:
             max_epsilon=float(max_epsilon) if max_epsilon is not None else None,
             share_ledger=bool(values.get("share-ledger", True)),
             threads=int(values.get("threads", 0)),
+            max_delta=float(max_delta) if max_delta is not None else None,
+            allow_no_dp=bool(values.get("allow-no-dp", False)),
         )
+
+
+RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+
+
+def safe_run_name(name: str) -> str:
+    """A run name the server sends, checked before it names a folder at the
+    site: letters, digits, ``.``, ``_``, ``-``; no separator, no ``..``."""
+    if not isinstance(name, str) or not RUN_NAME.match(name) or ".." in name:
+        raise ClinfedError(
+            f"run name {name!r} refused: a run name names a folder at the site and may hold "
+            "only letters, digits, '.', '_' and '-' (no path separators, no '..')"
+        )
+    return name
 
 
 def _of_site(records: Any, site: str) -> Any:
@@ -105,13 +141,13 @@ class NodeSite:
 
     def __init__(self, config: RunConfig, node: NodeConfig, run_name: str):
         torch.set_num_threads(node.threads or config.threads or os.cpu_count() or 1)
-        if node.max_epsilon is not None and not config.dp:
-            # A node with a budget trains under DP or not at all.
+        # The site's own policy, whatever the server's run config says.
+        if not config.dp and not node.allow_no_dp:
             raise ClinfedError(
-                f"this site has max-epsilon {node.max_epsilon:g}; the run asks for training "
-                "without DP: refused"
+                "this site trains under DP only (node config allow-no-dp is false); the run "
+                "asks for training without DP: refused"
             )
-        folder = node.state / run_name
+        folder = node.state / safe_run_name(run_name)
         # Tokenized notes are protected: they live in a temporary folder at
         # the site, removed when the message is done.
         self._tmp = tempfile.TemporaryDirectory(prefix="clinfed-site-")
@@ -135,6 +171,12 @@ class NodeSite:
             test = task.encode(test_records, tokenizer, config.max_length, cache_dir)
             if len(train) == 0:
                 raise ClinfedError(f"{node.data}: no training examples for site {name}")
+            cap = node.max_delta if node.max_delta is not None else 1 / (10 * len(train))
+            if config.dp and config.delta > cap:
+                raise ClinfedError(
+                    f"the run asks for delta {config.delta:g}, above this site's cap {cap:.3g} "
+                    f"(node config max-delta; default 1/(10 n), n = {len(train)}): refused"
+                )
             model = make_model(config, task)
             strategy = make_strategy(config, task, tokenizer, cache_dir)
             privacy = None
