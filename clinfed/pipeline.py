@@ -411,6 +411,8 @@ def _federated(
         engine.resume()
     torch.manual_seed(config.seed)
     summary = engine.run(InProcessTransport(runners))
+    for runner in runners.values():
+        runner.finish()
     # The user holds every site's data here: the predictions go in one folder.
     outputs: list = [None] * len(test)
     for client, runner in runners.items():

@@ -94,3 +94,12 @@ def test_summed_site_counts_give_the_pooled_i2b2_metrics(i2b2_corpus, tmp_path):
     assert from_counts["f1"] == pytest.approx(pooled["f1"], abs=1e-12)
     assert from_counts["inexact_f1"] == pytest.approx(pooled["inexact_f1"], abs=1e-12)
     assert 0 < pooled["f1"] < 1
+
+
+def test_a_finished_run_keeps_no_copy_that_repeats_the_global_model(i2b2_corpus, tmp_path):
+    run = tmp_path / "run"
+    first = _run(i2b2_corpus, run, "fedavg", rounds=1)
+    assert not list((run / "sites").glob("*/copy.*.safetensors"))  # each was the global model
+    # Resuming the finished run only evaluates it again, from whole-model downloads.
+    again = _run(i2b2_corpus, run, "fedavg", rounds=1, resume=True)
+    assert again["f1"] == pytest.approx(first["f1"])

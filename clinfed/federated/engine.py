@@ -240,6 +240,10 @@ class RoundEngine:
         self.holds = dict(committed.holds)
         self.pending_observed = dict(committed.strategy.get("_observed", {}))
         self.first_round = committed.round + 1
+        if self.first_round > self.rounds:
+            # A finished run: sites may have dropped their copies; the final
+            # evaluation sends the whole model.
+            self.holds = {}
         state.cut_metrics(self.out, committed.metrics_bytes)
 
     def _commit(self, round_number: int) -> None:

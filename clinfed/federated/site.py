@@ -177,6 +177,18 @@ class SiteRunner:
         for old in sorted(copies)[:-KEPT_COPIES]:
             copies[old].unlink(missing_ok=True)
 
+    def finish(self) -> None:
+        """After the run's last exchange: a copy that only repeats the global
+        model (a shared model, no tensors of the site's own) is dropped; a
+        site with a model or tensors of its own keeps its latest copy."""
+        copies = self._copies()
+        if not copies:
+            return
+        keep = set() if self.strategy.shares_model and not self.personal else {max(copies)}
+        for tag, path in copies.items():
+            if tag not in keep:
+                path.unlink(missing_ok=True)
+
     # ------------------------------------------------------------- the work
     def evaluate(self, write_predictions: bool = False) -> dict[str, Any] | None:
         """Counts (never examples) of each model the strategy evaluates."""
