@@ -175,7 +175,15 @@ def build(run: Path) -> dict[str, Any]:
         "by the DP guarantee, which covers training examples only",
     ]
     if private:
-        releases.append("the training loss is not released under DP (kept out of the metrics)")
+        releases.append(
+            "the number of training examples per site is released exactly (the weight of its "
+            "update, and implied by the ledger's sampling rate); the accounting is for adding "
+            "or removing one example, not for replacing one while the count stays known"
+        )
+        releases.append(
+            "not released under DP: the training loss, the number of tokens trained on and "
+            "the site's wall time (kept out of the records)"
+        )
     else:
         releases.append("per-site training loss (computed on private training data, no DP)")
     return {

@@ -16,9 +16,10 @@ import torch
 from clinfed.privacy.dpsgd import DPSettings
 from clinfed.privacy.policy import PrivacyPolicy
 
-# Computed on private examples and not covered by the accounting: never
-# released under DP.
-NOT_RELEASED = ("train_loss",)
+# Computed on private examples and not covered by the accounting, so never
+# released under DP: the training loss, the number of tokens trained on, and
+# the site's wall time (both track the sizes of the sampled batches).
+NOT_RELEASED = ("train_loss", "train_tokens", "wall_s")
 
 Update = Callable[[DPSettings | None], tuple[dict[str, torch.Tensor], dict[str, Any]]]
 

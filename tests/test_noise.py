@@ -80,6 +80,10 @@ def test_a_replay_with_the_public_seed_does_not_reproduce_the_release(i2b2_corpu
     assert not all(torch.equal(a[k], b[k]) for k in a)
     summary = json.loads((tmp_path / "a" / "summary.json").read_text())
     assert "not_private" not in summary
+    # What a private site released: nothing computed on its data but the
+    # accounted update (no loss, no token count, no timing).
+    sites = [r for r in read_jsonl(tmp_path / "a" / "metrics.jsonl") if "bytes_up" in r]
+    assert sites and not any({"train_loss", "train_tokens", "wall_s"} & set(r) for r in sites)
 
     # Only --reproducible-noise replays, and such a run says it is not private.
     _dp_run(i2b2_corpus, tmp_path / "c", reproducible_noise=True)

@@ -65,7 +65,8 @@ class _ProgressReporter:
             )
             p.console.print(
                 f"round {info['round']} {info['client']}: {detail}  "
-                f"up {info['bytes_up'] / 1e6:.1f} MB  {info['wall_s']:.0f} s"
+                f"up {info['bytes_up'] / 1e6:.1f} MB"
+                + (f"  {info['wall_s']:.0f} s" if "wall_s" in info else "")
             )
         elif event == "site_refused":
             p.console.print(
@@ -164,7 +165,10 @@ def sweep_cmd(
     ),
     seeds: int = typer.Option(1, "--seeds", help="Seeds per cell (0..N-1)."),
     config_file: Path = typer.Option(
-        None, "--config", help="Settings file (as for clinfed train).", exists=True,
+        None,
+        "--config",
+        help="Settings file (as for clinfed train).",
+        exists=True,
         dir_okay=False,
     ),
     **settings: Any,
@@ -241,8 +245,6 @@ def predict_cmd(
 
     count = predict_run(run, data, out_dir, on_error.value)
     out.print(f"wrote predictions for {count} records to {out_dir}")
-
-
 
 
 with_parameters(train, settings_parameters())
