@@ -2,13 +2,16 @@
 
 Every release a site makes is a :class:`Mechanism`: ``steps`` compositions
 of the Poisson-subsampled Gaussian mechanism with noise multiplier ``sigma``
-(noise standard deviation over L2 sensitivity) and sampling rate ``q``.
-DP-SGD is one mechanism per round (q = batch / n_site, steps = local steps);
-SAFL's private layer selection is another (q = 1, one step). Composition is
-by Rényi DP (Mironov 2017; Mironov, Talwar and Zhang 2019) through Opacus's
-RDP analysis, the accountant every budget check uses. A tighter
-privacy-loss-distribution (PLD) figure from Google's dp-accounting is
-available beside it, labelled, for reports only.
+(noise standard deviation over one example's L2 bound) and sampling rate
+``q``. DP-SGD is one mechanism per round (q = batch / n_site, steps = local
+steps); SAFL's private layer selection is another (q = 1, one step).
+
+Relation: a site releases its exact example count, so neighbouring datasets
+are one example *replaced* by another (see
+:mod:`clinfed.privacy.accountants`). Budgets, calibration and ledger lines
+use dp-accounting's privacy loss distribution under replace-one
+(:data:`BUDGET`); reports show Opacus's RDP under replace-one beside it
+(:data:`REFERENCE`, a looser bound from another analysis).
 """
 
 from __future__ import annotations
@@ -16,24 +19,39 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from clinfed.privacy.accountants import BUDGET, Accountant, Mechanism, check_delta
-from clinfed.privacy.accountants.pld import PLDAccountant
+from clinfed.privacy.accountants import (
+    BUDGET,
+    REFERENCE,
+    RELATION,
+    Accountant,
+    Mechanism,
+    check_delta,
+)
 
 ACCOUNTANT = BUDGET.description
+REFERENCE_ACCOUNTANT = REFERENCE.description
 
-__all__ = ["ACCOUNTANT", "Mechanism", "calibrate_noise", "epsilon", "pld_epsilon"]
+__all__ = [
+    "ACCOUNTANT",
+    "REFERENCE_ACCOUNTANT",
+    "RELATION",
+    "Mechanism",
+    "calibrate_noise",
+    "epsilon",
+    "reference_epsilon",
+]
 
 
 def epsilon(mechanisms: Sequence[Mechanism], delta: float) -> float:
     """Epsilon at ``delta`` of the composition of ``mechanisms`` by the
-    budget accountant (RDP)."""
+    budget accountant (PLD, replace-one)."""
     return BUDGET.epsilon(mechanisms, delta)
 
 
-def pld_epsilon(mechanisms: Sequence[Mechanism], delta: float) -> float:
-    """The same composition through a privacy loss distribution (tighter;
-    shown beside the RDP figure, never used for budget checks)."""
-    return PLDAccountant().epsilon(mechanisms, delta)
+def reference_epsilon(mechanisms: Sequence[Mechanism], delta: float) -> float:
+    """The same composition by the reference analysis (RDP, replace-one; a
+    looser bound shown beside the budget figure, never used for checks)."""
+    return REFERENCE.epsilon(mechanisms, delta)
 
 
 def calibrate_noise(
@@ -73,26 +91,53 @@ def calibrate_noise(
         raise ValueError(f"target epsilon must be positive, not {target_epsilon}")
     check_delta(delta)
 
-    def planned(sigma: float) -> float:
-        return accountant.epsilon(list(round_mechanisms(sigma)) * rounds, delta)
+    def planned(sigma: float, by: Accountant) -> float:
+        return by.epsilon(list(round_mechanisms(sigma)) * rounds, delta)
 
+    coarse = getattr(accountant, "coarse", None)
+    if coarse is not None:
+        # Search on the 10x coarser grid first: it is pessimistic, so the
+        # noise it finds meets the target on the fine grid too, and the
+        # fine search only narrows [0.8x, 1x] of it.
+        rough = coarse()
+        high = _bisect(
+            lambda s: planned(s, rough),
+            target_epsilon,
+            0.0,
+            _bracket(lambda s: planned(s, rough), target_epsilon, delta, rounds),
+            0.02,
+        )
+        low = high * 0.8 if planned(high * 0.8, accountant) > target_epsilon else 0.0
+    else:
+        low, high = 0.0, _bracket(lambda s: planned(s, accountant), target_epsilon, delta, rounds)
+    return _bisect(lambda s: planned(s, accountant), target_epsilon, low, high, tolerance)
+
+
+def _bracket(planned: Callable[[float], float], target: float, delta: float, rounds: int) -> float:
+    """A noise multiplier (a power of 2) whose planned epsilon meets ``target``."""
     high = 1.0
-    while planned(high) > target_epsilon:
+    while planned(high) > target:
         high *= 2
         if high > 1e4:
             raise ValueError(
-                f"epsilon {target_epsilon} at delta {delta} is out of reach for {rounds} rounds: "
+                f"epsilon {target} at delta {delta} is out of reach for {rounds} rounds: "
                 "costs that do not depend on the DP-SGD noise already exceed it"
             )
-    low = 0.0
+    return high
+
+
+def _bisect(
+    planned: Callable[[float], float], target: float, low: float, high: float, tolerance: float
+) -> float:
+    """Narrow [low, high] (``high`` meets the target) until it is within ``tolerance``."""
     for _ in range(100):
         mid = (low + high) / 2
         eps = planned(mid)
-        if eps > target_epsilon:
+        if eps > target:
             low = mid
         else:
             high = mid
-            if eps >= target_epsilon * (1 - tolerance):
+            if eps >= target * (1 - tolerance):
                 break
         if high - low < 1e-6 * high:
             break

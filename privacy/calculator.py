@@ -5,7 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from clinfed.errors import ClinfedError
-from clinfed.privacy.accountant import ACCOUNTANT, Mechanism, calibrate_noise, epsilon, pld_epsilon
+from clinfed.privacy.accountant import (
+    ACCOUNTANT,
+    REFERENCE_ACCOUNTANT,
+    RELATION,
+    Mechanism,
+    calibrate_noise,
+    epsilon,
+    reference_epsilon,
+)
 
 
 def _check(sample_rate: float, steps: int, delta: float) -> None:
@@ -18,16 +26,19 @@ def _check(sample_rate: float, steps: int, delta: float) -> None:
 
 
 def epsilon_for(sample_rate: float, noise: float, steps: int, delta: float) -> dict[str, Any]:
-    """Epsilon (RDP, and PLD beside it) of ``steps`` subsampled Gaussian steps."""
+    """Epsilon (the budget figure, and the reference RDP bound beside it) of
+    ``steps`` subsampled Gaussian steps."""
     _check(sample_rate, steps, delta)
     if not noise > 0:
         raise ClinfedError(f"--noise-multiplier must be positive, not {noise}")
     mechanism = [Mechanism("dp-sgd", noise, sample_rate, steps)]
     return {
         "epsilon": epsilon(mechanism, delta),
-        "epsilon_pld": pld_epsilon(mechanism, delta),
+        "epsilon_rdp": reference_epsilon(mechanism, delta),
         "delta": delta,
+        "relation": RELATION,
         "accountant": ACCOUNTANT,
+        "reference_accountant": REFERENCE_ACCOUNTANT,
     }
 
 
@@ -48,5 +59,6 @@ def noise_for(target: float, delta: float, sample_rate: float, steps: int) -> di
         "noise_multiplier": sigma,
         "epsilon": epsilon(one_step(sigma), delta),
         "delta": delta,
+        "relation": RELATION,
         "accountant": ACCOUNTANT,
     }

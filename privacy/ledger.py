@@ -185,6 +185,7 @@ class Ledger:
                 "sample_rate": mechanism.sample_rate,
                 "steps": mechanism.steps,
                 "accountant": self.accountant.description,
+                "relation": self.accountant.relation,
             }
             if self.not_private:
                 line["not_private"] = self.not_private

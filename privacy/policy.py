@@ -14,12 +14,17 @@ from pathlib import Path
 from typing import Any
 
 from clinfed.errors import ClinfedError
-from clinfed.privacy.accountant import ACCOUNTANT, Mechanism, calibrate_noise, epsilon
+from clinfed.privacy.accountant import ACCOUNTANT, RELATION, Mechanism, calibrate_noise, epsilon
 from clinfed.privacy.dpsgd import CLIPPINGS, DPSettings, round_mechanism
 from clinfed.privacy.ledger import Ledger
 from clinfed.privacy.randomness import NOT_PRIVATE
 
 UNIT = "one training example (an i2b2 sentence window; a MIMIC-III admission)"
+RELATION_REASON = (
+    "replace-one: each site's exact number of training examples is released (the "
+    "aggregation weight and the sampling rate on its ledger lines), so neighbouring "
+    "datasets have the same size and differ in one example"
+)
 PATIENT_CAVEAT = (
     "The guarantee protects single examples. A patient with several notes, sentences or "
     "admissions at a site contributes several examples; their protection is weaker, roughly "
@@ -183,6 +188,8 @@ class PrivacyPolicy:
             "unit": UNIT,
             "patient_caveat": PATIENT_CAVEAT,
             "accountant": ACCOUNTANT,
+            "relation": RELATION,
+            "relation_reason": RELATION_REASON,
             "delta": self.delta,
             "target_epsilon": self.budget,
             "max_grad_norm": self.max_grad_norm,

@@ -19,7 +19,12 @@ from typing import Any
 import matplotlib
 
 from clinfed.errors import ClinfedError
-from clinfed.privacy.accountant import ACCOUNTANT, Mechanism, pld_epsilon
+from clinfed.privacy.accountant import (
+    ACCOUNTANT,
+    REFERENCE_ACCOUNTANT,
+    Mechanism,
+    reference_epsilon,
+)
 from clinfed.privacy.policy import PATIENT_CAVEAT, UNIT
 from clinfed.runs import atomic_write_json, atomic_write_text, read_jsonl
 from clinfed.settings import read_run_config
@@ -119,7 +124,7 @@ def _site_rows(run_data: dict[str, Any]) -> list[dict[str, Any]]:
                 "steps_per_round": sgd[-1]["steps"] if sgd else None,
                 "rounds_accounted": len({x["round"] for x in lines}),
                 "epsilon": lines[-1]["epsilon"] if lines else 0.0,
-                "epsilon_pld": pld_epsilon(mechanisms, delta) if mechanisms else 0.0,
+                "epsilon_rdp": reference_epsilon(mechanisms, delta) if mechanisms else 0.0,
                 "delta": delta,
                 "mb_sent": sum(r["bytes_up"] for r in sent) / 1e6,
                 "refused_rounds": [
@@ -235,7 +240,10 @@ def _markdown(content: dict[str, Any], images: dict[str, str]) -> str:
             f"Budget: epsilon {_fmt(content['target_epsilon'], 'g')} at delta "
             f"{_fmt(content['delta'], 'g')}; per-example clipping norm "
             f"{_fmt(content['max_grad_norm'], 'g')}. Accountant: {content['accountant']} "
-            "(budget checks use it; the PLD column is a tighter estimate for information).",
+            "(budget checks use it). Neighbouring relation: replace-one (each site's example "
+            "count is released, so the guarantee is stated for datasets of the same size that "
+            "differ in one example). The RDP column is a looser bound by another analysis "
+            f"({REFERENCE_ACCOUNTANT}), for comparison.",
         ]
     else:
         lines += [
@@ -246,14 +254,14 @@ def _markdown(content: dict[str, Any], images: dict[str, str]) -> str:
     if content["sites"]:
         lines += [
             "| site | examples | noise multiplier | sample rate | steps / round | rounds "
-            "| epsilon (RDP) | epsilon (PLD) | MB sent | refused rounds |",
+            "| epsilon | epsilon (RDP bound) | MB sent | refused rounds |",
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in content["sites"]:
             lines.append(
                 f"| {row['site']} | {_fmt(row['examples'])} | {_fmt(row['noise_multiplier'])} "
                 f"| {_fmt(row['sample_rate'], '.4f')} | {_fmt(row['steps_per_round'])} "
-                f"| {row['rounds_accounted']} | {row['epsilon']:.3f} | {row['epsilon_pld']:.3f} "
+                f"| {row['rounds_accounted']} | {row['epsilon']:.3f} | {row['epsilon_rdp']:.3f} "
                 f"| {row['mb_sent']:.1f} | {', '.join(map(str, row['refused_rounds'])) or '-'} |"
             )
     else:

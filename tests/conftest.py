@@ -14,6 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent / "fixtures"  # see fixtures/SOURCES.md
 CANARY = "ZQXCANARY7731"
 
+
 class _OneNameOnly:
     """``tasks/`` and ``privacy/`` install as ``clinfed.tasks`` and
     ``clinfed.privacy``. The checkout's root is on ``sys.path`` in tests, so

@@ -71,8 +71,14 @@ def test_help_on_every_command():
     # Settings are grouped by concern, and the installed script runs.
     shown = run_installed("train", "--help")
     assert shown.returncode == 0, shown.stderr
-    for panel in ("Task and data", "Local training", "Federation", "Strategy options",
-                  "Privacy (DP-SGD)", "Machine"):
+    for panel in (
+        "Task and data",
+        "Local training",
+        "Federation",
+        "Strategy options",
+        "Privacy (DP-SGD)",
+        "Machine",
+    ):
         assert panel in shown.stdout, panel
     assert "--freeze-from" in shown.stdout and "--server-lr" in shown.stdout
 

@@ -13,6 +13,7 @@ import dp_accounting
 import numpy as np
 import pytest
 import torch
+from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
 from torch import nn
 
@@ -22,7 +23,10 @@ from clinfed.federated.plan import Plan
 from clinfed.federated.strategies.pfeddc import PFedDC
 from clinfed.models import add_prompts, build_model, load_tokenizer
 from clinfed.pipeline import RunConfig, run_training
-from clinfed.privacy.accountant import Mechanism, calibrate_noise, epsilon
+from clinfed.privacy.accountant import Mechanism, calibrate_noise, epsilon, reference_epsilon
+from clinfed.privacy.accountants import BUDGET
+from clinfed.privacy.accountants.pld import PLDAccountant as PLD
+from clinfed.privacy.accountants.rdp import RDPAccountant
 from clinfed.privacy.dpsgd import (
     MICROBATCH_OVERHEAD_TOKENS,
     DPSettings,
@@ -57,14 +61,26 @@ def train_tiny(data, out, *extra: str):
         (1.0, 5.0, 10, 1e-5),
     ],
 )
-def test_epsilon_agrees_with_dp_accounting_rdp(q, sigma, steps, delta):
-    ours = epsilon([Mechanism("dp-sgd", sigma, q, steps)], delta)
-    theirs = RdpAccountant()
-    theirs.compose(
-        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps
+def test_the_accountants_agree_with_dp_accounting(q, sigma, steps, delta):
+    mechanisms = [Mechanism("dp-sgd", sigma, q, steps)]
+    event = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma))
+    rdp = RdpAccountant()
+    rdp.compose(event, steps)
+    add_remove = RDPAccountant("add-remove").epsilon(mechanisms, delta)
+    assert add_remove == pytest.approx(rdp.get_epsilon(delta), rel=0.02)
+    # The budget: dp-accounting's PLD under replace-one, an example count
+    # being public. It costs more than add/remove would claim.
+    pld = PLDAccountant(
+        neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE,
+        value_discretization_interval=1e-3,
     )
-    reference = theirs.get_epsilon(delta)
-    assert ours == pytest.approx(reference, rel=0.02)
+    pld.compose(event, steps)
+    budget = epsilon(mechanisms, delta)
+    assert BUDGET.relation == "replace-one"
+    assert budget == pytest.approx(pld.get_epsilon(delta), rel=1e-6)
+    assert budget > PLD("add-remove").epsilon(mechanisms, delta)
+    # the reference (RDP through the weak triangle inequality) bounds it from above
+    assert reference_epsilon(mechanisms, delta) >= budget * 0.99
 
 
 def test_composition_and_calibration_end_just_under_the_target():
@@ -82,7 +98,7 @@ def test_composition_and_calibration_end_just_under_the_target():
 
 def test_ledger_is_append_only_reloads_and_enforces_its_budget(tmp_path):
     path = tmp_path / "site1.jsonl"
-    round_cost = [Mechanism("dp-sgd", 2.0, 0.1, 10)]
+    round_cost = [Mechanism("dp-sgd", 4.0, 0.1, 10)]
     ledger = Ledger(path, "site1", 1e-5, budget=1.0)
     spent = []
     round_number = 0
@@ -445,7 +461,7 @@ def test_dp_run_report_and_audit_never_contain_note_text(mimic_corpus, tmp_path)
     content = json.loads((run / "report" / "privacy.json").read_text())
     assert content["differential_privacy"] and len(content["sites"]) == 2
     for row in content["sites"]:
-        assert 0 < row["epsilon"] <= 4 and row["epsilon_pld"] <= row["epsilon"]
+        assert 0 < row["epsilon"] <= 4 and row["epsilon_rdp"] >= row["epsilon"]
     ledger = read_jsonl(run / "privacy" / "site1.jsonl")
     assert {line["mechanism"] for line in ledger} == {"dp-sgd", "safl-selection"}
     page = (run / "report" / "report.html").read_text()

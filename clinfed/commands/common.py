@@ -67,5 +67,3 @@ def _warn(problems: list) -> None:
         err.print(f"[yellow]warning:[/] {problem}", highlight=False, markup=True, soft_wrap=True)
     if len(problems) > MAX_PROBLEMS_SHOWN:
         err.print(f"[yellow]warning:[/] ... and {len(problems) - MAX_PROBLEMS_SHOWN} more")
-
-

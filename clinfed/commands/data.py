@@ -207,5 +207,3 @@ def baseline(
         _print_json(result)
     else:
         out.print(f"{kind.value} baseline on {task.value}: f1 {result['f1']:.4f}")
-
-

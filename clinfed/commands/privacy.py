@@ -13,7 +13,7 @@ from clinfed.commands.common import (
 )
 
 privacy_app = typer.Typer(
-    help="The privacy accountant as a calculator (RDP of the subsampled Gaussian).",
+    help="The privacy accountant as a calculator (the Poisson-subsampled Gaussian, replace-one).",
     no_args_is_help=True,
 )
 app.add_typer(privacy_app, name="privacy")
@@ -36,7 +36,7 @@ def privacy_epsilon(
     else:
         out.print(
             f"epsilon {result['epsilon']:.4f} at delta {delta:g} "
-            f"(PLD, tighter: {result['epsilon_pld']:.4f}); {result['accountant']}"
+            f"(looser RDP bound: {result['epsilon_rdp']:.4f}); {result['accountant']}"
         )
 
 
@@ -91,5 +91,3 @@ def audit_cmd(
         f"membership-inference AUC {result['auc']:.3f} ({result['members']} training vs "
         f"{result['non_members']} held-out examples; 0.5 = no better than chance)"
     )
-
-

@@ -163,9 +163,7 @@ def client_update(work: LocalWork, objective: Any = None) -> ClientResult:
             )
             for _ in range(settings.epochs)
         ]
-    upload = {
-        n: p.detach().clone() for n, p in model.named_parameters() if n in work.plan.uploaded
-    }
+    upload = {n: p.detach().clone() for n, p in model.named_parameters() if n in work.plan.uploaded}
     return ClientResult(
         upload, len(work.dataset), stats, time.perf_counter() - started, trainable, clipping
     )

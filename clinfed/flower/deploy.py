@@ -163,9 +163,7 @@ def write_connection(
     (flwr_home / "config.toml").write_text("\n".join(lines) + "\n")
 
 
-def flower_run_config(
-    settings: dict[str, Any], out: Path, resume: bool = False
-) -> RunConfig:
+def flower_run_config(settings: dict[str, Any], out: Path, resume: bool = False) -> RunConfig:
     """A resolved :class:`RunConfig` for a Flower run from settings named
     like ``clinfed train``'s (the same schema, ``clinfed.settings``);
     ``out`` is the run folder on the SuperLink's machine. Settings with no

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import ClassVar
+
+# Neighbouring datasets: one example added or removed, or one example
+# replaced by another (the dataset size stays the same, so releasing it
+# exactly costs nothing under this relation).
+RELATIONS = ("add-remove", "replace-one")
 
 
 @dataclass(frozen=True)
@@ -18,7 +24,8 @@ class Mechanism:
     name
         ``dp-sgd`` (local training) or ``safl-selection`` (noisy layer choice).
     noise_multiplier
-        Gaussian noise standard deviation divided by the L2 sensitivity.
+        Gaussian noise standard deviation divided by the L2 bound on one
+        example's contribution (the clipping norm).
     sample_rate
         Poisson sampling probability of each example (1.0: no subsampling).
     steps
@@ -47,15 +54,36 @@ def check_delta(delta: float) -> None:
         raise ValueError(f"delta must be in (0, 1), not {delta}")
 
 
+def grouped(mechanisms: Sequence[Mechanism]) -> tuple[tuple[float, float, int], ...]:
+    """The composition as (noise multiplier, sample rate, total steps), one
+    entry per distinct mechanism: composition is commutative, and composing
+    identical steps at once is much faster (PLD self-composition)."""
+    steps: Counter[tuple[float, float]] = Counter()
+    for m in mechanisms:
+        if m.steps > 0:
+            steps[(m.noise_multiplier, m.sample_rate)] += m.steps
+    return tuple(sorted((sigma, q, n) for (sigma, q), n in steps.items()))
+
+
 class Accountant(ABC):
-    """Epsilon of a composition of mechanisms at a given delta.
+    """Epsilon of a composition of mechanisms at a given delta, under one
+    neighbouring relation.
 
     ``name`` is the registry key; ``description`` goes on every ledger line
     and into reports, so a reader knows which analysis produced a figure.
     """
 
     name: ClassVar[str]
-    description: ClassVar[str]
+
+    def __init__(self, relation: str = "add-remove"):
+        if relation not in RELATIONS:
+            raise ValueError(f"relation must be one of {', '.join(RELATIONS)}, not {relation!r}")
+        self.relation = relation
+
+    @property
+    @abstractmethod
+    def description(self) -> str:
+        """The analysis and relation, in words."""
 
     @abstractmethod
     def epsilon(self, mechanisms: Sequence[Mechanism], delta: float) -> float:

@@ -252,9 +252,7 @@ class I2b2Task(Task):
         """
         predicted = self.predicted_concepts(records, examples, outputs)
         present = set(np.asarray(examples["doc"]).tolist()) if len(examples) else set()
-        gold = {
-            d.doc_id: d.concepts for i, d in enumerate(records) if d.annotated and i in present
-        }
+        gold = {d.doc_id: d.concepts for i, d in enumerate(records) if d.annotated and i in present}
         scores = score_concepts(gold, {k: v for k, v in predicted.items() if k in gold})
         counts = {}
         for mode in ("exact", "inexact"):

@@ -69,4 +69,3 @@ class Ditto(Strategy):
     ) -> dict[str, contextlib.AbstractContextManager]:
         own = swapped(model, personal) if personal else contextlib.nullcontext()
         return {"": own, "global": contextlib.nullcontext()}
-
