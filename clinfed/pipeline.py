@@ -25,6 +25,7 @@ import math
 import os
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -43,6 +44,7 @@ from clinfed.federated.partition import partition
 from clinfed.federated.site import SiteRunner
 from clinfed.federated.strategies import STRATEGIES, Strategy, StrategyContext
 from clinfed.models import build_model, load_tokenizer, save_model
+from clinfed.privacy.dpsgd import unit_rows
 from clinfed.privacy.policy import PrivacyPolicy
 from clinfed.privacy.site import SitePrivacy
 from clinfed.runs import (
@@ -184,7 +186,11 @@ def run_training(config: RunConfig, report: Reporter = _quiet) -> dict[str, Any]
         if config.dp:
             for client, idx in clients.items():
                 policies[client] = privacy_policy(
-                    config, {client: len(idx)}, _site_dir(config, client) / "privacy", strategy
+                    config,
+                    task,
+                    {client: train.select(idx)},
+                    _site_dir(config, client) / "privacy",
+                    strategy,
                 )
                 problems.problems.extend(policies[client].warnings)
         if not config.resume:
@@ -201,7 +207,10 @@ def _site_dir(config: RunConfig, client: str) -> Path:
 
 def _write_start(out: Path, config: RunConfig, task: Task, corpus: Corpus, runner: str) -> None:
     atomic_write_json(out / "config.json", config_record(config, runner))
-    atomic_write_json(out / "labels.json", {"labels": task.labels, "sites": corpus.sites})
+    atomic_write_json(
+        out / "labels.json",
+        {"labels": task.labels, "sites": corpus.sites, "source": task.label_source},
+    )
 
 
 def _loaded(report, train, test, corpus, clients, problems) -> None:
@@ -281,13 +290,16 @@ def make_strategy(config: RunConfig, task: Task, tokenizer: Any, cache_dir: str)
 
 
 def privacy_policy(
-    config: RunConfig, sizes: dict[str, int], folder: Path, strategy: Strategy
+    config: RunConfig, task: Task, train: dict[str, Any], folder: Path, strategy: Strategy
 ) -> PrivacyPolicy:
-    """Each site's DP-SGD settings and ledger (``sizes``: training examples
-    per site). A site calibrates from its own size only, so it gets the same
-    noise in every transport."""
+    """Each site's DP-SGD settings and ledger (``train``: each site's encoded
+    training examples). A site calibrates from its own number of privacy
+    units only, so it gets the same noise in every transport."""
     target = config.target_epsilon
-    return PrivacyPolicy.build(
+    unit = config.privacy_unit
+    sites_units = {site: unit_rows(task, data, unit) for site, data in train.items()}
+    sizes = {site: len(units) for site, units in sites_units.items()}
+    policy = PrivacyPolicy.build(
         folder,
         sizes,
         config.batch_size,
@@ -302,6 +314,21 @@ def privacy_policy(
         strategy.trainings_per_round,
         config.reproducible_noise,
     )
+    policy.unit, policy.unit_text = unit, task.units[unit]
+    if unit == "example":
+        # k: how many units one note or patient holds (group privacy).
+        for site, data in train.items():
+            keys = task.group_keys(data)
+            if keys is None:
+                continue
+            owner = [keys[int(rows[0])] for rows in sites_units[site]]
+            per_group = sorted(Counter(owner).values())
+            policy.groups[site] = {
+                "of": "patient" if "patient" in task.units else "document",
+                "k_max": per_group[-1],
+                "k_median": float(np.median(per_group)),
+            }
+    return policy
 
 
 def local_settings(config: RunConfig) -> LocalSettings:
@@ -409,6 +436,10 @@ def _federated(
     )
     if config.resume:
         engine.resume()
+        for client, runner in runners.items():
+            digest = engine.ledger_digests.get(client)
+            if runner.privacy is not None and digest:
+                runner.privacy.ledger.verify(digest, f"{prep.out / 'state.json'}")
     torch.manual_seed(config.seed)
     summary = engine.run(InProcessTransport(runners))
     for runner in runners.values():
@@ -459,7 +490,7 @@ def run_federation(
             out / "config.json",
             config_record(config, "flower") | {"deployment": asdict(deployment)},
         )
-        atomic_write_json(out / "labels.json", {"labels": task.labels})
+        atomic_write_json(out / "labels.json", {"labels": task.labels, "source": task.label_source})
     engine = RoundEngine(
         task,
         strategy,

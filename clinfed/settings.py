@@ -82,10 +82,16 @@ class DataSettings:
         "mimic3: which ICD-9 codes are labels.",
         choices=("diagnoses", "procedures", "both"),
     )
-    top_k: int = setting(50, "mimic3: keep the K most frequent codes (0: all).", minimum=0)
+    top_k: int = setting(
+        50,
+        "mimic3: keep the first K codes of the public MIMIC-III-50 list (0: all of it).",
+        minimum=0,
+    )
     max_chunks: int = setting(8, "mimic3: windows kept per admission.", minimum=1)
     labels: list[str] | None = setting(
-        None, "mimic3: the codes to predict (a file: one per line, or a run's labels.json)."
+        None,
+        "mimic3: the codes to predict instead of the public list (a file: one per line, or "
+        "a run's labels.json).",
     )
 
 
@@ -164,6 +170,13 @@ class PrivacySettings:
         "DP-SGD per-example clipping: hooks, ghost, or auto (ghost when embeddings train and "
         "examples are single rows, else hooks).",
         choices=("auto", "hooks", "ghost"),
+    )
+    privacy_unit: str = setting(
+        "example",
+        "What the DP guarantee protects: example (an i2b2 sentence, its windows folded; a "
+        "MIMIC-III admission), document (a whole note), or patient (every admission of a "
+        "MIMIC-III SUBJECT_ID). Units are sampled and clipped whole.",
+        choices=("example", "document", "patient"),
     )
     reproducible_noise: bool = setting(
         False,
@@ -306,6 +319,11 @@ class RunConfig(
             raise ClinfedError(
                 f"--strategy {self.strategy} evaluates each site's own model on its own data: "
                 "use --partition sites"
+            )
+        if self.privacy_unit not in task.units:
+            raise ClinfedError(
+                f"--privacy-unit {self.privacy_unit}: --task {self.task} offers "
+                f"{', '.join(task.units)}"
             )
         if self.dp:
             if not (self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)):

@@ -2,15 +2,17 @@
 example's gradient norm over every trainable parameter jointly.
 
 * ``hooks``: per-example gradients materialised by Opacus's layer hooks.
-  Works for every task; needed for MIMIC-III, where an admission is several
-  encoder rows (chunks) whose per-row gradients are summed into the
-  admission's before clipping.
+  Works for every task and unit; needed wherever a privacy unit spans
+  several encoder rows (a MIMIC-III admission's chunks, the windows of a
+  long i2b2 line, every sentence of a note at the document level, every
+  admission of a patient): the rows' gradients are summed into the unit's
+  before clipping.
 * ``ghost``: Opacus's ghost clipping computes per-example norms without
   materialising per-example gradients (two backward passes). Cheaper when
   the 30k x 384 word-embedding matrix trains; needs one encoder row per
-  example (i2b2).
+  unit.
 
-``auto`` picks ghost when embeddings train and examples are single rows.
+``auto`` picks ghost when embeddings train and every unit is one row.
 """
 
 from __future__ import annotations
@@ -47,15 +49,16 @@ def _labelwise_grad_sample(
     return grads
 
 
-def choose_clipping(model: nn.Module, task: Task, requested: str) -> str:
-    """``hooks`` or ``ghost`` for the parameters trainable now."""
+def choose_clipping(model: nn.Module, task: Task, requested: str, grouped: bool = False) -> str:
+    """``hooks`` or ``ghost`` for the parameters trainable now (``grouped``:
+    some privacy unit spans several rows)."""
     if requested not in CLIPPINGS:
         raise ClinfedError(f"--clipping must be one of {', '.join(CLIPPINGS)}")
-    one_row_per_example = task.head == "token"
+    one_row_per_example = task.head == "token" and not grouped
     if requested == "ghost" and not one_row_per_example:
         raise ClinfedError(
-            f"--clipping ghost needs one encoder row per example; {task.name} splits an example "
-            "into chunks: use hooks (or auto)"
+            f"--clipping ghost needs one encoder row per privacy unit; here a unit spans "
+            f"several rows ({task.name}): use hooks (or auto)"
         )
     if requested != "auto":
         return requested
@@ -67,13 +70,21 @@ def choose_clipping(model: nn.Module, task: Task, requested: str) -> str:
     return "ghost" if embeddings and one_row_per_example else "hooks"
 
 
-def _fold_rows(params: list[nn.Parameter], examples: int) -> None:
-    """Sum per-row gradients into per-example ones where an example spans
-    several encoder rows (MIMIC-III chunks, laid out example-major)."""
+def _fold_rows(params: list[nn.Parameter], owner: torch.Tensor) -> None:
+    """Sum per-row gradients into per-unit ones: first the encoder rows of
+    one example (MIMIC-III chunks, laid out example-major), then the
+    examples of one unit (``owner[i]``: the unit of example ``i``)."""
+    examples = len(owner)
+    units = int(owner.max()) + 1 if examples else 0
     for p in params:
         g = p.grad_sample
-        if g is not None and g.shape[0] != examples:
-            p.grad_sample = g.reshape(examples, g.shape[0] // examples, *g.shape[1:]).sum(1)
+        if g is None:
+            continue
+        if g.shape[0] != examples:
+            g = g.reshape(examples, g.shape[0] // examples, *g.shape[1:]).sum(1)
+        if units != examples:
+            g = torch.zeros((units, *g.shape[1:]), dtype=g.dtype).index_add_(0, owner, g)
+        p.grad_sample = g
 
 
 class HooksClipping:
@@ -86,10 +97,10 @@ class HooksClipping:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.hooks = GradSampleHooks(model, loss_reduction="sum", strict=False)
 
-    def backward(self, losses: torch.Tensor, optimizer, examples: int) -> None:
+    def backward(self, losses: torch.Tensor, optimizer, owner: torch.Tensor) -> None:
         del optimizer
         losses.sum().backward()
-        _fold_rows(self.params, examples)
+        _fold_rows(self.params, owner)
 
     def cleanup(self) -> None:
         self.hooks.cleanup()
@@ -106,8 +117,8 @@ class GhostClipping:
             model, loss_reduction="sum", strict=False, max_grad_norm=max_grad_norm
         )
 
-    def backward(self, losses: torch.Tensor, optimizer, examples: int) -> None:
-        del examples
+    def backward(self, losses: torch.Tensor, optimizer, owner: torch.Tensor) -> None:
+        del owner  # one row per unit (choose_clipping)
         DPTensorFastGradientClipping(self.hooks, optimizer, losses, "sum").backward()
 
     def cleanup(self) -> None:

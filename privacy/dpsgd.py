@@ -1,10 +1,13 @@
 """DP-SGD for one site's local training, composed from small parts like
 Opacus's ``make_private``:
 
-* :mod:`clinfed.privacy.sampler` - Poisson batches (each example joins with
-  probability ``q = batch_size / n``);
-* :mod:`clinfed.privacy.clipping` - per-example clipping over all trainable
-  parameters jointly (Opacus hooks, or ghost clipping);
+* :mod:`clinfed.privacy.sampler` - Poisson batches of privacy units (each
+  unit joins with probability ``q = batch_size / n_units``);
+* :mod:`clinfed.privacy.clipping` - per-unit clipping over all trainable
+  parameters jointly (Opacus hooks, or ghost clipping): the gradient of a
+  unit is the sum over all its rows (the windows of one i2b2 sentence; at
+  ``--privacy-unit document`` or ``patient``, every example of the note or
+  patient), clipped once;
 * :mod:`clinfed.privacy.noise` - Gaussian noise of standard deviation
   ``noise_multiplier * max_grad_norm`` on each step's sum (Opacus's DP
   optimizer; a noise-only step for an empty batch);
@@ -23,6 +26,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import datasets
 import numpy as np
@@ -64,12 +68,36 @@ class DPSettings:
         Per-example L2 clipping norm over all trainable parameters.
     clipping
         ``auto``, ``hooks`` or ``ghost`` (see the module docstring).
+    reproducible
+        Noise from the public seed: tests only, not private.
+    unit
+        The privacy unit (``example``, ``document``, ``patient``; see
+        :meth:`clinfed.tasks.base.Task.unit_keys`).
     """
 
     noise_multiplier: float
     max_grad_norm: float = 1.0
     clipping: str = "auto"
-    reproducible: bool = False  # noise from the public seed: tests only, not private
+    reproducible: bool = False
+    unit: str = "example"
+
+
+def unit_rows(task: Task, dataset: datasets.Dataset, unit: str) -> list[np.ndarray]:
+    """The rows of each privacy unit of ``dataset`` (in first-seen order)."""
+    index: dict[Any, int] = {}
+    rows: list[list[int]] = []
+    for row, key in enumerate(task.unit_keys(dataset, unit)):
+        if key not in index:
+            index[key] = len(rows)
+            rows.append([])
+        rows[index[key]].append(row)
+    return [np.asarray(r, dtype=np.int64) for r in rows]
+
+
+def count_units(task: Task, dataset: datasets.Dataset, unit: str) -> int:
+    """How many privacy units ``dataset`` holds (what a site's sampling rate
+    and accounting are over)."""
+    return len(unit_rows(task, dataset, unit))
 
 
 def round_mechanism(examples: int, batch_size: int, epochs: int, noise: float) -> Mechanism:
@@ -157,11 +185,12 @@ class PrivateStep:
     def zero_grad(self) -> None:
         self.dp_optimizer.zero_grad(set_to_none=True)
 
-    def backward(self, losses: torch.Tensor, examples: int, last: bool) -> bool:
-        """Clip this pass's per-example gradients into the step's sum
+    def backward(self, losses: torch.Tensor, owner: torch.Tensor, last: bool) -> bool:
+        """Clip this pass's per-unit gradients (``owner[i]``: the unit of
+        example ``i``, numbered from 0 in this pass) into the step's sum
         (Opacus's virtual steps: every pass but the last accumulates; the
         last adds the noise once). Returns whether the step is ready."""
-        self.clipper.backward(losses, self.dp_optimizer, examples)
+        self.clipper.backward(losses, self.dp_optimizer, owner)
         self.dp_optimizer.signal_skip_step(not last)
         ready = self.dp_optimizer.pre_step()
         if not ready and not last:
@@ -197,10 +226,11 @@ def make_private(
     dp: DPSettings,
     expected_batch: int,
     noise: torch.Generator,
+    grouped: bool = False,
 ) -> PrivateStep:
-    """Attach per-example clipping and noise (drawn from ``noise``) for the
-    parameters trainable now."""
-    mode = choose_clipping(model, task, dp.clipping)
+    """Attach per-unit clipping and noise (drawn from ``noise``) for the
+    parameters trainable now (``grouped``: some unit spans several rows)."""
+    mode = choose_clipping(model, task, dp.clipping, grouped)
     return PrivateStep(model, optimizer, mode, dp, expected_batch, noise)
 
 
@@ -237,9 +267,13 @@ def train_private(
     (stats per epoch, clipping mode used)
     """
     n = len(dataset)
-    sampler = PoissonSampler(n, batch_size, randomness.sampling)
-    lengths = np.asarray(dataset["n_tokens"])
-    private = make_private(model, optimizer, task, dp, batch_size, randomness.noise)
+    units = unit_rows(task, dataset, dp.unit)
+    sampler = PoissonSampler(len(units), batch_size, randomness.sampling)
+    row_lengths = np.asarray(dataset["n_tokens"])
+    # A pass pads to its longest row: a unit costs like its longest row.
+    lengths = np.asarray([row_lengths[rows].max() for rows in units])
+    grouped = any(len(rows) > 1 for rows in units)
+    private = make_private(model, optimizer, task, dp, batch_size, randomness.noise, grouped)
     model.train()
     stats = []
     # With frozen embeddings no module input requires a gradient, and torch
@@ -259,10 +293,14 @@ def train_private(
                 groups = microbatches(lengths[idx], microbatch_overhead)
                 batch_loss = 0.0
                 for number, group in enumerate(groups):
-                    part = idx[group]
+                    members = [units[u] for u in idx[group]]
+                    part = np.concatenate(members)
+                    owner = torch.repeat_interleave(
+                        torch.arange(len(members)), torch.tensor([len(m) for m in members])
+                    )
                     batch = task.collate(dataset[part.tolist()])
                     losses = task.example_losses(model(**task.model_inputs(batch)), batch)
-                    if private.backward(losses, len(part), last=number == len(groups) - 1):
+                    if private.backward(losses, owner, last=number == len(groups) - 1):
                         private.step(extra_grad)
                     batch_loss += float(losses.detach().sum())
                     tokens += int(batch["attention_mask"].sum())

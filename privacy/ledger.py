@@ -1,18 +1,26 @@
 """A site's privacy ledger: append-only JSON lines, written before release.
 
-One line per accounted mechanism per round, with the site's cumulative
-epsilon after it::
+Two kinds of line. A *charge*, one per accounted mechanism per round,
+with the site's cumulative epsilon after it::
 
-    {"client": "site1", "round": 3, "mechanism": "dp-sgd", "epsilon": 0.62,
-     "delta": 1e-05, "noise_multiplier": 1.1, "sample_rate": 0.05, "steps": 20,
-     "accountant": "RDP ..."}
+    {"client": "site1", "run": "...", "round": 3, "state": "charged",
+     "mechanism": "dp-sgd", "epsilon": 0.62, "run_epsilon": 0.62,
+     "delta": 1e-05, "noise_multiplier": 1.1, "sample_rate": 0.05,
+     "steps": 20, "accountant": "PLD, replace-one ...", "relation": "replace-one"}
 
-The line is fsynced before the site trains, so a crash can only leave a
-line for a round whose update never left the site (over-counting), never
-an update without a line. Resume reads every line back: a round that is
-re-run after a crash is counted again, which is the safe direction.
+and a *release*, written (and fsynced) just before anything computed in
+that round leaves the site::
 
-Surviving crashes and neighbours:
+    {"client": "site1", "run": "...", "round": 3, "released": true}
+
+Write-ahead: a charge is fsynced before the site trains, a release before
+it replies. A crash between the two left nothing outside the site, so when
+the same run re-runs that round with the same mechanisms the charge is
+*reused*, never dropped and never doubled; any other crash can only
+over-count. ``epsilon`` is the whole ledger's spend (every run this site's
+data took part in), ``run_epsilon`` this run's.
+
+Surviving crashes, neighbours and tampering:
 
 * a torn last line (a crash mid-append) is cut back to the last complete
   line, with a warning; a complete line is never dropped, and a complete
@@ -21,13 +29,20 @@ Surviving crashes and neighbours:
   itself survives a crash;
 * :meth:`Ledger.charge` holds an exclusive lock (``fcntl``) on
   ``<ledger>.lock`` while it re-reads the file, checks the budget and
-  appends, so two processes can never both charge within one budget.
+  appends, so two processes can never both charge within one budget;
+* after every append the ledger's length and SHA-256 go to
+  ``<ledger>.seal``; a ledger shorter than its seal, with another prefix,
+  or deleted while its seal remains is refused, never trusted. The run's
+  commit keeps the same digest (:meth:`Ledger.digest`,
+  :meth:`Ledger.verify`), so a resume notices a ledger deleted together
+  with its seal.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -36,7 +51,7 @@ from pathlib import Path
 
 from clinfed.errors import ClinfedError
 from clinfed.privacy.accountants import BUDGET, Accountant, Mechanism
-from clinfed.runs import append_jsonl
+from clinfed.runs import append_jsonl, atomic_write_json
 
 log = logging.getLogger("clinfed.privacy")
 
@@ -44,24 +59,48 @@ log = logging.getLogger("clinfed.privacy")
 SLACK = 1e-9
 
 
+def _prefix_sha256(path: Path, size: int) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        left = size
+        while left > 0:
+            chunk = fh.read(min(left, 1 << 20))
+            if not chunk:
+                break
+            digest.update(chunk)
+            left -= len(chunk)
+    return digest.hexdigest()
+
+
+def _mechanism(line: dict) -> Mechanism:
+    return Mechanism(
+        line["mechanism"], line["noise_multiplier"], line["sample_rate"], line["steps"]
+    )
+
+
 class Ledger:
-    """The accounted history of one site.
+    """The accounted history of one site (one dataset).
 
     Parameters
     ----------
     path
-        The ledger file (created on the first record).
+        The ledger file (created on the first charge).
     client
         The site's name, written on every line.
     delta
         The delta every epsilon is reported at.
     budget
-        Epsilon the site may not exceed (``None``: unlimited, still recorded).
+        Epsilon the whole ledger may not exceed (``None``: unlimited, still
+        recorded).
+    accountant
+        The accountant budgets are checked with.
     not_private
         Why the figures do not protect anyone (reproducible noise), written
         on every line; ``None`` for a private run.
-    accountant
-        The accountant budgets are checked with (RDP).
+    run
+        The run charging now (``None``: a ledger that serves one run).
+    run_budget
+        Epsilon this run may not exceed on top of ``budget``.
     """
 
     def __init__(
@@ -72,17 +111,27 @@ class Ledger:
         budget: float | None = None,
         accountant: Accountant = BUDGET,
         not_private: str | None = None,
+        run: str | None = None,
+        run_budget: float | None = None,
     ):
         self.path, self.client, self.delta, self.budget = Path(path), client, delta, budget
         self.accountant, self.not_private = accountant, not_private
+        self.run, self.run_budget = run, run_budget
+        self.seal_path = self.path.with_name(self.path.name + ".seal")
         self.repaired_bytes = 0  # what a torn last line cost, if one was cut back
         self._load()
 
     # ---------------------------------------------------------------- file
     def _load(self) -> None:
-        """Read every complete line; cut a torn last line back."""
-        self.lines = []
+        """Read every complete line; cut a torn last line back; check the seal."""
+        self.lines: list[dict] = []  # charges
+        self.released: set[tuple[str | None, int]] = set()
         if not self.path.exists():
+            if self.seal_path.exists():
+                raise ClinfedError(
+                    f"{self.path}: the ledger is missing but its seal "
+                    f"({self.seal_path.name}) remains: it was deleted; it cannot be trusted"
+                )
             self.history = []
             return
         data = self.path.read_bytes()
@@ -100,21 +149,61 @@ class Ledger:
                 len(data) - keep,
             )
             data = data[:keep]
+        if self.seal_path.exists():
+            try:
+                seal = json.loads(self.seal_path.read_text())
+                self._check(data, int(seal["bytes"]), str(seal["sha256"]), self.seal_path.name)
+            except (ValueError, KeyError, TypeError):
+                raise ClinfedError(
+                    f"{self.seal_path}: not a ledger seal; the ledger cannot be trusted"
+                ) from None
         for number, raw in enumerate(data.decode("utf-8").splitlines(), start=1):
             try:
                 line = json.loads(raw)
-                Mechanism(
-                    line["mechanism"], line["noise_multiplier"], line["sample_rate"], line["steps"]
-                )
-            except (ValueError, KeyError, TypeError):
+                if line.get("released") is True:
+                    self.released.add((line.get("run"), int(line["round"])))
+                    continue
+                _mechanism(line)
+            except (ValueError, KeyError, TypeError, AttributeError):
                 raise ClinfedError(
                     f"{self.path}:{number}: not a ledger line; the ledger cannot be trusted"
                 ) from None
             self.lines.append(line)
-        self.history = [
-            Mechanism(r["mechanism"], r["noise_multiplier"], r["sample_rate"], r["steps"])
-            for r in self.lines
-        ]
+        self.history = [_mechanism(line) for line in self.lines]
+
+    def _check(self, data: bytes, size: int, sha256: str, source: str) -> None:
+        if len(data) < size:
+            raise ClinfedError(
+                f"{self.path}: {len(data)} bytes, but {source} records {size}: the ledger was "
+                "shortened; it cannot be trusted"
+            )
+        if hashlib.sha256(data[:size]).hexdigest() != sha256:
+            raise ClinfedError(
+                f"{self.path}: its first {size} bytes differ from what {source} records: the "
+                "ledger was altered; it cannot be trusted"
+            )
+
+    def digest(self) -> dict[str, int | str]:
+        """The ledger's length and SHA-256 now (what a commit records)."""
+        size = self.path.stat().st_size if self.path.exists() else 0
+        return {"bytes": size, "sha256": _prefix_sha256(self.path, size) if size else ""}
+
+    def verify(self, digest: dict[str, int | str], source: str) -> None:
+        """Refuse a ledger that lost what ``digest`` (from ``source``) recorded."""
+        size = int(digest.get("bytes", 0))
+        if size == 0:
+            return
+        if not self.path.exists():
+            raise ClinfedError(
+                f"{self.path}: the ledger is missing but {source} records {size} bytes of it: "
+                "it was deleted; it cannot be trusted"
+            )
+        with open(self.path, "rb") as fh:
+            data = fh.read(size)
+        self._check(data, size, str(digest["sha256"]), source)
+
+    def _seal(self) -> None:
+        atomic_write_json(self.seal_path, self.digest())
 
     def _create(self) -> None:
         """Create the file and fsync its folder, so the file survives a crash."""
@@ -144,42 +233,102 @@ class Ledger:
         finally:
             os.close(fd)  # releases the lock
 
+    # ------------------------------------------------------------- charges
+    def unreleased(self, round_number: int) -> list[dict]:
+        """This run's charges of ``round_number`` that were never released."""
+        if (self.run, round_number) in self.released:
+            return []
+        return [
+            line
+            for line in self.lines
+            if line.get("run") == self.run
+            and line["round"] == round_number
+            and line.get("state") == "charged"
+        ]
+
     def charge(self, round_number: int, mechanisms: Sequence[Mechanism]) -> float | None:
-        """Check the budget and record ``mechanisms`` as one step under the
-        ledger's lock (re-reading the file first); the new epsilon, or
-        ``None`` when the budget does not afford them."""
+        """Check the budget and record ``mechanisms`` as one round under the
+        ledger's lock (re-reading the file first); the epsilon after it, or
+        ``None`` when the budget does not afford them.
+
+        A charge of the same run and round with the same mechanisms that was
+        never released (a crash before the reply left) is reused.
+        """
         with self._locked():
             self._load()
+            pending = self.unreleased(round_number)
+            if pending and [_mechanism(line) for line in pending] == list(mechanisms):
+                log.info(
+                    "%s: round %d was charged and never released (interrupted); the charge is "
+                    "reused",
+                    self.path,
+                    round_number,
+                )
+                return pending[-1]["epsilon"]
             if not self.affords(mechanisms):
                 return None
             return self.record(round_number, mechanisms)
 
+    def release(self, round_number: int) -> None:
+        """Record (fsynced) that this run's round ``round_number`` leaves the
+        site now; a re-run of it is charged again."""
+        with self._locked():
+            self._load()
+            if not self.unreleased(round_number):
+                return
+            line = {
+                "client": self.client,
+                "run": self.run,
+                "round": round_number,
+                "released": True,
+            }
+            append_jsonl(self.path, line)
+            self._seal()
+            self.released.add((self.run, round_number))
+
+    def _run_history(self) -> list[Mechanism]:
+        return [_mechanism(line) for line in self.lines if line.get("run") == self.run]
+
     @property
     def spent(self) -> float:
-        """Epsilon spent so far."""
+        """Epsilon the ledger has spent (every run)."""
         return self.accountant.epsilon(self.history, self.delta)
 
+    @property
+    def run_spent(self) -> float:
+        """Epsilon this run has spent."""
+        return self.accountant.epsilon(self._run_history(), self.delta)
+
     def after(self, mechanisms: Sequence[Mechanism]) -> float:
-        """Epsilon the site would have spent after ``mechanisms`` too."""
+        """Epsilon the ledger would have spent after ``mechanisms`` too."""
         return self.accountant.epsilon([*self.history, *mechanisms], self.delta)
 
     def affords(self, mechanisms: Sequence[Mechanism]) -> bool:
-        return self.budget is None or self.after(mechanisms) <= self.budget * (1 + SLACK)
+        within = self.budget is None or self.after(mechanisms) <= self.budget * (1 + SLACK)
+        if within and self.run_budget is not None:
+            run_after = self.accountant.epsilon([*self._run_history(), *mechanisms], self.delta)
+            within = run_after <= self.run_budget * (1 + SLACK)
+        return within
 
     def record(self, round_number: int, mechanisms: Sequence[Mechanism]) -> float:
-        """Append (and fsync) one line per mechanism; return the new epsilon.
+        """Append (and fsync) one charge per mechanism; return the new epsilon.
         Use :meth:`charge` to check and record under the lock."""
         if not self.path.exists():
             self._create()
         eps = 0.0
+        run_history = self._run_history()
         for mechanism in mechanisms:
             self.history.append(mechanism)
+            run_history.append(mechanism)
             eps = self.accountant.epsilon(self.history, self.delta)
             line = {
                 "client": self.client,
+                "run": self.run,
                 "round": round_number,
+                "state": "charged",
                 "mechanism": mechanism.name,
                 "epsilon": eps,
+                "run_epsilon": self.accountant.epsilon(run_history, self.delta),
                 "delta": self.delta,
                 "noise_multiplier": mechanism.noise_multiplier,
                 "sample_rate": mechanism.sample_rate,
@@ -191,7 +340,12 @@ class Ledger:
                 line["not_private"] = self.not_private
             append_jsonl(self.path, line)
             self.lines.append(line)
+        self._seal()
         return eps
+
+    def run_lines(self) -> list[dict]:
+        """This run's charges (what a site reports for a run)."""
+        return [line for line in self.lines if line.get("run") == self.run]
 
     def rounds(self) -> list[int]:
         return sorted({r["round"] for r in self.lines})

@@ -9,6 +9,7 @@ noise everywhere and, if a target is also known, only enforces it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,17 +20,26 @@ from clinfed.privacy.dpsgd import CLIPPINGS, DPSettings, round_mechanism
 from clinfed.privacy.ledger import Ledger
 from clinfed.privacy.randomness import NOT_PRIVATE
 
-UNIT = "one training example (an i2b2 sentence window; a MIMIC-III admission)"
+UNIT = "one training example (an i2b2 sentence, its windows folded; a MIMIC-III admission)"
 RELATION_REASON = (
     "replace-one: each site's exact number of training examples is released (the "
     "aggregation weight and the sampling rate on its ledger lines), so neighbouring "
     "datasets have the same size and differ in one example"
 )
 PATIENT_CAVEAT = (
-    "The guarantee protects single examples. A patient with several notes, sentences or "
-    "admissions at a site contributes several examples; their protection is weaker, roughly "
-    "k times epsilon for k examples (group privacy)."
+    "The guarantee protects one unit. A note or patient with k units at a site is protected "
+    "by group privacy only: (k epsilon, k e^((k-1) epsilon) delta), so delta grows fast with "
+    "k. The per-site k and that bound are listed below; --privacy-unit document or patient "
+    "protects a whole note or patient instead."
 )
+
+
+def group_bound(epsilon: float, delta: float, k: int) -> tuple[float, float]:
+    """(epsilon, delta) of a group of ``k`` units under (epsilon, delta)-DP
+    (group privacy: k epsilon, k e^((k-1) epsilon) delta, delta capped at 1)."""
+    exponent = (k - 1) * epsilon
+    grown = 1.0 if exponent > 700 else min(1.0, k * math.exp(exponent) * delta)
+    return k * epsilon, grown
 
 
 def check_settings(
@@ -84,6 +94,16 @@ class PrivacyPolicy:
     warnings: list[str] = field(default_factory=list)
     trainings: int = 1  # DP-SGD trainings per round (Ditto trains twice)
     reproducible: bool = False  # noise from the public seed: NOT private
+    # A node's ledger outlives runs: its file, the run charging it, and the
+    # site's own cap on the whole ledger (``budget`` then caps this run).
+    ledger_paths: dict[str, Path] = field(default_factory=dict)
+    run: str | None = None
+    ledger_budget: float | None = None
+    # The privacy unit: its name, what it is in words, and per site how
+    # many examples a document or patient holds (k, for group privacy).
+    unit: str = "example"
+    unit_text: str = UNIT
+    groups: dict[str, dict[str, Any]] = field(default_factory=dict)
     _ledgers: dict[str, Ledger] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -156,7 +176,9 @@ class PrivacyPolicy:
         return policy
 
     def settings(self, site: str) -> DPSettings:
-        return DPSettings(self.noise[site], self.max_grad_norm, self.clipping, self.reproducible)
+        return DPSettings(
+            self.noise[site], self.max_grad_norm, self.clipping, self.reproducible, self.unit
+        )
 
     def round_mechanisms(self, site: str) -> list[Mechanism]:
         """What one round costs ``site``: its DP-SGD and any private selection."""
@@ -166,13 +188,16 @@ class PrivacyPolicy:
 
     def ledger(self, site: str) -> Ledger:
         if site not in self._ledgers:
-            self.folder.mkdir(parents=True, exist_ok=True)
+            path = self.ledger_paths.get(site, self.folder / f"{site}.jsonl")
+            one_run = site not in self.ledger_paths
             self._ledgers[site] = Ledger(
-                self.folder / f"{site}.jsonl",
+                path,
                 site,
                 self.delta,
-                self.budget,
+                self.budget if one_run else self.ledger_budget,
                 not_private=NOT_PRIVATE if self.reproducible else None,
+                run=self.run,
+                run_budget=None if one_run else self.budget,
             )
         return self._ledgers[site]
 
@@ -185,8 +210,9 @@ class PrivacyPolicy:
     def describe_common(self) -> dict[str, Any]:
         """What every site's policy of a run shares."""
         return {
-            "unit": UNIT,
-            "patient_caveat": PATIENT_CAVEAT,
+            "unit": self.unit_text,
+            "privacy_unit": self.unit,
+            "patient_caveat": PATIENT_CAVEAT if self.unit == "example" else None,
             "accountant": ACCOUNTANT,
             "relation": RELATION,
             "relation_reason": RELATION_REASON,
@@ -206,10 +232,18 @@ class PrivacyPolicy:
     def describe_site(self, site: str) -> dict[str, Any]:
         sgd = round_mechanism(self.sizes[site], self.batch_size, self.epochs, self.noise[site])
         planned = epsilon(self.round_mechanisms(site) * self.rounds, self.delta)
-        return {
+        described = {
             "examples": self.sizes[site],
             "noise_multiplier": sgd.noise_multiplier,
             "sample_rate": sgd.sample_rate,
             "steps_per_round": sgd.steps,
             "planned_epsilon": planned,
         }
+        group = self.groups.get(site)
+        if group:
+            eps_k, delta_k = group_bound(planned, self.delta, group["k_max"])
+            described["group"] = group | {
+                "planned_epsilon_for_k_max": eps_k,
+                "delta_for_k_max": delta_k,
+            }
+        return described

@@ -41,7 +41,9 @@ def _load(run: Path) -> dict[str, Any]:
     policy_path = run / "privacy" / "policy.json"
     ledgers = {path.stem: read_jsonl(path) for path in sorted((run / "privacy").glob("*.jsonl"))}
     summary_path, audit_path = run / "summary.json", run / "audit.json"
+    labels_path = run / "labels.json"
     return {
+        "labels": json.loads(labels_path.read_text()) if labels_path.is_file() else {},
         "config": read_run_config(run),
         "records": records,
         "policy": json.loads(policy_path.read_text()) if policy_path.is_file() else None,
@@ -125,6 +127,7 @@ def _site_rows(run_data: dict[str, Any]) -> list[dict[str, Any]]:
                 "rounds_accounted": len({x["round"] for x in lines}),
                 "epsilon": lines[-1]["epsilon"] if lines else 0.0,
                 "epsilon_rdp": reference_epsilon(mechanisms, delta) if mechanisms else 0.0,
+                "group": policy.get("sites", {}).get(site, {}).get("group"),
                 "delta": delta,
                 "mb_sent": sum(r["bytes_up"] for r in sent) / 1e6,
                 "refused_rounds": [
@@ -173,17 +176,22 @@ def build(run: Path) -> dict[str, Any]:
         ),
         None,
     )
+    label_source = run_data["labels"].get("source", "fixed by the task")
     releases = [
         "the model updates listed per round (parameters of the planned layers only)",
         "each site's number of training examples (the weight of its update in the average)",
-        "held-out F1 per round, computed on test examples; those examples are not protected "
-        "by the DP guarantee, which covers training examples only",
+        "evaluation counts, once per round per site (metered at the site: each round's global "
+        "model once, never an older round, never other weights for the same round): summed "
+        "true/false positive counts on the site's held-out examples. Those examples are not "
+        "training examples and are not covered by the DP guarantee; the counts are not "
+        "accounted",
+        f"the label set: {label_source}",
     ]
     if private:
         releases.append(
             "the number of training examples per site is released exactly (the weight of its "
-            "update, and implied by the ledger's sampling rate); the accounting is for adding "
-            "or removing one example, not for replacing one while the count stays known"
+            "update, and implied by the ledger's sampling rate); the accounting is therefore "
+            "under the replace-one relation, where the count is public"
         )
         releases.append(
             "not released under DP: the training loss, the number of tokens trained on and "
@@ -197,8 +205,8 @@ def build(run: Path) -> dict[str, Any]:
         "task": config.get("task"),
         "differential_privacy": private,
         "not_private": not_private,
-        "unit": UNIT,
-        "patient_caveat": PATIENT_CAVEAT,
+        "unit": (policy or {}).get("unit", UNIT),
+        "patient_caveat": (policy or {}).get("patient_caveat", PATIENT_CAVEAT),
         "accountant": ACCOUNTANT if private else None,
         "target_epsilon": (policy or {}).get("target_epsilon"),
         "delta": (policy or {}).get("delta"),
@@ -235,14 +243,31 @@ def _markdown(content: dict[str, Any], images: dict[str, str]) -> str:
         lines += [
             f"Every site trained with DP-SGD. Privacy unit: {content['unit']}.",
             "",
-            f"**Caveat.** {content['patient_caveat']}",
-            "",
+        ]
+        if content["patient_caveat"]:
+            lines += [f"**Caveat.** {content['patient_caveat']}", ""]
+            groups = [row for row in content["sites"] if row.get("group")]
+            if groups:
+                lines += [
+                    "| site | units per | k max | k median | planned epsilon for k max "
+                    "| delta for k max |",
+                    "|---|---|---|---|---|---|",
+                ]
+                for row in groups:
+                    group = row["group"]
+                    lines.append(
+                        f"| {row['site']} | {group['of']} | {group['k_max']} "
+                        f"| {group['k_median']:g} | {group['planned_epsilon_for_k_max']:.3g} "
+                        f"| {group['delta_for_k_max']:.3g} |"
+                    )
+                lines.append("")
+        lines += [
             f"Budget: epsilon {_fmt(content['target_epsilon'], 'g')} at delta "
-            f"{_fmt(content['delta'], 'g')}; per-example clipping norm "
+            f"{_fmt(content['delta'], 'g')}; per-unit clipping norm "
             f"{_fmt(content['max_grad_norm'], 'g')}. Accountant: {content['accountant']} "
-            "(budget checks use it). Neighbouring relation: replace-one (each site's example "
+            "(budget checks use it). Neighbouring relation: replace-one (each site's unit "
             "count is released, so the guarantee is stated for datasets of the same size that "
-            "differ in one example). The RDP column is a looser bound by another analysis "
+            "differ in one unit). The RDP column is a looser bound by another analysis "
             f"({REFERENCE_ACCOUNTANT}), for comparison.",
         ]
     else:
@@ -253,7 +278,7 @@ def _markdown(content: dict[str, Any], images: dict[str, str]) -> str:
     lines += ["", "## Per site", "", content["ledger_source"], ""]
     if content["sites"]:
         lines += [
-            "| site | examples | noise multiplier | sample rate | steps / round | rounds "
+            "| site | units | noise multiplier | sample rate | steps / round | rounds "
             "| epsilon | epsilon (RDP bound) | MB sent | refused rounds |",
             "|---|---|---|---|---|---|---|---|---|---|",
         ]

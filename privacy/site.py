@@ -1,9 +1,11 @@
 """The privacy layer around one site's update (every transport uses it).
 
 A private site runs, in this order: budget check against its own policy ->
-write-ahead ledger line (fsynced before anything is computed for release)
--> the DP-SGD update -> the release filter of its record. A site over
-budget releases nothing but a refusal.
+write-ahead charge on its ledger (fsynced before anything is computed for
+release) -> the DP-SGD update -> the release filter of its record ->
+:meth:`SitePrivacy.release` (fsynced before the reply leaves; in-process,
+before the round's results are written anywhere). A site over budget
+releases nothing but a refusal.
 """
 
 from __future__ import annotations
@@ -46,22 +48,38 @@ class SitePrivacy:
         mechanisms = self.policy.round_mechanisms(self.site)
         # Write-ahead: checked and charged (under the ledger's lock) before
         # anything is computed for release.
-        spent = ledger.charge(round_number, mechanisms)
-        if spent is None:
+        if ledger.charge(round_number, mechanisms) is None:
             return {}, {
                 "round": round_number,
                 "client": self.site,
                 "refused": "privacy budget",
-                "epsilon": ledger.spent,
+                "epsilon": ledger.run_spent,
                 "epsilon_if_trained": ledger.after(mechanisms),
             }
         upload, record = update(self.policy.settings(self.site))
-        return upload, release_filter(record) | {"epsilon": spent}
+        return upload, release_filter(record) | {"epsilon": ledger.run_spent}
+
+    def release(self, round_number: int) -> None:
+        """Mark this round's charge released: call it just before anything
+        computed in the round leaves the site."""
+        self.ledger.release(round_number)
 
     def report(self) -> dict[str, Any]:
-        """What the site tells the server about its spend (its ledger lines)."""
+        """What the site tells the server about its spend: this run's
+        charges (``epsilon`` this run's, ``ledger_epsilon`` the site's
+        total over every run), and its ledger's digest."""
+        ledger = self.ledger
+        lines = [
+            {k: v for k, v in line.items() if k != "run_epsilon"}
+            | {
+                "epsilon": line.get("run_epsilon", line["epsilon"]),
+                "ledger_epsilon": line["epsilon"],
+            }
+            for line in ledger.run_lines()
+        ]
         return {
-            "lines": self.ledger.lines,
+            "lines": lines,
+            "digest": ledger.digest(),
             "site": self.policy.describe_site(self.site),
             "budget": self.policy.budget,
             "policy": self.policy.describe_common(),

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import datasets
 import torch
 
-from clinfed.errors import ProblemLog
+from clinfed.errors import ClinfedError, ProblemLog
 
 
 def rows_to_dataset(
@@ -63,6 +63,8 @@ class Task(ABC):
     # where no server sees the data.
     accepts_fixed_labels: ClassVar[bool] = False
     labels_from_data: ClassVar[bool] = False
+    # Where the label set comes from, in words (the report states it).
+    label_source: str = "fixed by the task"
 
     @abstractmethod
     def load(self, data: Path, problems: ProblemLog) -> Corpus:
@@ -143,6 +145,23 @@ class Task(ABC):
         """Encoded examples of a small public corpus of this task (the
         project's own synthetic generator, fixed seed): SAFL's free layer
         choice profiles on these, so no private example shapes it."""
+
+    # ---------------------------------------------------- privacy units
+    # What one DP unit is at each level, in words (the report states it).
+    units: ClassVar[dict[str, str]] = {"example": "one training example"}
+
+    def unit_keys(self, examples: datasets.Dataset, unit: str) -> list[Any]:
+        """The privacy unit each encoded row belongs to: DP-SGD samples
+        units and clips the summed gradient of all a unit's rows jointly.
+        ``unit`` is one of :attr:`units`."""
+        if unit not in self.units:
+            raise ClinfedError(f"--privacy-unit {unit}: {self.name} offers {', '.join(self.units)}")
+        return list(range(len(examples)))
+
+    def group_keys(self, examples: datasets.Dataset) -> list[Any] | None:
+        """The document or patient of each row, for the group-privacy caveat
+        of the example level (``None``: the task has no such grouping)."""
+        return None
 
     def meta(self) -> dict[str, Any]:
         """What a saved model needs to be used again (labels, options)."""

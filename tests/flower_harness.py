@@ -67,6 +67,7 @@ class LocalFederation:
         threads: int = 1,
         key: Path | None = None,
         allow_no_dp: bool = False,
+        max_epsilon: float | None = None,
     ) -> None:
         state = self.root / "state" / site
         command = deploy.supernode_command(
@@ -80,6 +81,7 @@ class LocalFederation:
             port=free_port(),
             threads=threads,
             allow_no_dp=allow_no_dp,
+            max_epsilon=max_epsilon,
         )
         env = deploy.environment(self.root / "node-homes" / site)
         self.nodes[site] = self._start(command, self.root / f"node-{site}.log", env)

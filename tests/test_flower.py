@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import threading
 import time
@@ -18,7 +19,7 @@ from safetensors.torch import load_file
 
 from clinfed.commands import main
 from clinfed.errors import ClinfedError, ProblemLog
-from clinfed.federated.engine import check_upload
+from clinfed.federated.engine import Message, check_upload
 from clinfed.federated.strategies import get_strategy
 from clinfed.flower.deploy import (
     flower_run_config,
@@ -89,8 +90,8 @@ def test_flower_run_settings_refuse_what_belongs_to_the_simulator(tmp_path):
         flower_run_config({"task": "i2b2", "strategy": "fedavg", "clients": 4}, tmp_path)
     with pytest.raises(ClinfedError, match="no Flower form"):
         flower_run_config({"task": "i2b2", "strategy": "centralized"}, tmp_path)
-    with pytest.raises(ClinfedError, match="mimic3"):
-        flower_run_config({"task": "mimic3", "strategy": "fedavg"}, tmp_path)
+    # MIMIC-III needs no code list up front: the public one is the default.
+    assert flower_run_config({"task": "mimic3", "strategy": "fedavg"}, tmp_path).labels is None
     with pytest.raises(ClinfedError, match="unknown setting"):
         flower_run_config({"task": "i2b2", "strategy": "fedavg", "colour": 1}, tmp_path)
     config = flower_run_config(
@@ -161,7 +162,22 @@ def _settings(**extra) -> dict:
 
 
 def _epsilons(path: Path) -> list[tuple[int, float]]:
-    return [(line["round"], line["epsilon"]) for line in read_jsonl(path)]
+    return [(line["round"], line["epsilon"]) for line in read_jsonl(path) if "mechanism" in line]
+
+
+def _node_policy(config: RunConfig) -> dict:
+    """What a test node's operator allows for ``config``: reproducible noise
+    (not private) and runs without DP only when asked, and a budget."""
+    return {
+        "allow_no_dp": not config.dp or config.reproducible_noise,
+        "max_epsilon": 100.0 if config.dp else None,
+    }
+
+
+def _node_ledger(state: Path, site: str) -> Path:
+    """A node's ledger (one per dataset, keyed by the data's fingerprint)."""
+    (path,) = (state / site / "ledger").glob(f"{site}-*.jsonl")
+    return path
 
 
 def _simulate_then_deploy(config: RunConfig, data: Path, tmp_path: Path, certs) -> None:
@@ -174,7 +190,7 @@ def _simulate_then_deploy(config: RunConfig, data: Path, tmp_path: Path, certs) 
     try:
         federation.start_superlink()
         for site in SITES:
-            federation.start_node(site, data, allow_no_dp=not config.dp)
+            federation.start_node(site, data, **_node_policy(config))
         process = federation.submit(config, min_sites=3, round_timeout=300)
     finally:
         federation.close()
@@ -197,7 +213,7 @@ def test_flower_over_tls_matches_the_simulator(tmp_path):
 
     # Each site's ledger, kept in its own state folder, matches the simulator's.
     for site in SITES:
-        at_site = tmp_path / "deploy" / "state" / site / run.name / "privacy" / f"{site}.jsonl"
+        at_site = _node_ledger(tmp_path / "deploy" / "state", site)
         simulated_ledger = tmp_path / "sim" / "privacy" / f"{site}.jsonl"
         ours_ledger, sim_ledger = _epsilons(at_site), _epsilons(simulated_ledger)
         assert [r for r, _ in ours_ledger] == [r for r, _ in sim_ledger] == [1, 2]
@@ -242,7 +258,7 @@ def _submit_until_round_two(federation, config, data, min_sites: int, timeout: f
 
     federation.start_superlink()
     for site in SITES:
-        federation.start_node(site, data, allow_no_dp=not config.dp)
+        federation.start_node(site, data, **_node_policy(config))
     process = federation.submit(
         config, min_sites=min_sites, round_timeout=timeout, wait=False, on_line=watch
     )
@@ -257,10 +273,11 @@ def test_a_killed_node_is_tolerated_and_rejoins_with_its_ledger(tmp_path):
     federation = LocalFederation(tmp_path / "deploy", certs=None)
     try:
         process = _submit_until_round_two(federation, config, data, min_sites=2, timeout=90)
-        ledger = tmp_path / "deploy" / "state" / "site3" / Path(config.out).name / "privacy"
-        before = _epsilons(ledger / "site3.jsonl")
+        ledger = _node_ledger(tmp_path / "deploy" / "state", "site3")
+        before = _epsilons(ledger)
         federation.kill_node("site3")
-        federation.start_node("site3", data)  # comes back with the same state folder
+        # comes back with the same state folder
+        federation.start_node("site3", data, **_node_policy(config))
         process.wait(timeout=900)
     finally:
         federation.close()
@@ -277,7 +294,7 @@ def test_a_killed_node_is_tolerated_and_rejoins_with_its_ledger(tmp_path):
     assert trained[3] == list(SITES)  # and site3 came back for round 3
     assert any(r.get("client") == "site3" and "failed" in r for r in records if r["round"] == 2)
 
-    after = read_jsonl(ledger / "site3.jsonl")
+    after = [line for line in read_jsonl(ledger) if "mechanism" in line]
     assert [(r["round"], r["epsilon"]) for r in after[: len(before)]] == before  # kept
     assert after[-1]["round"] == 3
     mechanisms = [
@@ -310,9 +327,78 @@ def test_a_node_refuses_rounds_past_its_own_budget_whatever_the_server_asks(i2b2
         upload, record = site.runner.train_round(1, {})
         assert upload == {} and record["refused"] == "privacy budget"
         assert record["epsilon_if_trained"] > 0.5
-        assert not (tmp_path / "state" / "run" / "privacy" / "beth.jsonl").exists()
+        assert not list((tmp_path / "state").rglob("*.jsonl"))  # nothing charged
     finally:
         site.close()
+
+
+def _train_and_release(site: NodeSite, round_number: int) -> dict:
+    try:
+        _, record = site.runner.train_round(round_number, {})
+        site.runner.release(round_number)
+        return record
+    finally:
+        site.close()
+
+
+def test_every_run_at_a_node_charges_one_ledger_per_dataset(i2b2_corpus, tmp_path):
+    # One round calibrated to epsilon 8; the node allows 10 over every run.
+    first = _site(i2b2_corpus, tmp_path, 10.0, run_name="run-a", target_epsilon=8.0, rounds=1)
+    assert "refused" not in _train_and_release(first, 1)
+    # A new run name does not open a fresh ledger: the data's does not afford it.
+    second = _site(i2b2_corpus, tmp_path, 10.0, run_name="run-b", target_epsilon=8.0, rounds=1)
+    record = _train_and_release(second, 1)
+    assert record["refused"] == "privacy budget" and record["epsilon"] == 0.0
+    (ledger,) = (tmp_path / "state" / "ledger").glob("beth-*.jsonl")
+    charges = [line for line in read_jsonl(ledger) if "mechanism" in line]
+    assert [line["run"] for line in charges] == ["run-a"]
+    # Other data (a note changed) is another dataset, with a ledger of its own.
+    other = tmp_path / "other"
+    shutil.copytree(i2b2_corpus, other)
+    note = sorted(other.rglob("*.txt"))[0]
+    note.write_bytes(note.read_bytes() + b"\n")
+    config = flower_run_config(
+        {"task": "i2b2", "model": "tiny", "strategy": "fedavg", "max_length": 32}
+        | {"target_epsilon": 8.0, "rounds": 1},
+        tmp_path / "run",
+    )
+    third = NodeSite(config, NodeConfig(other, tmp_path / "state", "beth", 10.0), "run-b")
+    assert "refused" not in _train_and_release(third, 1)
+    assert len(list((tmp_path / "state" / "ledger").glob("beth-*.jsonl"))) == 2
+
+
+def test_a_node_refuses_a_deleted_or_shortened_ledger(i2b2_corpus, tmp_path):
+    for round_number in (1, 2):
+        site = _site(i2b2_corpus, tmp_path, 100.0, target_epsilon=8.0, rounds=3)
+        _train_and_release(site, round_number)
+    (ledger,) = (tmp_path / "state" / "ledger").glob("beth-*.jsonl")
+    whole = ledger.read_bytes()
+    ledger.write_bytes(whole[: whole.index(b"\n") + 1])  # cut back to round 1
+    with pytest.raises(ClinfedError, match="shortened"):
+        _train_and_release(_site(i2b2_corpus, tmp_path, 100.0, target_epsilon=8.0, rounds=3), 3)
+    ledger.unlink()
+    with pytest.raises(ClinfedError, match="deleted"):
+        _train_and_release(_site(i2b2_corpus, tmp_path, 100.0, target_epsilon=8.0, rounds=3), 3)
+
+
+@pytest.mark.parametrize(
+    ("settings", "node", "message"),
+    [
+        ({"target_epsilon": 8.0}, {"max_epsilon": None}, "no privacy budget of its own"),
+        ({"target_epsilon": 8.0, "reproducible_noise": True}, {}, "reproducible noise"),
+        ({"target_epsilon": 8.0, "max_grad_norm": 5.0}, {"max_grad_norm": 1.0}, "clipping norm"),
+        ({"target_epsilon": 8.0, "max_length": 64}, {"max_length": 32}, "windows of 64"),
+        ({"target_epsilon": 8.0, "lr": float("nan")}, {}, "lr"),
+    ],
+)
+def test_a_node_validates_every_setting_against_its_policy(
+    i2b2_corpus, tmp_path, settings, node, message
+):
+    node = {"max_epsilon": 8.0} | node
+    max_epsilon = node.pop("max_epsilon")
+    with pytest.raises(ClinfedError, match=message):
+        _site(i2b2_corpus, tmp_path, max_epsilon, node_options=node, **settings)
+    assert not (tmp_path / "state").exists()
 
 
 def test_a_node_with_a_budget_refuses_a_run_without_dp(i2b2_corpus, tmp_path):
@@ -405,11 +491,11 @@ def test_pfeddc_over_flower_keeps_local_state_at_the_sites_like_the_simulator(tm
 
 
 def test_mimic3_on_flower_takes_a_fixed_code_list(mimic_corpus, tmp_path):
-    (tmp_path / "codes.txt").write_text("4019\n42731\n")
+    (tmp_path / "codes.txt").write_text("401.9\n427.31\n")
     codes = read_labels(tmp_path / "codes.txt")
     (tmp_path / "labels.json").write_text(json.dumps({"labels": codes}))
     assert read_labels(tmp_path / "labels.json") == codes
-    (tmp_path / "twice.txt").write_text("4019\n4019\n")
+    (tmp_path / "twice.txt").write_text("401.9\n401.9\n")
     with pytest.raises(ClinfedError, match="twice"):
         read_labels(tmp_path / "twice.txt")
     config = flower_run_config(
@@ -464,3 +550,24 @@ def test_a_killed_serverapp_resumes_from_its_run_folder(tmp_path):
         r["round"] for r in read_jsonl(Path(config.out) / "metrics.jsonl") if "client" not in r
     ]
     assert rounds == [1, 2, 3]  # the interrupted round's records were cut back, not doubled
+
+
+def test_a_node_evaluates_each_round_of_the_run_once(i2b2_corpus, tmp_path):
+    site = _site(i2b2_corpus, tmp_path, 8.0, target_epsilon=8.0, rounds=3)
+    try:
+        runner = site.runner
+        weights = {k: v.clone() for k, v in runner.model.state_dict().items()}
+        other = {k: v + 0.01 if v.is_floating_point() else v for k, v in weights.items()}
+
+        def evaluate(round_number: int, tensors: dict) -> dict | None:
+            message = Message("evaluate", round_number, tensors, full=True, evaluate=True)
+            return runner.handle(message).evaluation
+
+        assert evaluate(2, weights) is not None  # the global model of round 1
+        assert evaluate(2, weights) is not None  # the same weights again: same counts
+        assert evaluate(2, other) is None  # other weights as round 1: refused
+        assert evaluate(4, other) is not None  # round 3
+        assert evaluate(3, weights) is None  # round 2, older than one evaluated
+        assert evaluate(5, other) is None  # past the run's 3 rounds
+    finally:
+        site.close()

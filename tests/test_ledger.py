@@ -79,3 +79,49 @@ def test_a_second_process_cannot_charge_the_ledger_at_the_same_time(tmp_path):
         process.wait()
     time.sleep(0.1)
     assert Ledger(path, "beth", 1e-5).charge(1, ROUND) > 0  # free again
+
+
+def test_a_charge_never_released_is_reused_by_the_rerun_and_never_dropped(tmp_path):
+    path = tmp_path / "beth.jsonl"
+    ledger = Ledger(path, "beth", 1e-5, run="r")
+    one = ledger.charge(1, ROUND)
+    ledger.release(1)
+    two = ledger.charge(2, ROUND)  # ... and the site dies before replying
+    restarted = Ledger(path, "beth", 1e-5, run="r")
+    assert restarted.unreleased(2) and not restarted.unreleased(1)
+    assert restarted.charge(2, ROUND) == two  # the same charge, not a second one
+    assert len(restarted.lines) == 2
+    restarted.release(2)
+    # Released rounds are charged again when re-run: the first answer left.
+    assert restarted.charge(2, ROUND) > two
+    # Another run's unreleased round, or other mechanisms, are never reused.
+    other = Ledger(path, "beth", 1e-5, run="s")
+    assert other.charge(1, ROUND) > one
+    assert other.charge(1, [Mechanism("dp-sgd", 2.0, 0.05, 20)]) is not None
+    assert len(Ledger(path, "beth", 1e-5).lines) == 5
+
+
+def test_a_ledger_shortened_altered_or_deleted_is_refused(tmp_path):
+    path = tmp_path / "beth.jsonl"
+    ledger = Ledger(path, "beth", 1e-5, run="r")
+    for round_number in (1, 2, 3):
+        ledger.charge(round_number, ROUND)
+        ledger.release(round_number)
+    committed = ledger.digest()  # what a run's commit keeps
+    whole = path.read_bytes()
+    path.write_bytes(whole[: len(whole) // 2].rsplit(b"\n", 1)[0] + b"\n")
+    with pytest.raises(ClinfedError, match="shortened"):
+        Ledger(path, "beth", 1e-5)
+    path.write_bytes(whole.replace(b'"round": 1', b'"round": 7'))
+    with pytest.raises(ClinfedError, match="altered"):
+        Ledger(path, "beth", 1e-5)
+    path.unlink()
+    with pytest.raises(ClinfedError, match="deleted"):
+        Ledger(path, "beth", 1e-5)
+    # Seal and ledger both gone: the commit's digest still notices.
+    (tmp_path / "beth.jsonl.seal").unlink()
+    fresh = Ledger(path, "beth", 1e-5)
+    with pytest.raises(ClinfedError, match="deleted"):
+        fresh.verify(committed, "state.json")
+    path.write_bytes(whole)
+    Ledger(path, "beth", 1e-5).verify(committed, "state.json")  # intact: accepted

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from clinfed.errors import ClinfedError, DataError, ProblemLog
-from clinfed.tasks.mimic3.adapter import Mimic3Task
+from clinfed.tasks.mimic3.adapter import PUBLIC_LIST, Mimic3Task, public_labels
 from clinfed.tasks.mimic3.format import caml_dot, patient_split, read_admissions, read_codes
 
 SECRET = "Pneumothorax"
@@ -166,7 +166,7 @@ def test_patient_split_is_seeded_and_by_patient():
 def test_load_keeps_patients_on_one_side_and_top_k(tmp_path, mimic_corpus):
     task = Mimic3Task(top_k=10, cache_dir=str(tmp_path))
     corpus = task.load(mimic_corpus, ProblemLog())
-    assert len(task.labels) == 10
+    assert task.labels == public_labels("diagnoses", 10)
     train_patients, test_patients = set(corpus.train["subject_id"]), set(corpus.test["subject_id"])
     assert train_patients and test_patients and not train_patients & test_patients
     kept = set(task.labels)
@@ -193,3 +193,31 @@ def test_balanced_chunks_cover_every_token_within_the_window():
         assert all(len(c) <= 254 for c in chunks)
         assert len(chunks) == max(1, -(-n // 254))
         assert max(map(len, chunks)) - min(map(len, chunks)) <= 1
+
+
+def test_the_label_set_is_public_never_counted_from_the_sites_codes(tmp_path):
+    public = [c for c in PUBLIC_LIST.read_text().split() if c]
+    assert len(public) == 50
+    assert public_labels("both", 0) == public  # the list, in its order
+    diagnoses, procedures = public_labels("diagnoses", 0), public_labels("procedures", 0)
+    assert "401.9" in diagnoses and "V58.61" in diagnoses and "38.93" in procedures
+    assert sorted(diagnoses + procedures) == sorted(public)
+    # Two sites whose codes differ in frequency get the same labels: none
+    # comes from their data, and a code off the list (a rare one that one
+    # admission carries) never becomes a label.
+    rare = '"4","8","101","2","V9999"\n'
+
+    def site(folder: Path, codes: str) -> Path:
+        make_site(folder, NOTES, codes)
+        (folder / "train_50_hadm_ids.csv").write_text("100\n101\n")
+        return folder
+
+    first = Mimic3Task(top_k=5, cache_dir=str(tmp_path / "c1"))
+    first.load(site(tmp_path / "a", CODES + rare), ProblemLog())
+    skewed = CODES + "".join(f'"{9 + i}","7","100","{3 + i}","0389"\n' for i in range(5))
+    second = Mimic3Task(top_k=5, cache_dir=str(tmp_path / "c2"))
+    second.load(site(tmp_path / "b", skewed), ProblemLog())
+    assert first.labels == second.labels == public_labels("diagnoses", 5)
+    assert "V99.99" not in first.labels and first.label_source.startswith("public")
+    given = Mimic3Task(labels=["428.0", "038.9"], cache_dir=str(tmp_path / "c3"))
+    assert given.labels == ["038.9", "428.0"] and "--labels" in given.label_source

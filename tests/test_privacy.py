@@ -15,6 +15,7 @@ import pytest
 import torch
 from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
+from safetensors.torch import load_file
 from torch import nn
 
 from clinfed.errors import ProblemLog
@@ -33,6 +34,7 @@ from clinfed.privacy.dpsgd import (
     choose_clipping,
     microbatches,
     train_private,
+    unit_rows,
 )
 from clinfed.privacy.ledger import Ledger
 from clinfed.privacy.randomness import reproducible
@@ -130,20 +132,25 @@ def _no_dropout(model: nn.Module) -> None:
             module.dropout_prob = 0.0
 
 
-def _expected_update(model, task, examples, params, clip):
-    """sum_i clip(g_i) / B with each g_i from a backward pass of example i alone."""
+def _expected_update(model, task, examples, params, clip, unit="example"):
+    """sum_u clip(g_u) / U, each g_u the gradient of unit u's rows alone
+    (one backward pass per row, summed: no row sees another)."""
     total = [torch.zeros_like(p) for p in params]
-    for i in range(len(examples)):
-        model.zero_grad(set_to_none=True)
-        batch = task.collate(examples[[i]])
-        task.example_losses(model(**task.model_inputs(batch)), batch).sum().backward()
-        grads = [p.grad.detach().clone() for p in params]
+    units = unit_rows(task, examples, unit)
+    for rows in units:
+        grads = [torch.zeros_like(p) for p in params]
+        for i in rows.tolist():
+            model.zero_grad(set_to_none=True)
+            batch = task.collate(examples[[i]])
+            task.example_losses(model(**task.model_inputs(batch)), batch).sum().backward()
+            for g, p in zip(grads, params):
+                g += p.grad.detach()
         norm = torch.sqrt(sum((g**2).sum() for g in grads))
         factor = min(1.0, clip / (float(norm) + 1e-6))
         for t, g in zip(total, grads):
             t += factor * g
     model.zero_grad(set_to_none=True)
-    return [t / len(examples) for t in total]
+    return [t / len(units) for t in total]
 
 
 def test_microbatches_cover_the_batch_once_and_group_by_length():
@@ -157,23 +164,37 @@ def test_microbatches_cover_the_batch_once_and_group_by_length():
 
 @pytest.mark.parametrize("overhead", [0, MICROBATCH_OVERHEAD_TOKENS])  # 0: one pass per length
 @pytest.mark.parametrize(
-    ("task_name", "trainable", "clipping"),
+    ("task_name", "trainable", "clipping", "unit"),
     [
-        ("i2b2", "top", "hooks"),
-        ("i2b2", "all", "ghost"),
-        ("mimic3", "top", "hooks"),  # chunks folded into admissions
-        ("i2b2", "prompts", "hooks"),  # pfeddc: P_g, P_l, fusion and head jointly
-        ("mimic3", "prompts", "hooks"),
+        ("i2b2", "top", "hooks", "example"),
+        ("i2b2", "all", "ghost", "example"),
+        ("mimic3", "top", "hooks", "example"),  # chunks folded into admissions
+        ("i2b2", "prompts", "hooks", "example"),  # pfeddc: P_g, P_l, fusion and head jointly
+        ("mimic3", "prompts", "hooks", "example"),
+        ("i2b2", "top", "hooks", "document"),  # every sentence of a note, clipped once
+        ("mimic3", "top", "hooks", "patient"),  # every admission of a patient
     ],
 )
-def test_dp_step_clips_each_example_jointly(
-    task_name, trainable, clipping, overhead, i2b2_corpus, mimic_corpus, tmp_path
+def test_dp_step_clips_each_unit_jointly(
+    task_name, trainable, clipping, unit, overhead, i2b2_corpus, mimic_corpus, tmp_path
 ):
     tokenizer = load_tokenizer("tiny")
     if task_name == "i2b2":
         task = I2b2Task()
         records = task.read_documents(i2b2_corpus / "train", ProblemLog())
-        examples = task.encode(records, tokenizer, 32, str(tmp_path)).select(range(6))
+        encoded = task.encode(records, tokenizer, 32, str(tmp_path))
+        # rows of two notes, with a line long enough to need several windows
+        docs = encoded["doc"]
+        first, second = docs[0], next(d for d in docs if d != docs[0])
+        rows = [i for i, d in enumerate(docs) if d == first][:3]
+        rows += [i for i, d in enumerate(docs) if d == second][:3]
+        keys = list(zip(docs, encoded["line"]))
+        split = next(i for i in range(1, len(keys)) if keys[i] == keys[i - 1])
+        # ghost clipping needs one row per unit: no folded line there
+        folded = [] if clipping == "ghost" else [split - 1, split]
+        examples = encoded.select(rows + folded)
+        if folded:
+            assert len(unit_rows(task, examples, unit)) < len(examples)  # something folds
     else:
         task = Mimic3Task(top_k=5, max_chunks=3, cache_dir=str(tmp_path))
         corpus = task.load(mimic_corpus, ProblemLog())
@@ -182,6 +203,8 @@ def test_dp_step_clips_each_example_jointly(
         # the two shortest and two longest admissions: several chunk counts
         examples = encoded.select([*by_length[:2], *by_length[-2:]])
         assert len(task.labels) == 5 and max(len(c) for c in examples["input_ids"]) > 1
+        if unit == "patient":  # two patients with two admissions each
+            examples = examples.map(lambda _, i: {"subject_id": i // 2}, with_indices=True)
     model = build_model(task.head, "tiny", len(task.labels), seed=0)
     if trainable == "prompts":
         add_prompts(model, 3, "attention", depth=2)  # deep: layer hooks, shared fusion
@@ -198,23 +221,25 @@ def test_dp_step_clips_each_example_jointly(
         chosen = PFedDC().plan(1, "s", names).trainable
         assert any(n.startswith("prompt.local_prompt.") for n in chosen)
     apply_plan(model, Plan(chosen, chosen, frozenset(names)))
-    assert choose_clipping(model, task, "auto") == clipping
+    units = unit_rows(task, examples, unit)
+    grouped = any(len(rows) > 1 for rows in units)
+    assert choose_clipping(model, task, "auto", grouped) == clipping
     if overhead == 0:  # the step below really runs in several passes
         assert len(microbatches(np.asarray(examples["n_tokens"]), 0)) > 1
     params = [p for p in model.parameters() if p.requires_grad]
     clip = 0.05  # small enough that every example is clipped
-    expected = _expected_update(model, task, examples, params, clip)
+    expected = _expected_update(model, task, examples, params, clip, unit)
     before = [p.detach().clone() for p in params]
     optimizer = torch.optim.SGD(params, lr=1.0)
-    # batch = n: every example is sampled (q = 1) and one step makes the epoch
+    # batch = units: every unit is sampled (q = 1) and one step makes the epoch
     stats, mode = train_private(
         model,
         task,
         examples,
         optimizer,
-        batch_size=len(examples),
+        batch_size=len(units),
         epochs=1,
-        dp=DPSettings(noise_multiplier=0.0, max_grad_norm=clip, clipping=clipping),
+        dp=DPSettings(noise_multiplier=0.0, max_grad_norm=clip, clipping=clipping, unit=unit),
         randomness=reproducible(np.random.default_rng(0)),
         microbatch_overhead=overhead,
     )
@@ -358,62 +383,50 @@ def test_privacy_calculator_commands():
     assert bad.returncode == 2 and "--sample-rate must be in (0, 1]" in bad.stderr
 
 
-def test_sigkill_during_a_dp_run_then_resume_keeps_the_ledger(i2b2_corpus, tmp_path):
-    args = [
-        "train",
-        "--task",
-        "i2b2",
-        "--strategy",
-        "fedavg",
-        "--model",
-        "tiny",
-        "--rounds",
-        "3",
-        "--max-length",
-        "32",
-        "--threads",
-        "1",
-        "--noise-multiplier",
-        "1.0",
-        "--data",
-        str(i2b2_corpus),
-        "--out",
-        str(tmp_path / "run"),
-    ]
+def test_sigkill_mid_round_under_dp_then_resume_reuses_the_charge(i2b2_corpus, tmp_path):
+    # A budget that affords exactly the 3 planned rounds: a round charged
+    # twice would make sites refuse round 3. Reproducible noise (tests only)
+    # so the resumed run can be compared with an uninterrupted one.
+    args = ["train", "--task", "i2b2", "--strategy", "fedavg", "--model", "tiny",
+            "--rounds", "3", "--max-length", "32", "--threads", "1",
+            "--target-epsilon", "4", "--reproducible-noise",
+            "--data", str(i2b2_corpus)]  # fmt: skip
+    killed = tmp_path / "killed"
     code = "import sys; from clinfed.commands import main; sys.exit(main())"
     proc = subprocess.Popen(
-        [sys.executable, "-c", code, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        [sys.executable, "-c", code, *args, "--out", str(killed)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
-    ledgers = tmp_path / "run" / "privacy"
+
+    def site_ledgers() -> list[list[dict]]:
+        return [read_jsonl(p) for p in killed.glob("sites/*/privacy/*.jsonl")]
+
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
-        if ledgers.is_dir() and any(
-            line["round"] == 2 for p in ledgers.glob("*.jsonl") for line in read_jsonl(p)
-        ):
+        lines = [line for ledger in site_ledgers() for line in ledger]
+        charged = any(line["round"] == 2 and "mechanism" in line for line in lines)
+        released = any(line["round"] == 2 and line.get("released") for line in lines)
+        if charged and not released:  # round 2 charged, nothing of it released
+            os.kill(proc.pid, signal.SIGKILL)
             break
-        time.sleep(0.02)
-    assert proc.poll() is None, "the run finished before it could be killed"
-    os.kill(proc.pid, signal.SIGKILL)
+        time.sleep(0.01)
     proc.wait()
-    before = {p.name: p.read_text() for p in ledgers.glob("*.jsonl")}
-    resumed = run_cli(*args, "--resume")
-    assert resumed.returncode == 0, resumed.stderr
-    sites = sorted(p.stem for p in ledgers.glob("*.jsonl"))
-    assert len(sites) == 3
-    for site in sites:
-        text = (ledgers / f"{site}.jsonl").read_text()
-        assert text.startswith(before.get(f"{site}.jsonl", ""))  # nothing rewritten
-        lines = read_jsonl(ledgers / f"{site}.jsonl")
-        rounds = [line["round"] for line in lines]
-        assert set(rounds) == {1, 2, 3} and rounds == sorted(rounds)  # no round lost
-        eps = [line["epsilon"] for line in lines]
-        assert eps == sorted(eps)
-        # never under-counted: at least what an uninterrupted run spends
-        first = lines[0]
-        one_round = Mechanism(
-            "dp-sgd", first["noise_multiplier"], first["sample_rate"], first["steps"]
-        )
-        assert eps[-1] >= epsilon([one_round] * 3, 1e-5) * (1 - 1e-9)
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    before = {p: p.read_bytes() for p in killed.glob("sites/*/privacy/*.jsonl")}
+    assert run_cli(*args, "--out", str(killed), "--resume").returncode == 0
+    assert run_cli(*args, "--out", str(tmp_path / "whole")).returncode == 0
+
+    for path, text in before.items():
+        assert path.read_bytes().startswith(text)  # nothing rewritten
+        charges = [line for line in read_jsonl(path) if "mechanism" in line]
+        assert [line["round"] for line in charges] == [1, 2, 3]  # each round charged once
+        assert charges[-1]["epsilon"] <= 4.0
+    records = read_jsonl(killed / "metrics.jsonl")
+    assert not [r for r in records if r.get("refused")]
+    ours = load_file(str(killed / "model" / "model.safetensors"))
+    theirs = load_file(str(tmp_path / "whole" / "model" / "model.safetensors"))
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
 
 
 def test_dp_run_report_and_audit_never_contain_note_text(mimic_corpus, tmp_path):
@@ -437,7 +450,7 @@ def test_dp_run_report_and_audit_never_contain_note_text(mimic_corpus, tmp_path)
         "--rounds",
         "2",
         "--top-k",
-        "5",
+        "20",
         "--max-length",
         "32",
         "--max-chunks",

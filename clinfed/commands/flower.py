@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import click
 import typer
 
 from clinfed.commands.common import (
@@ -101,7 +102,9 @@ def flower_supernode(
     ),
     site: str = typer.Option(None, "--site", help="Site name, if the data holds several."),
     max_epsilon: float = typer.Option(
-        None, "--max-epsilon", help="Most epsilon this site spends on a run, whatever is asked."
+        None,
+        "--max-epsilon",
+        help="Most epsilon this site's data may spend over every run (required for DP).",
     ),
     root_cert: Path = ROOT_CERT,
     insecure: bool = INSECURE,
@@ -115,7 +118,21 @@ def flower_supernode(
         None, "--max-delta", help="Largest delta this site accepts (default 1/(10 n))."
     ),
     allow_no_dp: bool = typer.Option(
-        False, "--allow-no-dp", help="Also train in runs without DP (refused by default)."
+        False,
+        "--allow-no-dp",
+        help="Also train in runs without DP or with reproducible noise (refused by default).",
+    ),
+    privacy_unit: str = typer.Option(
+        "example",
+        "--privacy-unit",
+        help="Weakest unit accepted: example < document < patient.",
+        click_type=click.Choice(["example", "document", "patient"]),
+    ),
+    max_grad_norm: float = typer.Option(
+        None, "--max-grad-norm", help="Largest clipping norm accepted (default: any)."
+    ),
+    max_length: int = typer.Option(
+        None, "--max-length", help="Longest window in tokens accepted (default: any)."
     ),
 ) -> None:
     """Start a SuperNode for one site (trains when the SuperLink asks, within
@@ -136,6 +153,9 @@ def flower_supernode(
         threads,
         max_delta,
         allow_no_dp,
+        privacy_unit,
+        max_grad_norm,
+        max_length,
     )
     state.mkdir(parents=True, exist_ok=True)
     raise typer.Exit(_exec(command, environment(state / "flwr")))

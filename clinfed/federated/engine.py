@@ -217,6 +217,9 @@ class RoundEngine:
         self.holds: dict[str, int] = {}  # site -> global round its copy holds
         self.site_of: dict[str, str] = {}  # address -> site name (learnt from replies)
         self.ledgers: dict[str, dict[str, Any]] = {}
+        # Each site ledger's length and SHA-256 as last seen (committed with
+        # every round; a resume refuses a ledger that lost part of it).
+        self.ledger_digests: dict[str, dict[str, Any]] = {}
         self.pending_observed: dict[str, Any] = {}
         self.last_record: dict[str, Any] = {}
         self.stopped: str | None = None
@@ -238,6 +241,7 @@ class RoundEngine:
                 state.load_tensors(self.out / committed.strategy_tensors)
             )
         self.holds = dict(committed.holds)
+        self.ledger_digests = dict(committed.ledgers)
         self.pending_observed = dict(committed.strategy.get("_observed", {}))
         self.first_round = committed.round + 1
         if self.first_round > self.rounds:
@@ -257,6 +261,7 @@ class RoundEngine:
             self.strategy.tensor_state(),
             self.sampling.bit_generator.state,
             self.holds,
+            self.ledger_digests,
         )
 
     def _metrics(self, record: dict[str, Any]) -> None:
@@ -351,6 +356,8 @@ class RoundEngine:
             message = messages[address]
             if reply.ledger:
                 self.ledgers[site] = reply.ledger
+                if reply.ledger.get("digest"):
+                    self.ledger_digests[site] = reply.ledger["digest"]
             if reply.evaluation:
                 evaluations.append((site, reply.evaluation))
             if message.kind == "evaluate":
@@ -374,6 +381,12 @@ class RoundEngine:
                 sent |= set(reply.upload)
             trained += 1
             records.append(record)
+        releasing = getattr(transport, "releasing", None)
+        if releasing is not None:
+            # Write-ahead: the sites mark their charges released before any
+            # of this round's results are written.
+            trainers = [r["client"] for r in records if "bytes_up" in r]
+            self.ledger_digests |= releasing(round_number, trainers)
         if trained + refused < self.deployment.min_sites:
             for record in records:
                 self._metrics(record)

@@ -7,6 +7,15 @@ never examples), trains if asked (select -> plan -> the strategy's local
 procedure, inside the privacy layer under DP), keeps its copy for the next
 round and replies with the planned upload and its record.
 
+Evaluation is metered: a site evaluates each global round's model once
+(``evaluations.json`` in ``state_dir`` keeps a hash of what it evaluated),
+never a round older than one it already evaluated, never past the run's
+planned rounds. Asked again for the same round it answers only if the
+weights are the very same (the same counts, nothing new); other weights are
+refused. Evaluation counts are released unaccounted (declared in the
+report): per round, one set of summed counts on the site's held-out
+examples.
+
 The site's copy of the model lives in ``state_dir`` as
 ``copy.rNNNN.safetensors``, ``NNNN`` the global round it received (its own
 training on top, for what it trained), with the tensors it keeps for itself
@@ -20,6 +29,9 @@ model next time.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import re
 import time
 from collections.abc import Callable
@@ -37,8 +49,11 @@ from clinfed.federated.state import load_tensors, save_tensors
 from clinfed.federated.strategies import Strategy
 from clinfed.privacy.randomness import reproducible, secret
 from clinfed.privacy.site import SitePrivacy
+from clinfed.runs import atomic_write_json
 from clinfed.tasks.base import Task
 from clinfed.training import predict
+
+log = logging.getLogger("clinfed.site")
 
 COPY = re.compile(r"^copy\.r(\d{4,})\.safetensors$")
 PERSONAL = "personal/"
@@ -93,6 +108,7 @@ class SiteRunner:
         eval_batch_size: int = 64,
         predictions_dir: Path | None = None,
         report: Reporter = _quiet,
+        planned_rounds: int | None = None,
     ):
         self.name, self.task, self.model, self.strategy = name, task, model, strategy
         self.initial_state = initial_state
@@ -101,17 +117,25 @@ class SiteRunner:
         self.state_dir, self.privacy = Path(state_dir), privacy
         self.eval_batch_size, self.predictions_dir = eval_batch_size, predictions_dir
         self.report = report
+        self.planned_rounds = planned_rounds
         self.names = [n for n, _ in model.named_parameters()]
         self.personal: dict[str, torch.Tensor] = {}
         self.final_outputs: list | None = None
 
     # ------------------------------------------------------------- messages
-    def handle(self, message: Any) -> Any:
-        """One message in, one reply out (see the module docstring)."""
+    def handle(self, message: Any, release: bool = True) -> Any:
+        """One message in, one reply out (see the module docstring).
+
+        ``release``: mark the round's privacy charge released before the
+        reply is returned (it leaves the site now). The in-process
+        transport passes ``False`` and calls :meth:`release` once the
+        round's results are about to be written."""
         from clinfed.federated.engine import Reply
 
         self._start_from(message.round, message.download, message.full)
-        evaluation = self.evaluate(message.write_predictions) if message.evaluate else None
+        evaluation = None
+        if message.evaluate and self._meter(message.round - 1):
+            evaluation = self.evaluate(message.write_predictions)
         upload: dict[str, torch.Tensor] = {}
         record = None
         if message.kind == "train":
@@ -120,8 +144,68 @@ class SiteRunner:
         # The copy is on disk before anything leaves the site: the next
         # round's partial download overlays it.
         self._save_copy(message.round - 1)
+        if release and message.kind == "train":
+            self.release(message.round)
         ledger = self.privacy.report() if self.privacy is not None else None
         return Reply(self.name, upload, record, evaluation, ledger)
+
+    def release(self, round_number: int) -> dict[str, Any] | None:
+        """Write-ahead: the round's charge is marked released (fsynced)
+        before its results leave; returns the ledger's digest after it."""
+        if self.privacy is None:
+            return None
+        self.privacy.release(round_number)
+        return self.privacy.ledger.digest()
+
+    # ---------------------------------------------------------------- meter
+    def _weights_hash(self) -> str:
+        digest = hashlib.sha256()
+        tensors = dict(self.model.state_dict()) | {
+            PERSONAL + k: v for k, v in self.personal.items()
+        }
+        for name in sorted(tensors):
+            digest.update(name.encode())
+            digest.update(
+                tensors[name]
+                .detach()
+                .cpu()
+                .contiguous()
+                .reshape(-1)
+                .view(torch.uint8)
+                .numpy()
+                .tobytes()
+            )
+        return digest.hexdigest()
+
+    def _meter(self, global_round: int) -> bool:
+        """Whether the site may evaluate the model it holds as global round
+        ``global_round`` (see the module docstring); records it if so."""
+        path = self.state_dir / "evaluations.json"
+        try:
+            done = {int(k): v for k, v in json.loads(path.read_text()).items()}
+        except FileNotFoundError:
+            done = {}
+        except (ValueError, AttributeError):
+            raise ClinfedError(
+                f"{path}: not an evaluation meter; the site cannot trust it"
+            ) from None
+        weights = self._weights_hash()
+        refusal = None
+        if global_round in done:
+            if done[global_round] != weights:
+                refusal = f"round {global_round} was evaluated already, with other weights"
+        elif done and global_round < max(done):
+            refusal = f"round {global_round} is older than round {max(done)}, evaluated already"
+        elif self.planned_rounds is not None and global_round > self.planned_rounds:
+            refusal = f"round {global_round} is past the run's {self.planned_rounds} rounds"
+        if refusal is not None:
+            log.warning("site %s: evaluation refused: %s", self.name, refusal)
+            return False
+        if done.get(global_round) != weights:
+            atomic_write_json(
+                path, {str(k): v for k, v in (done | {global_round: weights}).items()}
+            )
+        return True
 
     # ---------------------------------------------------------------- state
     def _copies(self) -> dict[int, Path]:

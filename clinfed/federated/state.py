@@ -7,12 +7,14 @@ the previous commit or the new one::
     RUN/checkpoints/round-NNNN.safetensors   global weights after round N
     RUN/checkpoints/strategy-NNNN.safetensors  strategy tensors (FedAdam's moments)
     RUN/state.json   {"round", "checkpoint", "strategy_tensors", "strategy",
-                      "sampling", "holds", "metrics_bytes", "schema"}
+                      "sampling", "holds", "metrics_bytes", "ledgers", "schema"}
 
 ``holds`` is the server's view of which global round each site's copy holds
 (so a resumed run sends sites in sync only what changed); ``metrics_bytes``
 is the length of ``metrics.jsonl`` at the commit, to which a resumed run
-cuts it back. Site-owned state (each site's copy of the model, its
+cuts it back; ``ledgers`` each site ledger's length and SHA-256 as its site
+last reported them, so a resumed run refuses a ledger that was deleted or
+shortened. Site-owned state (each site's copy of the model, its
 personal tensors, its ledger) lives with the site, not here.
 """
 
@@ -58,6 +60,7 @@ class RunState:
     sampling: dict[str, Any]
     holds: dict[str, int] = field(default_factory=dict)
     metrics_bytes: int = 0
+    ledgers: dict[str, dict[str, Any]] = field(default_factory=dict)
     schema: int = SCHEMA
 
 
@@ -69,6 +72,7 @@ def commit(
     strategy_tensors: dict[str, torch.Tensor],
     sampling: dict[str, Any],
     holds: dict[str, int],
+    ledgers: dict[str, dict[str, Any]] | None = None,
 ) -> RunState:
     """Write round ``round_number``'s weights, then ``state.json``; drop
     what the previous commit named."""
@@ -87,6 +91,7 @@ def commit(
         sampling,
         dict(holds),
         metrics.stat().st_size if metrics.exists() else 0,
+        dict(ledgers or {}),
     )
     atomic_write_json(out / STATE, asdict(state))
     keep = {Path(name).name, Path(tensors_name).name if tensors_name else None}

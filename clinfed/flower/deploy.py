@@ -110,6 +110,9 @@ def supernode_command(
     threads: int = 0,
     max_delta: float | None = None,
     allow_no_dp: bool = False,
+    privacy_unit: str = "example",
+    max_grad_norm: float | None = None,
+    max_length: int | None = None,
 ) -> list[str]:
     """``flower-supernode`` for one site; its node config names the site's
     data and state folders (see ``clinfed.flower.site``)."""
@@ -126,6 +129,12 @@ def supernode_command(
         node_config += f" max-delta={float(max_delta)!r}"
     if allow_no_dp:
         node_config += " allow-no-dp=true"
+    if privacy_unit != "example":
+        node_config += f" privacy-unit={_toml(privacy_unit)}"
+    if max_grad_norm is not None:
+        node_config += f" max-grad-norm={float(max_grad_norm)!r}"
+    if max_length is not None:
+        node_config += f" max-length={int(max_length)}"
     node_config += f" share-ledger={'true' if share_ledger else 'false'} threads={int(threads)}"
     command = [_bin("flower-supernode"), "--superlink", superlink, "--port", str(port)]
     command += ["--node-config", node_config]

@@ -6,22 +6,34 @@ A node is configured by its operator, not by the server (``--node-config``):
 ``data``
     The site's data folder in the task's real format.
 ``state``
-    The site's state folder. Per run (``STATE/<run name>/``) it holds the
-    privacy ledger (``privacy/<site>.jsonl``), the site's copies of the model
-    (``copy.rNNNN.safetensors``) and the site's predictions. It survives
-    restarts of the node, so a node that comes back keeps its ledger.
+    The site's state folder. It holds the site's privacy ledger,
+    ``ledger/<site>-<fingerprint>.jsonl``: one per dataset, keyed by a
+    SHA-256 over the data folder's files (names, sizes, contents), not by
+    anything the server chooses, so every run on the same data charges the
+    same ledger (``fingerprints.json`` beside it caches file hashes by size
+    and modification time). Per run (``STATE/<run name>/``) it holds the
+    site's copies of the model (``copy.rNNNN.safetensors``), the evaluation
+    meter and the site's predictions. It survives restarts of the node.
 ``site``
     The site's name, when the data folder holds several sites (otherwise
     the one site found there).
 ``max-epsilon``
-    The most epsilon this site will spend on the run, whatever the server's
-    run config asks (the lower of the two is enforced).
+    The most epsilon this site's data may spend over every run (the
+    ledger's cap); each run is also held to its own target. Required for
+    training under DP.
 ``max-delta``
     The largest delta the site accepts (default ``1 / (10 n)``, ``n`` its
     training examples); a run asking for more is refused.
+``privacy-unit``
+    The weakest privacy unit the site accepts (``example`` < ``document``
+    < ``patient``; default ``example``); a run asking for a weaker one is
+    refused.
+``max-grad-norm``, ``max-length``
+    The largest clipping norm and window (tokens) the site accepts; a run
+    asking for more is refused (default: no cap).
 ``allow-no-dp``
-    Whether the site trains in runs without DP (default false: it refuses
-    them).
+    Whether the site trains in runs without DP or with reproducible (not
+    private) noise (default false: it refuses them).
 ``share-ledger``
     Whether the site reports its ledger lines to the server for the run's
     privacy report (default true). The ledger that counts stays at the site.
@@ -56,6 +68,7 @@ from clinfed.pipeline import (
     make_task,
     privacy_policy,
 )
+from clinfed.privacy.dpsgd import count_units
 from clinfed.privacy.site import SitePrivacy
 
 
@@ -71,6 +84,9 @@ class NodeConfig:
     threads: int = 0
     max_delta: float | None = None
     allow_no_dp: bool = False
+    max_grad_norm: float | None = None
+    max_length: int | None = None
+    privacy_unit: str = "example"
 
     @classmethod
     def parse(cls, values: Mapping[str, Any]) -> NodeConfig:
@@ -84,6 +100,9 @@ class NodeConfig:
             "allow-no-dp",
             "share-ledger",
             "threads",
+            "max-grad-norm",
+            "max-length",
+            "privacy-unit",
         }
         unknown = sorted(set(values) - known)
         if unknown:
@@ -102,6 +121,17 @@ class NodeConfig:
         max_delta = values.get("max-delta")
         if max_delta is not None and not 0 < float(max_delta) < 1:
             raise ClinfedError("--node-config max-delta must be in (0, 1)")
+        max_grad_norm = values.get("max-grad-norm")
+        if max_grad_norm is not None and not 0 < float(max_grad_norm) < float("inf"):
+            raise ClinfedError("--node-config max-grad-norm must be positive and finite")
+        privacy_unit = str(values.get("privacy-unit", "example"))
+        if privacy_unit not in UNIT_STRENGTH:
+            raise ClinfedError(
+                f"--node-config privacy-unit must be one of {', '.join(UNIT_STRENGTH)}"
+            )
+        max_length = values.get("max-length")
+        if max_length is not None and not int(max_length) >= 8:
+            raise ClinfedError("--node-config max-length must be at least 8")
         return cls(
             data=data,
             state=Path(str(values["state"])),
@@ -111,8 +141,50 @@ class NodeConfig:
             threads=int(values.get("threads", 0)),
             max_delta=float(max_delta) if max_delta is not None else None,
             allow_no_dp=bool(values.get("allow-no-dp", False)),
+            max_grad_norm=float(max_grad_norm) if max_grad_norm is not None else None,
+            max_length=int(max_length) if max_length is not None else None,
+            privacy_unit=privacy_unit,
         )
 
+    def check(self, config: RunConfig) -> None:
+        """Refuse a run this site's policy forbids (before any data is read)."""
+        config.validate()  # the same checks as ``clinfed train``
+        if not config.dp and not self.allow_no_dp:
+            raise ClinfedError(
+                "this site trains under DP only (node config allow-no-dp is false); the run "
+                "asks for training without DP: refused"
+            )
+        if config.dp and config.reproducible_noise and not self.allow_no_dp:
+            raise ClinfedError(
+                "the run asks for reproducible noise, which is not private; this site trains "
+                "under DP only (node config allow-no-dp is false): refused"
+            )
+        if config.dp and self.max_epsilon is None:
+            raise ClinfedError(
+                "this site has no privacy budget of its own: its operator sets "
+                "--max-epsilon (node config max-epsilon) before it trains under DP"
+            )
+        if config.dp and UNIT_STRENGTH.index(config.privacy_unit) < UNIT_STRENGTH.index(
+            self.privacy_unit
+        ):
+            raise ClinfedError(
+                f"the run protects one {config.privacy_unit}; this site requires at least one "
+                f"{self.privacy_unit} (node config privacy-unit): refused"
+            )
+        if self.max_grad_norm is not None and config.max_grad_norm > self.max_grad_norm:
+            raise ClinfedError(
+                f"the run asks for clipping norm {config.max_grad_norm:g}, above this site's "
+                f"cap {self.max_grad_norm:g} (node config max-grad-norm): refused"
+            )
+        if self.max_length is not None and config.max_length > self.max_length:
+            raise ClinfedError(
+                f"the run asks for windows of {config.max_length} tokens, above this site's "
+                f"cap {self.max_length} (node config max-length): refused"
+            )
+
+
+# Privacy units, weakest first.
+UNIT_STRENGTH = ("example", "document", "patient")
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
@@ -126,6 +198,45 @@ def safe_run_name(name: str) -> str:
             "only letters, digits, '.', '_' and '-' (no path separators, no '..')"
         )
     return name
+
+
+def data_fingerprint(data: Path, cache: Path) -> str:
+    """SHA-256 over a data folder's files (relative names, sizes, contents).
+
+    Each file's hash is cached in ``cache`` by size and modification time,
+    so a node does not re-read gigabytes of notes for every message.
+    """
+    import hashlib
+    import json
+
+    try:
+        known = json.loads(cache.read_text()) if cache.is_file() else {}
+    except ValueError:
+        known = {}
+    files = sorted(p for p in data.rglob("*") if p.is_file())
+    total = hashlib.sha256()
+    seen = {}
+    for path in files:
+        name = path.relative_to(data).as_posix()
+        info = path.stat()
+        key = [info.st_size, info.st_mtime_ns]
+        entry = known.get(name)
+        if entry and entry[:2] == key:
+            digest = entry[2]
+        else:
+            h = hashlib.sha256()
+            with open(path, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+            digest = h.hexdigest()
+        seen[name] = [*key, digest]
+        total.update(f"{name}\0{info.st_size}\0{digest}\n".encode())
+    if seen != known:
+        from clinfed.runs import atomic_write_json
+
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(cache, seen)
+    return total.hexdigest()
 
 
 def _of_site(records: Any, site: str) -> Any:
@@ -142,11 +253,7 @@ class NodeSite:
     def __init__(self, config: RunConfig, node: NodeConfig, run_name: str):
         torch.set_num_threads(node.threads or config.threads or os.cpu_count() or 1)
         # The site's own policy, whatever the server's run config says.
-        if not config.dp and not node.allow_no_dp:
-            raise ClinfedError(
-                "this site trains under DP only (node config allow-no-dp is false); the run "
-                "asks for training without DP: refused"
-            )
+        node.check(config)
         folder = node.state / safe_run_name(run_name)
         # Tokenized notes are protected: they live in a temporary folder at
         # the site, removed when the message is done.
@@ -171,22 +278,26 @@ class NodeSite:
             test = task.encode(test_records, tokenizer, config.max_length, cache_dir)
             if len(train) == 0:
                 raise ClinfedError(f"{node.data}: no training examples for site {name}")
-            cap = node.max_delta if node.max_delta is not None else 1 / (10 * len(train))
+            units = count_units(task, train, config.privacy_unit)
+            cap = node.max_delta if node.max_delta is not None else 1 / (10 * units)
             if config.dp and config.delta > cap:
                 raise ClinfedError(
                     f"the run asks for delta {config.delta:g}, above this site's cap {cap:.3g} "
-                    f"(node config max-delta; default 1/(10 n), n = {len(train)}): refused"
+                    f"(node config max-delta; default 1/(10 n), n = {units} units): refused"
                 )
             model = make_model(config, task)
             strategy = make_strategy(config, task, tokenizer, cache_dir)
             privacy = None
             if config.dp:
-                policy = privacy_policy(config, {name: len(train)}, folder / "privacy", strategy)
-                if node.max_epsilon is not None:
-                    budget = policy.budget
-                    policy.budget = (
-                        node.max_epsilon if budget is None else min(budget, node.max_epsilon)
-                    )
+                policy = privacy_policy(config, task, {name: train}, folder / "privacy", strategy)
+                # One ledger per dataset at this node, whatever the run is
+                # called: capped by the node's own max-epsilon over every
+                # run, and this run by its own target.
+                ledgers = node.state / "ledger"
+                fingerprint = data_fingerprint(node.data, ledgers / "fingerprints.json")
+                policy.ledger_paths = {name: ledgers / f"{name}-{fingerprint[:16]}.jsonl"}
+                policy.ledger_budget = node.max_epsilon
+                policy.run = run_name
                 privacy = SitePrivacy(policy, name)
             self.runner = SiteRunner(
                 name,
@@ -203,6 +314,7 @@ class NodeSite:
                 privacy,
                 config.eval_batch_size,
                 predictions_dir=folder / "predictions",
+                planned_rounds=config.rounds,
             )
         except BaseException:
             self._tmp.cleanup()

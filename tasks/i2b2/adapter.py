@@ -158,6 +158,20 @@ class I2b2Task(Task):
             tokenize, batched=True, batch_size=256, remove_columns=rows.column_names, desc=None
         )
 
+    units = {
+        "example": "one sentence (a line of a note; the windows of a long line folded into one)",
+        "document": "one note (every sentence of it, sampled and clipped together)",
+    }
+
+    def unit_keys(self, examples: datasets.Dataset, unit: str) -> list[Any]:
+        super().unit_keys(examples, unit)
+        if unit == "document":
+            return list(examples["doc"])
+        return list(zip(examples["doc"], examples["line"]))
+
+    def group_keys(self, examples: datasets.Dataset) -> list[Any] | None:
+        return list(examples["doc"])
+
     def collate(self, batch: dict[str, list]) -> dict[str, torch.Tensor]:
         width = max(len(ids) for ids in batch["input_ids"])
         n = len(batch["input_ids"])

@@ -6,6 +6,14 @@ discharge summary is cut into chunks of the encoder's window, at most
 ``max_chunks`` of them (later text is dropped, like CAML's truncation at
 2,500 tokens); the model pools the chunks per admission with label-wise
 attention (``clinfed.models.ChunkedLabelAttentionClassifier``).
+
+The label set is public, never chosen from the sites' codes: the published
+MIMIC-III-50 list of CAML (Mullenbach et al. 2018, bundled as
+``mimic3-50.txt``; its diagnoses or procedures for ``--codes``), its first
+``top_k`` codes (the list is in frequency order), or a list the user gives
+(``--labels FILE``). A label set counted from the sites' private codes
+would be a release no ledger accounts: it names the run's labels, sizes
+the head and filters every site's data.
 """
 
 from __future__ import annotations
@@ -35,6 +43,24 @@ from clinfed.tasks.mimic3.format import (
 from clinfed.tasks.mimic3.metrics import multilabel_metrics
 
 TEST_FRACTION = 0.2
+PUBLIC_LIST = Path(__file__).with_name("mimic3-50.txt")
+PUBLIC_SOURCE = "public: the MIMIC-III-50 list of CAML (Mullenbach et al. 2018)"
+
+
+def code_kind(code: str) -> str:
+    """``diagnoses`` or ``procedures`` of a CAML-dotted ICD-9 code:
+    procedures have 2 digits before the dot, diagnoses 3 (or start V/E)."""
+    if code[:1] in ("V", "E"):
+        return "diagnoses"
+    return "procedures" if len(code.split(".")[0]) == 2 else "diagnoses"
+
+
+def public_labels(codes: str, top_k: int) -> list[str]:
+    """The public list's codes of kind ``codes`` (``both``: all), the first
+    ``top_k`` of them in its frequency order (0: all)."""
+    listed = [c for c in PUBLIC_LIST.read_text().split() if c]
+    kept = [c for c in listed if codes == "both" or code_kind(c) == codes]
+    return kept[:top_k] if top_k else kept
 
 
 def site_folders(data: Path) -> dict[str, Path]:
@@ -76,9 +102,9 @@ class Mimic3Task(Task):
     codes
         ``diagnoses`` (default), ``procedures`` or ``both``.
     top_k
-        Keep the ``top_k`` most frequent codes of the training admissions
-        (CAML's top-50); 0 keeps every code. Admissions with none of the kept
-        codes are left out, as in CAML's MIMIC-III-50.
+        Keep the first ``top_k`` codes of the public list (it is in
+        MIMIC-III frequency order); 0 keeps all of them. Admissions with none
+        of the label codes are left out, as in CAML's MIMIC-III-50.
     max_chunks
         Windows per admission kept for the model.
     seed
@@ -91,7 +117,6 @@ class Mimic3Task(Task):
     # (more steps) and a fast head.
     defaults = {"max_length": 256, "batch_size": 8, "lr": 5e-5, "head_lr": 1e-2}
     accepts_fixed_labels = True
-    labels_from_data = True
 
     def __init__(
         self,
@@ -108,10 +133,12 @@ class Mimic3Task(Task):
             raise ClinfedError("--max-chunks must be at least 1")
         self.codes, self.top_k, self.max_chunks, self.seed = codes, top_k, max_chunks, seed
         self.cache_dir = cache_dir
-        # A fixed code list (a Flower run: no server sees the pooled codes);
-        # otherwise load() picks the top-K training codes.
-        self.fixed_labels = sorted(labels) if labels else None
-        self.labels: list[str] = list(self.fixed_labels or [])
+        # Public, whatever the data holds (see the module docstring).
+        if labels:
+            self.labels, self.label_source = sorted(labels), "given: --labels"
+        else:
+            self.labels, self.label_source = public_labels(codes, top_k), PUBLIC_SOURCE
+        self.fixed_labels = self.labels
         self.pad_id = 0
 
     # ---------------------------------------------------------------- reading
@@ -141,11 +168,6 @@ class Mimic3Task(Task):
         everything = datasets.concatenate_datasets(parts)
         train = everything.filter(lambda s: s == "train", input_columns="split")
         test = everything.filter(lambda s: s in ("test", "dev"), input_columns="split")
-        frequency = Counter(code for codes in train["codes"] for code in codes)
-        if not frequency:
-            raise ClinfedError(f"{data}: no training admission has a discharge summary and a code")
-        ranked = sorted(frequency, key=lambda c: (-frequency[c], c))
-        self.labels = self.fixed_labels or sorted(ranked[: self.top_k] if self.top_k else ranked)
         kept = set(self.labels)
 
         def has_label(codes: list[str]) -> bool:
@@ -153,6 +175,11 @@ class Mimic3Task(Task):
 
         train = train.filter(has_label, input_columns="codes")
         test = test.filter(has_label, input_columns="codes")
+        if len(train) == 0:
+            raise ClinfedError(
+                f"{data}: no training admission has a discharge summary and one of the "
+                f"{len(self.labels)} label codes ({self.label_source})"
+            )
         return Corpus(
             train,
             test,
@@ -212,13 +239,28 @@ class Mimic3Task(Task):
                 targets.append(target)
             return {"input_ids": chunks, "targets": targets, "n_tokens": lengths}
 
-        keep = {"hadm_id", "site"}
+        keep = {"hadm_id", "subject_id", "site"}
         return records.map(
             tokenize,
             batched=True,
             batch_size=64,
             remove_columns=[c for c in records.column_names if c not in keep],
         )
+
+    units = {
+        "example": "one admission (its discharge summary, chunks folded into one example)",
+        "document": "one admission (a discharge summary is one document)",
+        "patient": "one patient (every admission of a SUBJECT_ID, sampled and clipped together)",
+    }
+
+    def unit_keys(self, examples: datasets.Dataset, unit: str) -> list[Any]:
+        super().unit_keys(examples, unit)
+        if unit == "patient":
+            return list(examples["subject_id"])
+        return list(range(len(examples)))
+
+    def group_keys(self, examples: datasets.Dataset) -> list[Any] | None:
+        return list(examples["subject_id"])
 
     def collate(self, batch: dict[str, list]) -> dict[str, torch.Tensor]:
         n = len(batch["input_ids"])
@@ -344,7 +386,7 @@ class Mimic3Task(Task):
         writer.writerow(["HADM_ID", "CODES"] + [f"P_{code}" for code in self.labels])
         for hadm, probs in zip(examples["hadm_id"], outputs):
             codes = ";".join(code for code, p in zip(self.labels, probs) if p >= threshold)
-            writer.writerow([hadm, codes] + [f"{p:.5f}" for p in probs])
+            writer.writerow([hadm, codes] + [f"{p:.7g}" for p in probs])
         atomic_write_text(Path(folder) / "predictions.csv", buf.getvalue())
 
     def meta(self) -> dict[str, Any]:
@@ -352,4 +394,5 @@ class Mimic3Task(Task):
             "codes": self.codes,
             "top_k": self.top_k,
             "max_chunks": self.max_chunks,
+            "label_source": self.label_source,
         }
