@@ -389,6 +389,7 @@ def test_a_node_refuses_a_deleted_or_shortened_ledger(i2b2_corpus, tmp_path):
         ({"target_epsilon": 8.0, "max_grad_norm": 5.0}, {"max_grad_norm": 1.0}, "clipping norm"),
         ({"target_epsilon": 8.0, "max_length": 64}, {"max_length": 32}, "windows of 64"),
         ({"target_epsilon": 8.0, "lr": float("nan")}, {}, "lr"),
+        ({"target_epsilon": 8.0}, {"privacy_unit": "document"}, "at least one document"),
     ],
 )
 def test_a_node_validates_every_setting_against_its_policy(

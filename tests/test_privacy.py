@@ -525,3 +525,44 @@ def test_sweep_writes_a_table_and_skips_finished_cells(i2b2_corpus, tmp_path):
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps  # nothing rerun
     bad = run_cli(*args[:-2], "--epsilons", "0,1")
     assert bad.returncode == 2 and "not positive" in bad.stderr
+
+
+def test_units_are_what_sampling_and_accounting_count(i2b2_corpus, tmp_path):
+    from collections import Counter
+
+    from clinfed.pipeline import make_strategy, privacy_policy
+
+    task = I2b2Task()
+    tokenizer = load_tokenizer("tiny")
+    records = task.read_documents(i2b2_corpus / "train", ProblemLog())
+    data = task.encode(records, tokenizer, 16, str(tmp_path))  # short windows: lines split
+    rows = list(zip(data["doc"], data["line"]))
+    sentences, notes = len(set(rows)), len(set(data["doc"]))
+    assert len(data) > sentences > notes  # some lines span several windows
+
+    def policy(unit: str):
+        config = RunConfig.of(
+            task="i2b2", model="tiny", strategy="fedavg", data=str(i2b2_corpus),
+            target_epsilon=4.0, privacy_unit=unit, max_length=16,
+        ).resolved()  # fmt: skip
+        strategy = make_strategy(config, task, tokenizer, str(tmp_path))
+        return privacy_policy(config, task, {"beth": data}, tmp_path / unit, strategy)
+
+    sentence_level, note_level = policy("example"), policy("document")
+    # the sampling rate (and so the noise) is over sentences, or over notes
+    assert sentence_level.sizes == {"beth": sentences}
+    assert note_level.sizes == {"beth": notes}
+    assert note_level.round_mechanisms("beth")[0].sample_rate > (
+        sentence_level.round_mechanisms("beth")[0].sample_rate
+    )
+    # at the sentence level the report gets k (sentences per note) and the group bound
+    per_note = Counter(doc for doc, _ in set(rows))
+    group = sentence_level.describe_site("beth")["group"]
+    assert group["of"] == "document" and group["k_max"] == max(per_note.values())
+    planned = sentence_level.describe_site("beth")["planned_epsilon"]
+    assert group["planned_epsilon_for_k_max"] == pytest.approx(group["k_max"] * planned)
+    assert group["delta_for_k_max"] > sentence_level.delta
+    assert "group" not in note_level.describe_site("beth")
+    assert note_level.describe()["patient_caveat"] is None
+    with pytest.raises(Exception, match="offers example, document"):
+        RunConfig.of(task="i2b2", data=str(i2b2_corpus), privacy_unit="patient").validate()
