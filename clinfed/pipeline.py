@@ -61,6 +61,9 @@ from clinfed.training import linear_schedule, make_optimizer, predict, train_epo
 __all__ = ["RunConfig", "run_training", "make_model", "make_task", "make_strategy"]
 
 Reporter = Callable[[str, dict[str, Any]], None]
+# What an auditing run keeps for ``clinfed audit`` (clinfed.privacy.audit).
+AUDIT_HOLDOUT = Path("audit") / "holdout.json"
+AUDIT_UPDATES = Path("audit") / "updates"
 
 
 def _quiet(event: str, info: dict[str, Any]) -> None:
@@ -181,6 +184,8 @@ def run_training(config: RunConfig, report: Reporter = _quiet) -> dict[str, Any]
             _loaded(report, train, test, corpus, None, problems)
             return _pooled(prep, config, train, test, report)
         clients, test_parts = _clients(config, task, corpus, train, test)
+        holdout = _audit_holdout(config, task, train, clients)
+        clients = {c: holdout[c]["members"] if holdout else idx for c, idx in clients.items()}
         strategy = make_strategy(config, task, tokenizer, cache_dir)
         policies: dict[str, PrivacyPolicy] = {}
         if config.dp:
@@ -196,8 +201,47 @@ def run_training(config: RunConfig, report: Reporter = _quiet) -> dict[str, Any]
         if not config.resume:
             out = create_run_folder(config.out)
             _write_start(out, config, task, corpus, "in-process")
+            if holdout:
+                atomic_write_json(
+                    out / AUDIT_HOLDOUT,
+                    {
+                        "share": config.audit_holdout,
+                        "unit": config.privacy_unit,
+                        "rows": "indices into the encoded training examples",
+                        "sites": {
+                            c: {k: v.tolist() for k, v in parts.items()}
+                            for c, parts in sorted(holdout.items())
+                        },
+                    },
+                )
         _loaded(report, train, test, corpus, clients, problems)
         return _federated(prep, config, train, test, clients, test_parts, report, policies)
+
+
+def _audit_holdout(
+    config: RunConfig, task: Task, train: Any, clients: dict[str, np.ndarray]
+) -> dict[str, dict[str, np.ndarray]]:
+    """With ``--audit-holdout F``: per client, a random share F of its
+    training units set aside before training (``non_members``, whole units)
+    and the rest (``members``). Seeded by the run's seed, so a resume sets
+    aside the same rows."""
+    if not config.audit_holdout:
+        return {}
+    rng = np.random.default_rng([config.seed, 2718])
+    parts = {}
+    for client, idx in sorted(clients.items()):
+        units = unit_rows(task, train.select(idx), config.privacy_unit)
+        held = int(round(config.audit_holdout * len(units)))
+        if held == 0 or held == len(units):
+            raise ClinfedError(
+                f"--audit-holdout {config.audit_holdout}: {client} has {len(units)} units, "
+                "too few to set some aside and train on the rest"
+            )
+        chosen = set(rng.choice(len(units), size=held, replace=False).tolist())
+        out = np.sort(np.concatenate([units[u] for u in chosen]))
+        kept = np.sort(np.concatenate([units[u] for u in range(len(units)) if u not in chosen]))
+        parts[client] = {"members": idx[kept], "non_members": idx[out]}
+    return parts
 
 
 def _site_dir(config: RunConfig, client: str) -> Path:
@@ -420,6 +464,7 @@ def _federated(
             SitePrivacy(policies[client], client) if client in policies else None,
             config.eval_batch_size,
             report=report,
+            audit_dir=prep.out / AUDIT_UPDATES if config.audit_holdout else None,
         )
         for client, idx in sorted(clients.items())
     }

@@ -178,6 +178,15 @@ class PrivacySettings:
         "MIMIC-III SUBJECT_ID). Units are sampled and clipped whole.",
         choices=("example", "document", "patient"),
     )
+    audit_holdout: float = setting(
+        0.0,
+        "Set aside this share of each site's training units before training, as the "
+        "non-members of `clinfed audit` (recorded in RUN/audit/; each site's last update is "
+        "kept there too).",
+        minimum=0.0,
+        below=1.0,
+        simulator_only=True,
+    )
     reproducible_noise: bool = setting(
         False,
         "Derive DP noise and sampling from the public seed instead of OS entropy (tests and "

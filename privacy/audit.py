@@ -1,15 +1,35 @@
 """``clinfed audit RUN``: an empirical membership-inference check.
 
-The loss-threshold attack (Yeom et al. 2018) guesses "member" when the
-model's loss on an example is low. Its ROC AUC over the run's training
-examples (members) against its held-out examples (non-members) is written
-to ``RUN/audit.json`` and shown in the privacy report next to epsilon.
-AUC 0.5 means the attack cannot tell the two apart; it is evidence, never a
-proof, of privacy (epsilon is the guarantee).
+Members and non-members come from the same distribution. A run trained
+with ``--audit-holdout F`` sets aside a random share F of each site's
+training units before training (``RUN/audit/holdout.json`` records which
+rows); they are the non-members, the rest of the site's training rows the
+members. (Comparing training examples with the test split instead measures
+the split as much as the model: on the synthetic data, non-members against
+the test split alone already give AUC 0.57.)
+
+Two attacks, on two targets:
+
+* loss threshold (Yeom et al. 2018): "member" when the model's loss on a
+  row is low;
+* loss calibrated by the run's initial model (difficulty calibration,
+  Watson et al. 2022; a likelihood-ratio test with one reference model,
+  which costs one more forward pass): "member" when training lowered the
+  row's loss the most;
+
+against the final global model (what anyone with the run folder has) and,
+per site, the model its last update made (what the server saw:
+``RUN/audit/updates/<site>.safetensors``, kept by an auditing run).
+
+Each AUC comes with a 95% bootstrap interval. An AUC above 0.5 beyond its
+interval shows leakage this attack can exploit; an AUC near 0.5 is not a
+proof of privacy (stronger attacks exist). It is never a bound: epsilon is
+the guarantee.
 """
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -19,10 +39,10 @@ import torch
 from sklearn.metrics import roc_auc_score
 
 from clinfed.errors import ClinfedError, ProblemLog
+from clinfed.federated.state import load_tensors
 from clinfed.models import load_saved_model
 from clinfed.runs import atomic_write_json
-from clinfed.settings import read_run_config
-from clinfed.tasks import get_task
+from clinfed.settings import RunConfig, read_run_config
 from clinfed.training import split_batches
 
 
@@ -37,35 +57,132 @@ def example_losses(model, task, examples, batch_size: int = 32) -> np.ndarray:
     return np.concatenate(losses) if losses else np.zeros(0)
 
 
+def auc_with_interval(
+    members: np.ndarray, non_members: np.ndarray, rng: np.random.Generator, resamples: int = 1000
+) -> dict[str, float]:
+    """ROC AUC of scores (higher: "member") and its 95% bootstrap interval
+    (members and non-members resampled separately)."""
+    labels = np.r_[np.ones(len(members)), np.zeros(len(non_members))]
+    auc = float(roc_auc_score(labels, np.r_[members, non_members]))
+    draws = []
+    for _ in range(resamples):
+        m = rng.choice(members, size=len(members))
+        n = rng.choice(non_members, size=len(non_members))
+        draws.append(roc_auc_score(labels, np.r_[m, n]))
+    low, high = np.percentile(draws, [2.5, 97.5])
+    return {"auc": auc, "ci_low": float(low), "ci_high": float(high)}
+
+
+def reading(result: dict[str, float]) -> str:
+    """An AUC and its interval in plain words."""
+    if result["ci_low"] > 0.5:
+        return (
+            f"the attack tells training rows from held-out ones better than chance (AUC "
+            f"{result['auc']:.3f}, 95% CI {result['ci_low']:.3f}-{result['ci_high']:.3f}): the "
+            "model leaks membership at least this much to this attack"
+        )
+    return (
+        f"the attack does no better than chance within its 95% interval (AUC "
+        f"{result['auc']:.3f}, CI {result['ci_low']:.3f}-{result['ci_high']:.3f}); that is "
+        "evidence, not proof, of privacy: stronger attacks exist, epsilon is the guarantee"
+    )
+
+
+def _attack(
+    model, initial, task, examples, members: list[int], non_members: list[int], rng
+) -> dict[str, Any]:
+    rows = members + non_members
+    final = example_losses(model, task, examples.select(rows))
+    before = example_losses(initial, task, examples.select(rows))
+    k = len(members)
+    loss = auc_with_interval(-final[:k], -final[k:], rng)
+    calibrated = auc_with_interval(before[:k] - final[:k], before[k:] - final[k:], rng)
+    return {
+        "members": k,
+        "non_members": len(non_members),
+        "loss_threshold": loss | {"reading": reading(loss)},
+        "calibrated_loss": calibrated | {"reading": reading(calibrated)},
+    }
+
+
 def audit(run: Path, max_examples: int = 400, seed: int = 0) -> dict[str, Any]:
-    """Run the attack on ``run``'s final model; write and return ``audit.json``."""
+    """Run both attacks on ``run``; write and return ``RUN/audit.json``.
+
+    ``max_examples``: members and non-members each, at most, per target.
+    """
+    from clinfed.pipeline import AUDIT_HOLDOUT, AUDIT_UPDATES, make_model, make_task
+
     run = Path(run)
     config_path, model_dir = run / "config.json", run / "model"
     if not config_path.is_file() or not model_dir.is_dir():
         raise ClinfedError(f"{run}: no config.json or model/ (not a finished clinfed run?)")
-    config = read_run_config(run)
+    if max_examples < 2:
+        raise ClinfedError(f"--max-examples must be at least 2, not {max_examples}")
+    holdout_path = run / AUDIT_HOLDOUT
+    if not holdout_path.is_file():
+        raise ClinfedError(
+            f"{run}: trained without --audit-holdout, so there are no held-out training rows "
+            "to compare with (the test split is another distribution); train with "
+            "--audit-holdout 0.1 to audit"
+        )
+    try:
+        holdout = json.loads(holdout_path.read_text())
+        sites = {
+            s: (list(v["members"]), list(v["non_members"])) for s, v in holdout["sites"].items()
+        }
+    except (ValueError, KeyError, TypeError):
+        raise ClinfedError(f"{holdout_path}: not an audit holdout record") from None
+    config = RunConfig.from_values(read_run_config(run), str(config_path)).resolved()
     model, tokenizer, meta = load_saved_model(model_dir)
+    rng = np.random.default_rng(seed)
     with tempfile.TemporaryDirectory(prefix="clinfed-cache-") as cache:
-        options = {k: config[k] for k in ("codes", "top_k", "max_chunks") if k in config}
-        task = get_task(config["task"], seed=config.get("seed", 0), cache_dir=cache, **options)
-        corpus = task.load(Path(config["data"]), ProblemLog(config.get("on_error", "strict")))
+        task = make_task(config, cache)
+        corpus = task.load(Path(config.data), ProblemLog(config.on_error))
         task.labels = list(meta["labels"])
-        rng = np.random.default_rng(seed)
-        scores, members = [], []
-        for split, is_member in ((corpus.train, 1), (corpus.test, 0)):
-            examples = task.encode(split, tokenizer, meta["max_length"], cache)
-            take = min(max_examples, len(examples))
-            chosen = np.sort(rng.choice(len(examples), size=take, replace=False))
-            losses = example_losses(model, task, examples.select(chosen))
-            scores.extend((-losses).tolist())  # low loss: "member"
-            members.extend([is_member] * take)
-    if len(set(members)) < 2:
-        raise ClinfedError(f"{run}: the audit needs both training and held-out examples")
-    result = {
-        "attack": "loss threshold (Yeom et al. 2018)",
-        "auc": float(roc_auc_score(members, scores)),
-        "members": int(sum(members)),
-        "non_members": int(len(members) - sum(members)),
-    }
+        examples = task.encode(corpus.train, tokenizer, meta["max_length"], cache)
+        initial = make_model(config, task)  # the seeded starting weights
+        if any(i >= len(examples) for m, n in sites.values() for i in m + n):
+            raise ClinfedError(f"{holdout_path}: rows beyond the data's; was the data changed?")
+
+        def sample(rows: list[int], cap: int) -> list[int]:
+            if len(rows) <= cap:
+                return sorted(rows)
+            return sorted(rng.choice(rows, size=cap, replace=False).tolist())
+
+        pooled_members = [i for m, _ in sites.values() for i in m]
+        pooled_non = [i for _, n in sites.values() for i in n]
+        if not pooled_members or not pooled_non:
+            raise ClinfedError(f"{holdout_path}: no held-out or no member rows to compare")
+        result: dict[str, Any] = {
+            "holdout_share": holdout.get("share"),
+            "final_model": _attack(
+                model,
+                initial,
+                task,
+                examples,
+                sample(pooled_members, max_examples),
+                sample(pooled_non, max_examples),
+                rng,
+            ),
+            "site_updates": {},
+        }
+        site_model = make_model(config, task)
+        for site, (members, non_members) in sorted(sites.items()):
+            path = run / AUDIT_UPDATES / f"{site}.safetensors"
+            if not path.is_file() or not members or not non_members:
+                continue
+            site_model.load_state_dict(load_tensors(path))
+            result["site_updates"][site] = _attack(
+                site_model,
+                initial,
+                task,
+                examples,
+                sample(members, max_examples),
+                sample(non_members, max_examples),
+                rng,
+            )
+    final = result["final_model"]["loss_threshold"]
+    result |= {"auc": final["auc"], "members": result["final_model"]["members"]}
+    result["non_members"] = result["final_model"]["non_members"]
     atomic_write_json(run / "audit.json", result)
     return result

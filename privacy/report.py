@@ -305,14 +305,37 @@ def _markdown(content: dict[str, Any], images: dict[str, str]) -> str:
         lines.append(f"The run {content['stopped']}.")
     audit = content["audit"]
     lines += ["", "## Empirical check (membership inference)", ""]
-    if audit:
-        lines.append(
-            f"Loss-threshold attack AUC {audit['auc']:.3f} on {audit['members']} training vs "
-            f"{audit['non_members']} held-out examples (0.5 = the attacker cannot tell them "
-            "apart; this is a lower bound on leakage, not a proof of privacy)."
-        )
+    if audit and "final_model" in audit:
+        final = audit["final_model"]
+        lines += [
+            f"Members: training rows; non-members: {_fmt(audit.get('holdout_share'), 'g')} of "
+            "each site's training units, set aside at random before training (the same "
+            f"distribution). {final['members']} members against {final['non_members']} "
+            "non-members per target. 0.5 means the attack cannot tell them apart.",
+            "",
+            "| target | attack | AUC | 95% CI |",
+            "|---|---|---|---|",
+        ]
+        targets = [("final model", final)] + [
+            (f"{site}'s last update", attack)
+            for site, attack in sorted(audit.get("site_updates", {}).items())
+        ]
+        for name, attack in targets:
+            for key, label in (
+                ("loss_threshold", "loss threshold"),
+                ("calibrated_loss", "loss calibrated by the initial model"),
+            ):
+                result = attack[key]
+                lines.append(
+                    f"| {name} | {label} | {result['auc']:.3f} "
+                    f"| {result['ci_low']:.3f}-{result['ci_high']:.3f} |"
+                )
+        lines += [
+            "",
+            f"In plain words: {final['loss_threshold']['reading']}.",
+        ]
     else:
-        lines.append("Not run (`clinfed audit RUN` adds it).")
+        lines.append("Not run. Train with `--audit-holdout 0.1`, then `clinfed audit RUN` adds it.")
     return "\n".join(lines) + "\n"
 
 

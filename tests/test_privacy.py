@@ -459,6 +459,8 @@ def test_dp_run_report_and_audit_never_contain_note_text(mimic_corpus, tmp_path)
         "1",
         "--target-epsilon",
         "4",
+        "--audit-holdout",
+        "0.25",
         "--data",
         str(mimic_corpus),
         "--out",
@@ -566,3 +568,48 @@ def test_units_are_what_sampling_and_accounting_count(i2b2_corpus, tmp_path):
     assert note_level.describe()["patient_caveat"] is None
     with pytest.raises(Exception, match="offers example, document"):
         RunConfig.of(task="i2b2", data=str(i2b2_corpus), privacy_unit="patient").validate()
+
+
+def test_the_audit_compares_members_with_training_rows_set_aside(i2b2_corpus, tmp_path):
+    plain = tmp_path / "plain"
+    args = ["train", "--task", "i2b2", "--strategy", "fedavg", "--model", "tiny",
+            "--rounds", "2", "--max-length", "32", "--threads", "1",
+            "--data", str(i2b2_corpus)]  # fmt: skip
+    assert run_cli(*args, "--out", str(plain)).returncode == 0
+    refused = run_cli("audit", str(plain))
+    assert refused.returncode == 2 and "--audit-holdout" in refused.stderr
+
+    run = tmp_path / "audited"
+    assert run_cli(*args, "--audit-holdout", "0.25", "--out", str(run)).returncode == 0
+    holdout = json.loads((run / "audit" / "holdout.json").read_text())
+    task = I2b2Task()
+    encoded = task.encode(
+        task.read_documents(i2b2_corpus / "train", ProblemLog()), load_tokenizer("tiny"), 32,
+        str(tmp_path / "cache"),
+    )  # fmt: skip
+    trained = {r["client"]: r["examples"] for r in read_jsonl(run / "metrics.jsonl")
+               if r.get("round") == 1 and "examples" in r}  # fmt: skip
+    for site, parts in holdout["sites"].items():
+        members, non_members = set(parts["members"]), set(parts["non_members"])
+        assert members and non_members and not members & non_members
+        # both from the site's own training rows, whole sentences set aside ...
+        assert {encoded[i]["site"] for i in members | non_members} == {site}
+        held = {(encoded[i]["doc"], encoded[i]["line"]) for i in non_members}
+        assert not held & {(encoded[i]["doc"], encoded[i]["line"]) for i in members}
+        # ... and the site trained on the members only
+        assert trained[site] == len(members)
+        assert (run / "audit" / "updates" / f"{site}.safetensors").is_file()
+
+    audited = run_cli("audit", str(run), "--json")
+    assert audited.returncode == 0, audited.stderr
+    result = json.loads(audited.stdout)
+    targets = [result["final_model"], *result["site_updates"].values()]
+    assert len(targets) == 1 + len(holdout["sites"])
+    for target in targets:
+        for attack in ("loss_threshold", "calibrated_loss"):
+            found = target[attack]
+            assert found["ci_low"] <= found["auc"] <= found["ci_high"]
+            assert "chance" in found["reading"] and "bound" not in found["reading"]
+    assert run_cli("report", str(run)).returncode == 0
+    report = (run / "report" / "report.md").read_text()
+    assert "set aside at random before training" in report and "95% CI" in report

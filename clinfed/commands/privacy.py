@@ -79,15 +79,25 @@ def report_cmd(
 def audit_cmd(
     run: Path = typer.Argument(..., help="A finished run folder.", exists=True, file_okay=False),
     max_examples: int = typer.Option(
-        400, "--max-examples", help="Training and held-out examples each."
+        400, "--max-examples", help="Members and held-out non-members each, per target."
     ),
+    as_json: bool = typer.Option(False, "--json", help="Print audit.json."),
 ) -> None:
-    """Loss-threshold membership-inference attack on the run's model; writes
+    """Membership-inference attacks (loss threshold, and loss calibrated by the
+    initial model) on the final model and each site's last update, members
+    against the training rows the run set aside (--audit-holdout); writes
     RUN/audit.json (shown by clinfed report)."""
     from clinfed.privacy.audit import audit
 
     result = audit(run, max_examples)
+    if as_json:
+        _print_json(result)
+        return
+    final = result["final_model"]
     out.print(
-        f"membership-inference AUC {result['auc']:.3f} ({result['members']} training vs "
-        f"{result['non_members']} held-out examples; 0.5 = no better than chance)"
+        f"final model, {final['members']} members vs {final['non_members']} held out: "
+        f"{final['loss_threshold']['reading']}"
     )
+    out.print(f"calibrated by the initial model: {final['calibrated_loss']['reading']}")
+    for site, attack in result["site_updates"].items():
+        out.print(f"{site}'s last update: {attack['loss_threshold']['reading']}")

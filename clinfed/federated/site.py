@@ -109,6 +109,7 @@ class SiteRunner:
         predictions_dir: Path | None = None,
         report: Reporter = _quiet,
         planned_rounds: int | None = None,
+        audit_dir: Path | None = None,
     ):
         self.name, self.task, self.model, self.strategy = name, task, model, strategy
         self.initial_state = initial_state
@@ -118,6 +119,9 @@ class SiteRunner:
         self.eval_batch_size, self.predictions_dir = eval_batch_size, predictions_dir
         self.report = report
         self.planned_rounds = planned_rounds
+        # An auditing run keeps each site's latest update as the server saw
+        # it (the global model it received with the upload overlaid).
+        self.audit_dir = audit_dir
         self.names = [n for n, _ in model.named_parameters()]
         self.personal: dict[str, torch.Tensor] = {}
         self.final_outputs: list | None = None
@@ -140,7 +144,14 @@ class SiteRunner:
         record = None
         if message.kind == "train":
             self.report("site_start", {"round": message.round, "client": self.name})
+            received = (
+                {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+                if self.audit_dir is not None
+                else None
+            )
             upload, record = self.train_round(message.round, message.strategy_state)
+            if received is not None and upload:
+                save_tensors(self.audit_dir / f"{self.name}.safetensors", received | upload)
         # The copy is on disk before anything leaves the site: the next
         # round's partial download overlays it.
         self._save_copy(message.round - 1)
