@@ -613,3 +613,22 @@ def test_the_audit_compares_members_with_training_rows_set_aside(i2b2_corpus, tm
     assert run_cli("report", str(run)).returncode == 0
     report = (run / "report" / "report.md").read_text()
     assert "set aside at random before training" in report and "95% CI" in report
+
+
+def test_resume_refuses_a_site_ledger_that_was_deleted_or_shortened(i2b2_corpus, tmp_path):
+    run = tmp_path / "run"
+    args = ["train", "--task", "i2b2", "--strategy", "fedavg", "--model", "tiny",
+            "--rounds", "2", "--max-length", "32", "--threads", "1", "--target-epsilon", "8",
+            "--data", str(i2b2_corpus), "--out", str(run)]  # fmt: skip
+    assert run_cli(*args).returncode == 0
+    ledger = run / "sites" / "beth" / "privacy" / "beth.jsonl"
+    whole = ledger.read_bytes()
+    ledger.write_bytes(whole[: whole.index(b"\n") + 1])  # one line left
+    shortened = run_cli(*args, "--resume")
+    assert shortened.returncode == 2 and "shortened" in shortened.stderr
+    # ledger and seal both gone: the commit (state.json) still knows
+    ledger.unlink()
+    ledger.with_name("beth.jsonl.seal").unlink()
+    deleted = run_cli(*args, "--resume")
+    assert deleted.returncode == 2 and "deleted" in deleted.stderr
+    assert "state.json" in deleted.stderr
