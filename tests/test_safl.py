@@ -15,6 +15,7 @@ from clinfed.federated.plan import full_plan
 from clinfed.federated.strategies import get_strategy
 from clinfed.models import build_model, load_tokenizer
 from clinfed.pipeline import RunConfig, run_training
+from clinfed.privacy.dpsgd import unit_rows
 from clinfed.tasks.i2b2.adapter import I2b2Task
 
 
@@ -106,3 +107,25 @@ def test_safl_run_records_layers_scores_and_selection_cost(i2b2_corpus, tmp_path
         mechanism = sites[0]["selection_mechanism"]
         assert mechanism["type"] == "gaussian" and mechanism["sigma"] > 0
     assert 0 < summary["ratio_to_fedavg_up"] < 1
+
+
+def test_private_selection_counts_each_privacy_unit_once(i2b2_corpus, tmp_path):
+    task = I2b2Task()
+    records = task.read_documents(i2b2_corpus / "train", ProblemLog())
+    rows = task.encode(records, load_tokenizer("tiny"), 16, str(tmp_path))  # lines split
+    first_notes = sorted(set(rows["doc"]))[:3]
+    local = rows.select([i for i, d in enumerate(rows["doc"]) if d in first_notes])
+    model = build_model("token", "tiny", num_labels=7)
+    strategy = get_strategy(
+        "safl",
+        {"top_layers": 1, "selection": "private", "selection_noise": 1e-9, "profile_examples": 99},
+    )
+    for unit in ("example", "document"):
+        units = unit_rows(task, local, unit)
+        assert any(len(r) > 1 for r in units)
+        info = strategy.select(1, "s", model, task, local, np.random.default_rng(0), unit)
+        clipped = np.clip(profile(model, task, local), 0.0, 1.0)
+        # every unit weighs the same, whatever its number of rows
+        expected = np.mean([clipped[r].mean(axis=0) for r in units], axis=0)
+        assert info["selection_mechanism"]["units"] == len(units)
+        np.testing.assert_allclose(info["scores"], expected, atol=1e-5)

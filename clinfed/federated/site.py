@@ -329,6 +329,7 @@ class SiteRunner:
                 self.task,
                 self.train,
                 rng=randomness.sampling if randomness is not None else None,
+                unit=dp.unit if dp is not None else "example",
             )
             plan = self.strategy.plan(round_number, self.name, self.names)
             work = LocalWork(

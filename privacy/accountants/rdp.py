@@ -9,8 +9,8 @@ bounds it::
     eps_replace(a) <= (a - 1/2) / (a - 1) * eps(2a) + eps(2a - 1)
 
 (Opacus's bound holds in both directions, Mironov, Talwar and Zhang 2019,
-Theorem 5). It is valid but loose (1.5-2.6x the PLD figure on typical
-settings), so reports show it beside the budget figure, never instead.
+Theorem 5). It is valid but loose (1.1-2.7x the PLD figure on the settings
+we tried), so reports show it beside the budget figure, never instead.
 """
 
 from __future__ import annotations

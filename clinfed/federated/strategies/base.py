@@ -219,14 +219,23 @@ class Strategy(ABC):
 
     # ------------------------------------------------------------ site side
     def select(
-        self, round_number: int, site: str, model: Any, task: Any, local: Any, rng: Any = None
+        self,
+        round_number: int,
+        site: str,
+        model: Any,
+        task: Any,
+        local: Any,
+        rng: Any = None,
+        unit: str = "example",
     ) -> dict[str, Any]:
         """Data-dependent choices made at the site before :meth:`plan` (SAFL's
         attention profile); ``model`` holds the weights the site starts the
         round from. Under DP, ``rng`` is the site's secret generator: any
-        noise that protects the choice must come from it. What it returns
+        noise that protects the choice must come from it, and one privacy
+        ``unit`` (all its rows together) may move it by no more than the
+        sensitivity :meth:`selection_mechanism` states. What it returns
         joins the site's record."""
-        del round_number, site, model, task, local, rng
+        del round_number, site, model, task, local, rng, unit
         return {}
 
     def selection_mechanism(self) -> Mechanism | None:

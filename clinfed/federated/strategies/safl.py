@@ -48,6 +48,7 @@ from clinfed.federated.strategies.fedfrozen import (
     FedFrozenOptions,
 )
 from clinfed.privacy.accountant import Mechanism
+from clinfed.privacy.dpsgd import unit_rows
 from clinfed.settings import setting
 from clinfed.tasks.base import Task
 
@@ -142,6 +143,7 @@ class SAFL(Strategy):
         task: Task,
         local: datasets.Dataset,
         rng: np.random.Generator | None = None,
+        unit: str = "example",
     ) -> dict[str, Any]:
         layers_total = num_layers(parameter_blocks([n for n, _ in model.named_parameters()]))
         if self.top_k > layers_total:
@@ -169,26 +171,38 @@ class SAFL(Strategy):
                 # and independent of the data order. Under DP the site passes
                 # its secret generator.
                 rng = np.random.default_rng([self.seed, round_number, site_key(site)])
-            idx = rng.choice(len(local), size=min(self.profile_examples, len(local)), replace=False)
-            per_example = np.clip(profile(model, task, local.select(np.sort(idx))), 0.0, 1.0)
+            # Whole privacy units are profiled, each contributing the mean
+            # of its rows' clipped scores: one unit moves the sum by at most
+            # sqrt(L), however many rows (windows, sentences) it has.
+            units = unit_rows(task, local, unit)
+            idx = rng.choice(len(units), size=min(self.profile_examples, len(units)), replace=False)
+            chosen = [units[u] for u in np.sort(idx)]
+            rows = np.concatenate(chosen)
+            per_row = np.clip(profile(model, task, local.select(rows)), 0.0, 1.0)
+            owner = np.repeat(np.arange(len(chosen)), [len(r) for r in chosen])
+            per_unit = np.zeros((len(chosen), layers_total))
+            np.add.at(per_unit, owner, per_row)
+            per_unit /= np.asarray([len(r) for r in chosen], dtype=float)[:, None]
             sigma = self.noise * math.sqrt(layers_total)
-            noisy = per_example.sum(axis=0) + rng.normal(0.0, sigma, size=layers_total)
+            noisy = per_unit.sum(axis=0) + rng.normal(0.0, sigma, size=layers_total)
             scores = (noisy / len(idx)).tolist()
             layers = top_k_layers(scores, self.top_k)
             info["selection_mechanism"] = {
                 "type": "gaussian",
                 "l2_sensitivity": math.sqrt(layers_total),
                 "sigma": sigma,
-                "examples": int(len(idx)),
-                "sample_size": int(len(local)),
+                "units": int(len(idx)),
+                "sample_size": int(len(units)),
             }
         self._chosen[site] = layers
         return info | {"layers": layers, "scores": [round(s, 6) for s in scores]}
 
     def selection_mechanism(self) -> Mechanism | None:
         """Private selection adds Gaussian noise of sigma = noise * sqrt(L) to
-        a sum of per-example score vectors in [0, 1]^L (L2 sensitivity
-        sqrt(L)): a Gaussian mechanism with noise multiplier ``noise``. The
+        a sum of per-unit score vectors in [0, 1]^L (each the mean of the
+        unit's clipped rows: L2 norm at most sqrt(L), so a replaced unit
+        moves the sum by at most 2 sqrt(L), the replace-one Gaussian with
+        noise multiplier ``noise``). The
         profiled subset is not counted as subsampling (no amplification
         claimed)."""
         if self.selection != "private":
