@@ -17,6 +17,7 @@ from clinfed.commands import data, flower, privacy, train  # noqa: F401  (regist
 from clinfed.commands.common import MAX_PROBLEMS_SHOWN, app, err
 from clinfed.errors import EXIT_USAGE, ClinfedError, DataError
 from clinfed.quiet import quiet_libraries
+from clinfed.scratch import private_scratch
 
 
 # ----------------------------------------------------------------- main
@@ -33,7 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     quiet_libraries()
     command = typer.main.get_command(app)
     try:
-        result = command.main(args=argv, prog_name="clinfed", standalone_mode=False)
+        # Every temporary file (tokenized notes, Arrow caches) in one private
+        # folder, removed on exit, error, Ctrl-C and SIGTERM.
+        with private_scratch():
+            result = command.main(args=argv, prog_name="clinfed", standalone_mode=False)
         return result if isinstance(result, int) else 0
     except ClinfedError as exc:
         _report_error(exc)

@@ -20,6 +20,7 @@ from clinfed.errors import ClinfedError
 from clinfed.flower.node import NodeConfig, NodeSite
 from clinfed.flower.records import read_message, reply_records
 from clinfed.quiet import quiet_libraries
+from clinfed.scratch import private_scratch
 from clinfed.settings import RunConfig
 
 quiet_libraries()
@@ -29,7 +30,9 @@ log = logging.getLogger("clinfed.node")
 
 def _handle(msg: Message, context: Context) -> Message:
     try:
-        return _reply(msg, context)
+        # Tokenized notes live in this message's private scratch folder.
+        with private_scratch():
+            return _reply(msg, context)
     except ClinfedError as exc:
         # The site's own policy or data said no: the reason, on one line,
         # in the node's log and in the reply the server logs.

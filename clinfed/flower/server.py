@@ -16,6 +16,7 @@ from clinfed.errors import ClinfedError
 from clinfed.federated.engine import Deployment, Message, Reply
 from clinfed.flower.records import message_records, read_reply
 from clinfed.quiet import quiet_libraries
+from clinfed.scratch import private_scratch
 from clinfed.settings import RunConfig
 
 POLL_SECONDS = 0.5
@@ -105,9 +106,13 @@ def main(grid: Grid, context: Context) -> None:
         "name": Path(config.out).name,
         "config": {k: v for k, v in settings.items() if k != "run"},
     }
-    summary = run_federation(
-        config, deployment, GridTransport(grid, run), log=lambda status: print(status, flush=True)
-    )
+    with private_scratch():
+        summary = run_federation(
+            config,
+            deployment,
+            GridTransport(grid, run),
+            log=lambda status: print(status, flush=True),
+        )
     print(f"run folder {config.out}: f1 {summary.get('f1', 0.0):.4f}", flush=True)
 
 

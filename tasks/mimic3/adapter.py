@@ -159,6 +159,11 @@ class Mimic3Task(Task):
                     splits.append(patient_split(subject, self.seed, TEST_FRACTION))
             return {"codes": codes, "split": splits, "site": [site] * len(codes)}
 
+        if len(admissions) == 0:
+            # No discharge summary (a header-only NOTEEVENTS): the same
+            # columns, no rows; the caller says what is missing.
+            columns = {name: admissions[name] for name in admissions.column_names}
+            return datasets.Dataset.from_dict(columns | {"codes": [], "split": [], "site": []})
         return admissions.map(annotate, batched=True)
 
     def load(self, data: Path, problems: ProblemLog) -> Corpus:

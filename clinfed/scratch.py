@@ -1,0 +1,90 @@
+"""Every temporary file of a clinfed process in one private folder.
+
+Tokenized notes and the ``datasets`` Arrow files made from them are
+protected health information. :func:`private_scratch` gives a process one
+folder for all of them:
+
+* created with mode 0700 under the system's temporary folder, named
+  ``clinfed-scratch-<pid>-...``;
+* ``tempfile``'s default folder and ``datasets``' default cache point into
+  it while it is open, so no library writes note content to
+  ``~/.cache/huggingface`` or loose in ``$TMPDIR``;
+* removed on a normal exit, on an error, on Ctrl-C and on SIGTERM (how
+  schedulers and ``docker stop`` end jobs): SIGTERM is turned into
+  ``SystemExit(143)``, so every ``finally`` runs;
+* a SIGKILL cannot be caught: the next clinfed process removes the scratch
+  folders of processes that no longer exist before it starts.
+
+``--cache-dir`` is the only lasting cache, in a folder the user names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+PREFIX = "clinfed-scratch-"
+# The system's temporary folder, before any scratch folder replaced it.
+_SYSTEM_TMP = tempfile.gettempdir()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale(root: Path | None = None) -> list[Path]:
+    """Remove the scratch folders of processes that no longer run (a SIGKILL
+    left them); returns what was removed."""
+    root = Path(root or _SYSTEM_TMP)
+    removed = []
+    for folder in root.glob(PREFIX + "*"):
+        try:
+            pid = int(folder.name[len(PREFIX) :].split("-", 1)[0])
+        except ValueError:
+            continue
+        if pid != os.getpid() and not _alive(pid) and folder.is_dir():
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+def _terminate(signum: int, frame) -> None:
+    del frame
+    raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def private_scratch() -> Iterator[Path]:
+    """This process's private temporary folder (see the module docstring)."""
+    import datasets
+
+    remove_stale()
+    folder = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=_SYSTEM_TMP))
+    os.chmod(folder, 0o700)
+    previous_tempdir = tempfile.tempdir
+    previous_cache = datasets.config.HF_DATASETS_CACHE
+    handler = None
+    if threading.current_thread() is threading.main_thread():
+        handler = signal.signal(signal.SIGTERM, _terminate)
+    tempfile.tempdir = str(folder)
+    datasets.config.HF_DATASETS_CACHE = folder / "datasets"
+    try:
+        yield folder
+    finally:
+        tempfile.tempdir = previous_tempdir
+        datasets.config.HF_DATASETS_CACHE = previous_cache
+        if handler is not None:
+            signal.signal(signal.SIGTERM, handler)
+        shutil.rmtree(folder, ignore_errors=True)
