@@ -50,8 +50,8 @@ from clinfed.privacy.site import SitePrivacy
 from clinfed.runs import (
     append_jsonl,
     atomic_write_json,
+    claimed_run_folder,
     create_run_folder,
-    ensure_new_run_folder,
 )
 from clinfed.settings import RunConfig, load_file
 from clinfed.tasks import get_task
@@ -153,11 +153,15 @@ def run_training(config: RunConfig, report: Reporter = _quiet) -> dict[str, Any]
     """
     config.validate()
     config = config.resolved()
+    # One process per run folder, claimed before anything is read.
+    with claimed_run_folder(config.out, config.resume):
+        if config.resume:
+            _check_resume(config)
+        return _train(config, report)
+
+
+def _train(config: RunConfig, report: Reporter) -> dict[str, Any]:
     strategy_cls = STRATEGIES[config.strategy]
-    if config.resume:
-        _check_resume(config)
-    else:
-        ensure_new_run_folder(config.out)
     torch.set_num_threads(config.threads or os.cpu_count() or 1)
     problems = ProblemLog(config.on_error)
     # Tokenized notes are protected health information: unless the user names
@@ -513,15 +517,21 @@ def run_federation(
     the same round engine as in-process, over ``transport``. Writes the run
     folder (or continues it with ``config.resume``) and returns the summary.
     """
-    from clinfed.federated.engine import RoundEngine
 
     deployment.validate()
     config = config.resolved()
+    with claimed_run_folder(config.out, config.resume):
+        if config.resume:
+            _check_resume(config)
+        return _serve(config, deployment, transport, log)
+
+
+def _serve(
+    config: RunConfig, deployment: Any, transport: Any, log: Callable[[str], None]
+) -> dict[str, Any]:
+    from clinfed.federated.engine import RoundEngine
+
     out = Path(config.out)
-    if config.resume:
-        _check_resume(config)
-    else:
-        ensure_new_run_folder(out)
     with tempfile.TemporaryDirectory(prefix="clinfed-server-") as cache:
         task = make_task(config, cache)
         tokenizer = load_tokenizer(config.model)

@@ -7,10 +7,12 @@ file or the new one, never a torn one. ``metrics.jsonl`` is append-only.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +86,63 @@ def ensure_new_run_folder(path: Path | str) -> None:
 
 def create_run_folder(path: Path | str) -> Path:
     """Create a new, empty run folder (see :func:`ensure_new_run_folder`)."""
-    ensure_new_run_folder(path)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    if any(p.name != RUN_LOCK for p in path.iterdir()):
+        ensure_new_run_folder(path)
     return path
+
+
+RUN_LOCK = ".clinfed.lock"
+
+
+@contextlib.contextmanager
+def claimed_run_folder(path: Path | str, resume: bool) -> Iterator[Path]:
+    """Hold ``path`` as this process's run folder while the block runs.
+
+    The check and the claim are one step: the folder is created (if new)
+    and an exclusive ``fcntl`` lock taken on ``RUN/.clinfed.lock`` before
+    anything else looks at it, so a second process writing the same folder
+    (a second run on one ``--out``, two ``--resume`` at once) is refused
+    with a clear message. A new run needs the folder empty (but for the
+    lock). Hidden ``.*.tmp`` files that a killed process left behind are
+    removed. If the block fails before it wrote anything, a folder it
+    created is removed again: a failed start leaves nothing behind.
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ClinfedError(f"{path}: not a folder; choose a new --out")
+    created = not path.exists()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise ClinfedError(f"{path}: cannot write the run folder ({exc.strerror})") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ClinfedError(
+                f"{path}: another clinfed process is writing this run folder now; wait for it "
+                "or choose another --out"
+            ) from None
+        if not resume and any(p.name != RUN_LOCK for p in path.iterdir()):
+            hint = (
+                " (it died before its first round: --resume starts it over)"
+                if (path / "config.json").is_file() and not (path / "state.json").exists()
+                else ""
+            )
+            raise ClinfedError(
+                f"{path}: run folder already exists and is not empty{hint}; choose a new --out"
+            )
+        for stale in path.rglob(".*.tmp"):
+            stale.unlink(missing_ok=True)  # a write a killed process never finished
+        try:
+            yield path
+        except BaseException:
+            if created and all(p.name == RUN_LOCK for p in path.iterdir()):
+                (path / RUN_LOCK).unlink(missing_ok=True)
+                path.rmdir()
+            raise
+    finally:
+        os.close(fd)  # releases the lock

@@ -2,8 +2,10 @@
 
 Every cell (strategy, epsilon, seed) is an ordinary run folder under the
 sweep folder, named ``<strategy>-eps<epsilon>-seed<seed>``. A cell with a
-``summary.json`` is finished and never rerun; a cell interrupted after a
-committed round is resumed; anything else is started again. The table
+``summary.json`` is finished and never rerun; any other cell is resumed
+(from its last committed round, or from the start if it died before one).
+A sweep never overwrites: its folder is new, or an earlier sweep's (marked
+by ``sweep.json``) continued with ``--resume``. The table
 (``sweep.csv``, ``sweep.md``) and the plot (``sweep.png``) are rewritten
 from all finished cells after every cell.
 """
@@ -14,7 +16,6 @@ import csv
 import io
 import json
 import math
-import shutil
 import statistics
 from collections.abc import Callable
 from dataclasses import replace
@@ -26,7 +27,7 @@ import matplotlib
 from clinfed.errors import ClinfedError
 from clinfed.federated.strategies import STRATEGIES
 from clinfed.pipeline import RunConfig, run_training
-from clinfed.runs import atomic_write_text
+from clinfed.runs import atomic_write_json, atomic_write_text
 from clinfed.settings import read_run_config
 
 matplotlib.use("Agg")
@@ -71,16 +72,35 @@ def run_sweep(
             raise ClinfedError(f"--strategies: {strategy!r} is not a federated strategy")
     if seeds < 1:
         raise ClinfedError("--seeds must be at least 1")
+    # Never overwrite: a sweep folder is new, or an earlier sweep's
+    # (sweep.json) continued with --resume.
+    marker = out / "sweep.json"
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if not out.is_dir() or not marker.is_file():
+            raise ClinfedError(f"{out}: exists and is not a sweep folder; choose a new --out")
+        if not base.resume:
+            raise ClinfedError(
+                f"{out}: holds a sweep already; --resume continues it, or choose a new --out"
+            )
     out.mkdir(parents=True, exist_ok=True)
+    if not marker.is_file():
+        atomic_write_json(
+            marker,
+            {"strategies": strategies, "epsilons": [str(e) for e in epsilons], "seeds": seeds},
+        )
     for strategy in strategies:
         for eps in epsilons:
             for seed in range(seeds):
                 folder = out / cell_name(strategy, eps, seed)
                 if (folder / "summary.json").is_file():
                     continue
-                resume = (folder / "state.json").is_file()
-                if folder.exists() and not resume:
-                    shutil.rmtree(folder)  # started, nothing committed: start again
+                # A started cell continues (or starts over if it died before
+                # its first round); a folder that is not a run is left alone.
+                resume = folder.exists()
+                if resume and not (folder / "config.json").is_file():
+                    raise ClinfedError(
+                        f"{folder}: not a clinfed run folder; the sweep will not touch it"
+                    )
                 config = replace(
                     base,
                     out=str(folder),

@@ -522,9 +522,20 @@ def test_sweep_writes_a_table_and_skips_finished_cells(i2b2_corpus, tmp_path):
     dp_cell = json.loads((tmp_path / "sweep" / "fedavg-eps2-seed0" / "summary.json").read_text())
     assert max(dp_cell["epsilon"].values()) <= 2
     stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "sweep").glob("*/summary.json")}
-    again = run_cli(*args)
+    # never overwritten: a second sweep into the folder is refused ...
+    refused = run_cli(*args)
+    assert refused.returncode == 2 and "--resume continues it" in refused.stderr
+    # ... and --resume skips the finished cells, leaving a user's file alone
+    (tmp_path / "sweep" / "notes.txt").write_text("mine")
+    again = run_cli(*args, "--resume")
     assert again.returncode == 0, again.stderr
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps  # nothing rerun
+    assert (tmp_path / "sweep" / "notes.txt").read_text() == "mine"
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "keep.txt").write_text("mine")
+    elsewhere = [a if a != str(tmp_path / "sweep") else str(tmp_path / "other") for a in args]
+    not_a_sweep = run_cli(*elsewhere, "--resume")
+    assert not_a_sweep.returncode == 2 and "not a sweep folder" in not_a_sweep.stderr
     bad = run_cli(*args[:-2], "--epsilons", "0,1")
     assert bad.returncode == 2 and "not positive" in bad.stderr
 

@@ -3,6 +3,7 @@ outside the folders the user named, whatever ends it."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import CANARY
+from .test_cli import run_cli
 
 
 def _holding(root: Path, needle: bytes) -> list[Path]:
@@ -76,3 +78,68 @@ def test_data_check_leaves_no_arrow_cache_in_home(mimic_corpus, tmp_path):
     assert check.wait(timeout=300) == 0
     assert not (home / ".cache" / "huggingface" / "datasets").exists()
     assert _holding(home, CANARY.encode()) == [] and _holding(tmp, CANARY.encode()) == []
+
+
+TRAIN = ["train", "--task", "i2b2", "--strategy", "fedavg", "--model", "tiny", "--rounds", "2",
+         "--max-length", "32", "--threads", "1"]  # fmt: skip
+
+
+def test_a_second_writer_of_a_run_folder_is_refused(i2b2_corpus, tmp_path):
+    run = tmp_path / "run"
+    args = [*TRAIN, "--data", str(i2b2_corpus), "--out", str(run)]
+    assert run_cli(*args).returncode == 0
+    holder = (
+        "import fcntl, os, sys, time; "
+        "fd = os.open(sys.argv[1], os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX); "
+        "print('locked', flush=True); time.sleep(60)"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", holder, str(run / ".clinfed.lock")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout.readline().strip() == "locked"
+        before = (run / "metrics.jsonl").read_bytes()
+        for extra in ([], ["--resume"]):
+            second = run_cli(*args, *extra)
+            assert second.returncode == 2 and "another clinfed process" in second.stderr
+        assert (run / "metrics.jsonl").read_bytes() == before
+        fresh = run_cli(*TRAIN, "--data", str(i2b2_corpus), "--out", str(tmp_path / "new"))
+        assert fresh.returncode == 0  # other folders are free
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_a_run_that_died_before_its_first_commit_starts_over_on_resume(i2b2_corpus, tmp_path):
+    run = tmp_path / "run"
+    args = [*TRAIN, "--data", str(i2b2_corpus), "--out", str(run)]
+    assert run_cli(*args).returncode == 0
+    # What a kill before round 1 committed leaves: no state.json, a partial
+    # metrics.jsonl, a write that never finished.
+    (run / "state.json").unlink()
+    (run / "summary.json").unlink()
+    records = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text(records[0] + "\n")
+    (run / ".summary.json.12345.tmp").write_text("half")
+    again = run_cli(*args)
+    assert again.returncode == 2 and "--resume starts it over" in again.stderr
+    resumed = run_cli(*args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    rounds = [json.loads(r)["round"] for r in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rounds.count(1) == len([r for r in records if json.loads(r)["round"] == 1])
+    assert not list(run.glob(".*.tmp"))
+
+
+def test_resume_accepts_the_same_folder_named_by_another_path(i2b2_corpus, tmp_path):
+    run = tmp_path / "run"
+    assert run_cli(*TRAIN, "--data", str(i2b2_corpus), "--out", str(run)).returncode == 0
+    (tmp_path / "elsewhere").mkdir()
+    other_data = Path(os.path.relpath(i2b2_corpus, Path.cwd()))
+    other_run = tmp_path / "elsewhere" / ".." / "run"
+    resumed = run_cli(*TRAIN, "--data", str(other_data), "--out", str(other_run), "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    changed = run_cli(*TRAIN[:-2], "--threads", "2", "--data", str(i2b2_corpus),
+                      "--out", str(run), "--resume")  # fmt: skip
+    assert changed.returncode == 2 and "threads" in changed.stderr  # changes the weights

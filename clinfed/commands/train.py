@@ -164,6 +164,9 @@ def sweep_cmd(
         "0.5,1,2,4,8,inf", "--epsilons", help="Target epsilons, comma-separated; inf = no DP."
     ),
     seeds: int = typer.Option(1, "--seeds", help="Seeds per cell (0..N-1)."),
+    resume: bool = typer.Option(
+        False, "--resume", help="Continue the sweep in --out (finished cells are kept)."
+    ),
     config_file: Path = typer.Option(
         None,
         "--config",
@@ -185,7 +188,8 @@ def sweep_cmd(
     options = {k: v for k, v in values.items() if k in owners}
     options |= values.pop("strategy_options", {}) or {}
     base = RunConfig.from_values(
-        {k: v for k, v in values.items() if k not in owners} | {"out": str(out_dir)},
+        {k: v for k, v in values.items() if k not in owners}
+        | {"out": str(out_dir), "resume": resume},
         str(config_file) if config_file else "flags",
     )
     for required in ("task", "data"):

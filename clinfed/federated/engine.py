@@ -231,7 +231,12 @@ class RoundEngine:
 
     # ---------------------------------------------------------- durability
     def resume(self) -> None:
-        """Continue from the last commit of ``self.out``."""
+        """Continue from the last commit of ``self.out`` (a run that died
+        before its first commit starts over)."""
+        if not (self.out / state.STATE).exists():
+            state.cut_metrics(self.out, 0)
+            self.log(f"{self.out}: no round was committed; starting over from round 1")
+            return
         committed = state.load(self.out)
         self.global_state = state.load_tensors(self.out / committed.checkpoint)
         self.sampling.bit_generator.state = committed.sampling
