@@ -59,6 +59,8 @@ class ProblemLog:
 
     on_error: str = "strict"
     problems: list[Problem] = field(default_factory=list)
+    # Set by a reader that really ran (not a cache hit): see rows_to_dataset.
+    generated: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.on_error not in ON_ERROR_CHOICES:

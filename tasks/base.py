@@ -10,6 +10,7 @@ task predictions, scores (``evaluate``) and files in the task's own format
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,21 +21,60 @@ import torch
 
 from clinfed.errors import ClinfedError, ProblemLog
 
+PROBLEMS_FILE = "clinfed-problems.json"
+
+
+def _tracked(generator, **kwargs):
+    """Run ``generator``, marking its ProblemLog as really read (not cached)."""
+    kwargs["problems"].generated = True
+    yield from generator(**kwargs)
+
 
 def rows_to_dataset(
     generator, gen_kwargs: dict[str, Any], features: datasets.Features, cache_dir: str | None
 ) -> datasets.Dataset:
     """An Arrow dataset (on disk, memory-mapped) of the rows ``generator``
     yields; empty, with ``features``, when it yields none (``datasets``
-    itself refuses to build an empty dataset from a generator)."""
+    itself refuses to build an empty dataset from a generator).
+
+    A reader's problems (``gen_kwargs["problems"]``) are kept with the
+    cached rows (``clinfed-problems.json`` beside the Arrow files), so a
+    cache hit reports the same problems as the read that made it.
+    """
+    problems: ProblemLog | None = gen_kwargs.get("problems")
+    before = len(problems.problems) if problems is not None else 0
+    if problems is not None:
+        problems.generated = False
+        gen_kwargs = {"generator": generator, **gen_kwargs}
+        generator = _tracked
     try:
-        return datasets.Dataset.from_generator(
+        dataset = datasets.Dataset.from_generator(
             generator, gen_kwargs=gen_kwargs, features=features, cache_dir=cache_dir
         )
     except ValueError as exc:
         if "corresponds to no data" not in str(exc):
             raise
         return datasets.Dataset.from_dict({name: [] for name in features}, features=features)
+    if problems is None or not dataset.cache_files:
+        return dataset
+    record = Path(dataset.cache_files[0]["filename"]).parent / PROBLEMS_FILE
+    if problems.generated:
+        found = [
+            {"path": str(p.path), "line": p.line, "reason": p.reason}
+            for p in problems.problems[before:]
+        ]
+        record.write_text(json.dumps(found))
+    else:
+        try:
+            cached = json.loads(record.read_text())
+        except (OSError, ValueError):
+            raise ClinfedError(
+                f"{record.parent}: a cached read without its problem record (an older "
+                "clinfed's cache); use a new --cache-dir"
+            ) from None
+        for p in cached:
+            problems.add(p["path"], p["line"], p["reason"])
+    return dataset
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -143,3 +144,19 @@ def test_resume_accepts_the_same_folder_named_by_another_path(i2b2_corpus, tmp_p
     changed = run_cli(*TRAIN[:-2], "--threads", "2", "--data", str(i2b2_corpus),
                       "--out", str(run), "--resume")  # fmt: skip
     assert changed.returncode == 2 and "threads" in changed.stderr  # changes the weights
+
+
+def test_a_cache_hit_reports_the_same_problems_as_the_read_that_made_it(mimic_corpus, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(mimic_corpus, data)
+    notes = data / "site1" / "NOTEEVENTS.csv"
+    text = notes.read_text()
+    notes.write_text(text.replace('"100001","1001","100001"', '"100001","1001","x100001"', 1))
+    args = ["train", "--task", "mimic3", "--data", str(data), "--model", "tiny",
+            "--max-length", "32", "--max-chunks", "2", "--threads", "1",
+            "--cache-dir", str(tmp_path / "cache")]  # fmt: skip
+    first = run_cli(*args, "--out", str(tmp_path / "a"))
+    second = run_cli(*args, "--out", str(tmp_path / "b"))  # the read is cached now
+    assert first.returncode == second.returncode == 2
+    assert "NOTEEVENTS.csv:2" in first.stderr and "HADM_ID" in first.stderr
+    assert first.stderr == second.stderr
