@@ -87,8 +87,8 @@ def calibrate_noise(
         When even a huge noise multiplier cannot meet the target (the
         mechanisms that do not depend on it already exceed it).
     """
-    if not target_epsilon > 0:
-        raise ValueError(f"target epsilon must be positive, not {target_epsilon}")
+    if not 0 < target_epsilon < math.inf:
+        raise ValueError(f"target epsilon must be positive and finite, not {target_epsilon}")
     check_delta(delta)
 
     def planned(sigma: float, by: Accountant) -> float:

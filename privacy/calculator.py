@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from clinfed.errors import ClinfedError
@@ -16,7 +17,14 @@ from clinfed.privacy.accountant import (
 )
 
 
+def _finite(flag: str, value: float) -> None:
+    if not math.isfinite(value):
+        raise ClinfedError(f"{flag} must be a finite number, not {value}")
+
+
 def _check(sample_rate: float, steps: int, delta: float) -> None:
+    _finite("--sample-rate", sample_rate)
+    _finite("--delta", delta)
     if not 0 < sample_rate <= 1:
         raise ClinfedError(f"--sample-rate must be in (0, 1], not {sample_rate}")
     if steps < 1:
@@ -29,6 +37,7 @@ def epsilon_for(sample_rate: float, noise: float, steps: int, delta: float) -> d
     """Epsilon (the budget figure, and the reference RDP bound beside it) of
     ``steps`` subsampled Gaussian steps."""
     _check(sample_rate, steps, delta)
+    _finite("--noise-multiplier", noise)
     if not noise > 0:
         raise ClinfedError(f"--noise-multiplier must be positive, not {noise}")
     mechanism = [Mechanism("dp-sgd", noise, sample_rate, steps)]
@@ -45,6 +54,7 @@ def epsilon_for(sample_rate: float, noise: float, steps: int, delta: float) -> d
 def noise_for(target: float, delta: float, sample_rate: float, steps: int) -> dict[str, Any]:
     """The smallest noise multiplier whose epsilon is at most ``target``."""
     _check(sample_rate, steps, delta)
+    _finite("--target-epsilon", target)
     if not target > 0:
         raise ClinfedError(f"--target-epsilon must be positive, not {target}")
 

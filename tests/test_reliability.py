@@ -160,3 +160,41 @@ def test_a_cache_hit_reports_the_same_problems_as_the_read_that_made_it(mimic_co
     assert first.returncode == second.returncode == 2
     assert "NOTEEVENTS.csv:2" in first.stderr and "HADM_ID" in first.stderr
     assert first.stderr == second.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["privacy", "epsilon", "--sample-rate", "0.1", "--noise-multiplier", "inf",
+         "--steps", "10", "--delta", "1e-5"],
+        ["privacy", "noise", "--target-epsilon", "inf", "--sample-rate", "0.1",
+         "--steps", "10", "--delta", "1e-5"],
+        ["privacy", "epsilon", "--sample-rate", "nan", "--noise-multiplier", "1",
+         "--steps", "10", "--delta", "1e-5"],
+        ["train", "--lr", "inf"],
+        ["train", "--head-lr", "nan"],
+        ["train", "--seed", "-1"],
+        ["train", "--strategy", "fedprox", "--mu", "nan"],
+        ["train", "--target-epsilon", "1", "--max-grad-norm", "inf"],
+        ["train", "--noise-multiplier", "inf"],
+        ["train", "--config", "ROUNDS_FLOAT"],
+        ["train", "--config", "ROUNDS_BOOL"],
+    ],
+)  # fmt: skip
+def test_non_finite_or_mistyped_settings_exit_2_before_anything_is_written(
+    i2b2_corpus, tmp_path, args
+):
+    configs = {"ROUNDS_FLOAT": "rounds = 1.5\n", "ROUNDS_BOOL": "rounds = true\n"}
+    args = list(args)
+    for i, value in enumerate(args):
+        if value in configs:
+            path = tmp_path / "c.toml"
+            path.write_text(configs[value])
+            args[i] = str(path)
+    if args[0] == "train":
+        args += ["--task", "i2b2", "--model", "tiny", "--data", str(i2b2_corpus),
+                 "--out", str(tmp_path / "run")]  # fmt: skip
+    result = run_cli(*args)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("error:") and len(result.stderr.splitlines()) == 1
+    assert not (tmp_path / "run").exists()

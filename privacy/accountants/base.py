@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Sequence
@@ -38,8 +39,8 @@ class Mechanism:
     steps: int
 
     def __post_init__(self) -> None:
-        if not self.noise_multiplier > 0:
-            raise ValueError("noise multiplier must be positive")
+        if not 0 < self.noise_multiplier < math.inf:
+            raise ValueError("noise multiplier must be positive and finite")
         if not 0 < self.sample_rate <= 1:
             raise ValueError("sample rate must be in (0, 1]")
         if self.steps < 0:
