@@ -198,3 +198,93 @@ def test_non_finite_or_mistyped_settings_exit_2_before_anything_is_written(
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.startswith("error:") and len(result.stderr.splitlines()) == 1
     assert not (tmp_path / "run").exists()
+
+
+def _i2b2_copy(i2b2_corpus: Path, tmp_path: Path) -> Path:
+    data = tmp_path / "data"
+    shutil.copytree(i2b2_corpus, data)
+    return data
+
+
+def _check_run(data: Path, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
+    return run_cli("train", "--task", "i2b2", "--model", "tiny", "--rounds", "1",
+                   "--max-length", "32", "--threads", "1", "--data", str(data),
+                   "--out", str(tmp_path / "run"), *extra)  # fmt: skip
+
+
+@pytest.mark.parametrize("damage", ["dangling", "loop", "fifo", "no_con"])
+def test_bad_i2b2_files_are_named_never_skipped_or_waited_on(i2b2_corpus, tmp_path, damage):
+    data = _i2b2_copy(i2b2_corpus, tmp_path)
+    txt = data / "train" / "beth" / "txt"
+    bad = txt / "x.txt"
+    if damage == "dangling":
+        bad.symlink_to(tmp_path / "nowhere.txt")
+    elif damage == "loop":
+        bad.symlink_to(bad)
+    elif damage == "fifo":
+        os.mkfifo(bad)
+    else:
+        bad = next(txt.glob("*.txt"))
+        (data / "train" / "beth" / "concept" / f"{bad.stem}.con").unlink()
+    result = _check_run(data, tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert str(bad) in result.stderr
+    assert not (tmp_path / "run").exists()
+    if damage == "no_con":  # with --on-error skip: left out, and said so
+        skipped = _check_run(data, tmp_path, "--on-error", "skip")
+        assert skipped.returncode == 0 and "no .con file" in skipped.stderr + skipped.stdout
+
+
+def test_a_byte_order_mark_is_accepted_and_skip_leaves_overlapping_concepts_out(
+    i2b2_corpus, tmp_path
+):
+    from clinfed.errors import ProblemLog
+    from clinfed.tasks.i2b2.format import read_corpus
+
+    data = _i2b2_copy(i2b2_corpus, tmp_path)
+    folder = data / "train" / "beth"
+    note = sorted((folder / "txt").glob("*.txt"))[0]
+    con = folder / "concept" / f"{note.stem}.con"
+    note.write_bytes(b"\xef\xbb\xbf" + note.read_bytes())
+    first = con.read_text().splitlines()[0]
+    con.write_text(con.read_text() + first + "\n")  # the same concept twice
+    strict = ProblemLog()
+    with pytest.raises(Exception, match="repeats the concept"):
+        read_corpus(folder, strict)
+    skip = ProblemLog("skip")
+    docs = read_corpus(folder, skip)
+    doc = next(d for d in docs if d.doc_id == note.stem)
+    assert len(doc.concepts) == len(con.read_text().splitlines()) - 1  # the repeat left out
+    assert [str(p) for p in skip.problems] == [
+        p for p in map(str, skip.problems) if "left out" in p
+    ]
+    assert "\ufeff" not in doc.lines[0][0]
+
+
+@pytest.mark.parametrize("damage", ["not_gzip", "truncated_gzip", "big_id", "split_bytes"])
+def test_bad_mimic3_files_exit_2_with_the_file_and_line(mimic_corpus, tmp_path, damage):
+    import gzip as gz
+
+    data = tmp_path / "data"
+    shutil.copytree(mimic_corpus, data)
+    site = data / "site1"
+    notes = site / "NOTEEVENTS.csv"
+    if damage in ("not_gzip", "truncated_gzip"):
+        packed = gz.compress(notes.read_bytes())
+        notes.unlink()
+        target = site / "NOTEEVENTS.csv.gz"
+        target.write_bytes(b"plain text" if damage == "not_gzip" else packed[: len(packed) // 2])
+        named = target
+    elif damage == "big_id":
+        text = notes.read_text()
+        notes.write_text(text.replace('"100001","1001","100001"', '"100001","1001",'
+                                      '"12345678901234567890123"', 1))  # fmt: skip
+        named = notes
+    else:
+        (site / "train_50_hadm_ids.csv").write_bytes(b"100001\n\xff\xfe\n")
+        named = site / "train_50_hadm_ids.csv"
+    result = run_cli("train", "--task", "mimic3", "--model", "tiny", "--data", str(data),
+                     "--out", str(tmp_path / "run"))  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert str(named) in result.stderr
+    assert CANARY not in result.stderr

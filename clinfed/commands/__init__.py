@@ -42,6 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     except ClinfedError as exc:
         _report_error(exc)
         return EXIT_USAGE
+    except OSError as exc:
+        # The file system said no (a full disk, a missing or unreadable
+        # file, a folder that cannot be written): the path and the reason,
+        # never a traceback. The strerror never holds file content.
+        where = f"{exc.filename}: " if exc.filename else ""
+        _report_error(ClinfedError(f"{where}{exc.strerror or type(exc).__name__}"))
+        return EXIT_USAGE
     except click.exceptions.Exit as exc:
         return exc.exit_code
     except click.ClickException as exc:

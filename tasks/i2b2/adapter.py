@@ -88,7 +88,19 @@ class I2b2Task(Task):
             docs = read_corpus(data, problems)
             train = [d for d in docs if not _held_out(d.doc_id, self.seed)]
             test = [d for d in docs if _held_out(d.doc_id, self.seed)]
+        # A document of an annotated split without its .con would train on
+        # nothing or be scored as having no concepts: never silently.
+        for doc in train + test:
+            if not doc.annotated:
+                problems.add(
+                    doc.txt_path,
+                    None,
+                    "no .con file beside this .txt (an annotated split needs one per note; "
+                    "--on-error skip leaves the note out)",
+                )
+        problems.raise_if_any()
         train = [d for d in train if d.annotated]
+        test = [d for d in test if d.annotated]
         sites = sorted({d.site for d in train} | {d.site for d in test})
         return Corpus(
             train, test, sites, {"train_documents": len(train), "test_documents": len(test)}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -135,9 +136,17 @@ def site_of(path: Path, root: Path) -> str:
     return site_from_stem(path.stem) or "unknown"
 
 
-def _files(root: Path, suffix: str) -> list[Path]:
+def _files(root: Path, suffix: str, problems: ProblemLog | None = None) -> list[Path]:
+    """Regular files named ``*suffix`` under ``root``; a folder that cannot be
+    read, a broken or looping link and a FIFO or device are problems, never
+    silently skipped (or waited on)."""
     found = []
-    for dirpath, dirnames, filenames in os.walk(root):
+
+    def unreadable(exc: OSError) -> None:
+        if problems is not None:
+            problems.add(exc.filename, None, f"cannot read this folder ({exc.strerror})")
+
+    for dirpath, dirnames, filenames in os.walk(root, onerror=unreadable):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for name in sorted(filenames):
             if (
@@ -145,7 +154,18 @@ def _files(root: Path, suffix: str) -> list[Path]:
                 and not name.startswith(".")
                 and not name.upper().startswith("README")
             ):
-                found.append(Path(dirpath) / name)
+                path = Path(dirpath) / name
+                try:
+                    regular = stat.S_ISREG(path.stat().st_mode)
+                except OSError as exc:
+                    if problems is not None:
+                        problems.add(path, None, f"cannot read ({exc.strerror}; a broken link?)")
+                    continue
+                if not regular:
+                    if problems is not None:
+                        problems.add(path, None, "not a regular file (a FIFO or device?)")
+                    continue
+                found.append(path)
     return found
 
 
@@ -160,9 +180,14 @@ def _by_stem(paths: Iterable[Path], problems: ProblemLog) -> dict[str, Path]:
 
 
 def decode_utf8(path: Path, problems: ProblemLog) -> str | None:
-    data = path.read_bytes()
     try:
-        return data.decode("utf-8")
+        data = path.read_bytes()
+    except OSError as exc:
+        problems.add(path, None, f"cannot read ({exc.strerror})")
+        return None
+    try:
+        # A UTF-8 byte order mark (Windows editors write one) is not text.
+        return data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
         problems.add(path, line, f"bytes that are not UTF-8 (byte offset {exc.start})")
@@ -240,15 +265,22 @@ def read_con(path: Path, lines: list[list[str]], problems: ProblemLog) -> list[C
         if concept is not None:
             concepts.append(concept)
     concepts.sort()
-    for prev, cur in zip(concepts, concepts[1:]):
-        if cur.start <= prev.end:
+    kept: list[Concept] = []
+    for cur in concepts:
+        prev = kept[-1] if kept else None
+        if prev is not None and cur.start <= prev.end:
+            same = (cur.start, cur.end) == (prev.start, prev.end)
             problems.add(
                 path,
                 None,
-                f"concept at {cur.start[0]}:{cur.start[1]} overlaps the concept at "
-                f"{prev.start[0]}:{prev.start[1]}",
+                f"concept at {cur.start[0]}:{cur.start[1]} "
+                + ("repeats" if same else "overlaps")
+                + f" the concept at {prev.start[0]}:{prev.start[1]}"
+                + (" (left out)" if problems.skipping else ""),
             )
-    return concepts
+            continue  # with --on-error skip the later one is left out
+        kept.append(cur)
+    return kept
 
 
 def read_ast(path: Path, lines: list[list[str]], problems: ProblemLog) -> list[Assertion]:
@@ -285,9 +317,9 @@ def read_corpus(root: Path | str, problems: ProblemLog | None = None) -> list[Do
     problems = problems if problems is not None else ProblemLog()
     if not root.is_dir():
         raise ClinfedError(f"{root}: not a folder")
-    txts = _by_stem(_files(root, ".txt"), problems)
-    cons = _by_stem(_files(root, ".con"), problems)
-    asts = _by_stem(_files(root, ".ast"), problems)
+    txts = _by_stem(_files(root, ".txt", problems), problems)
+    cons = _by_stem(_files(root, ".con", problems), problems)
+    asts = _by_stem(_files(root, ".ast", problems), problems)
     for stem, path in sorted(cons.items()):
         if stem not in txts:
             problems.add(path, None, ".con file without a matching .txt file")

@@ -68,14 +68,18 @@ def site_folders(data: Path) -> dict[str, Path]:
     data = Path(data)
     if not data.is_dir():
         raise ClinfedError(f"{data}: not a folder")
-    if find_file(data, "NOTEEVENTS") is not None:
+    def notes_in(folder: Path) -> bool:
+        try:
+            return find_file(folder, "NOTEEVENTS") is not None
+        except OSError as exc:  # an unreadable site is an error, never dropped
+            raise ClinfedError(f"{folder}: cannot read this folder ({exc.strerror})") from None
+
+    if notes_in(data):
         return {data.resolve().name: data}
     sites = {
         sub.name: sub
         for sub in sorted(data.iterdir())
-        if sub.is_dir()
-        and not sub.name.startswith(".")
-        and find_file(sub, "NOTEEVENTS") is not None
+        if sub.is_dir() and not sub.name.startswith(".") and notes_in(sub)
     }
     if not sites:
         raise ClinfedError(f"{data}: no NOTEEVENTS.csv here or in its sub-folders")

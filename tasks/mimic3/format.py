@@ -20,6 +20,7 @@ import hashlib
 import io
 import os
 import sys
+import zlib
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -83,8 +84,13 @@ def find_file(folder: Path, name: str) -> Path | None:
 
 def _open_text(path: Path) -> io.TextIOBase:
     raw = gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
-    # newline="" lets csv see the line breaks inside quoted TEXT fields.
-    return io.TextIOWrapper(raw, encoding="utf-8", newline="")
+    # newline="" lets csv see the line breaks inside quoted TEXT fields;
+    # utf-8-sig drops a byte order mark.
+    return io.TextIOWrapper(raw, encoding="utf-8-sig", newline="")
+
+
+# A damaged .gz: not gzip at all, truncated, or corrupt inside.
+GZIP_ERRORS = (gzip.BadGzipFile, EOFError, zlib.error)
 
 
 def iter_rows(
@@ -95,14 +101,22 @@ def iter_rows(
     A missing column, an unterminated quote or bytes that are not UTF-8 stop
     the file (reported with its line); the caller reports bad values.
     """
-    with _open_text(path) as fh:
+    try:
+        fh = _open_text(path)
+    except OSError as exc:
+        problems.add(path, None, f"cannot read ({exc.strerror})")
+        return
+    with fh:
         reader = csv.reader(fh, strict=True)
         try:
             header = next(reader)
         except StopIteration:
             problems.add(path, 1, "empty file (no header)")
             return
-        except (csv.Error, UnicodeDecodeError) as exc:
+        except GZIP_ERRORS:
+            problems.add(path, 1, "not gzip data, or truncated or corrupt gzip data")
+            return
+        except (csv.Error, UnicodeDecodeError, OSError) as exc:
             problems.add(path, 1, f"unreadable header ({type(exc).__name__})")
             return
         columns = [name.strip().lower() for name in header]
@@ -123,6 +137,12 @@ def iter_rows(
             except UnicodeDecodeError:
                 problems.add(path, line, "bytes that are not UTF-8")
                 return
+            except GZIP_ERRORS:
+                problems.add(path, line, "truncated or corrupt gzip data")
+                return
+            except OSError as exc:
+                problems.add(path, line, f"cannot read ({exc.strerror})")
+                return
             if values:
                 if len(values) != len(columns):
                     problems.add(
@@ -139,10 +159,14 @@ def _parse_id(value: str, name: str, path: Path, line: int, problems: ProblemLog
     if not value:
         return None
     try:
-        return int(value)
+        number = int(value)
     except ValueError:
         problems.add(path, line, f"{name} is not an integer")
         return None
+    if not -(2**63) <= number < 2**63:
+        problems.add(path, line, f"{name} is out of range (more than 18 digits)")
+        return None
+    return number
 
 
 @dataclass
@@ -250,9 +274,16 @@ def read_split_files(folder: Path) -> dict[int, str]:
     assignment: dict[int, str] = {}
     for split in ("train", "dev", "test"):
         for path in sorted(folder.glob(f"{split}_*hadm_ids.csv")):
-            for line_no, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            try:
+                text = path.read_bytes().decode("utf-8-sig")
+            except OSError as exc:
+                raise ClinfedError(f"{path}: cannot read ({exc.strerror})") from None
+            except UnicodeDecodeError as exc:
+                line = path.read_bytes().count(b"\n", 0, exc.start) + 1
+                raise ClinfedError(f"{path}:{line}: bytes that are not UTF-8") from None
+            for line_no, raw in enumerate(text.splitlines(), 1):
                 value = raw.strip().split(",")[0]
-                if not value or not value.isdigit():
+                if not value or not value.isdigit() or len(value) > 18:
                     if line_no == 1 and value.lower() == "hadm_id":
                         continue
                     raise ClinfedError(f"{path}:{line_no}: not a HADM_ID")
