@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, AutoModel, AutoTokenizer, BertConfig, BertModel
@@ -279,15 +280,28 @@ def load_saved_model(folder: Path) -> tuple[nn.Module, Any, dict[str, Any]]:
     meta_path = folder / "model.json"
     if not meta_path.is_file():
         raise ClinfedError(f"{folder}: no model.json (not a finished clinfed run?)")
-    meta = json.loads(meta_path.read_text())
-    config_dict = dict(meta["encoder_config"])
-    config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
-    kwargs = {"add_pooling_layer": False} if config.model_type in _POOLER_TYPES else {}
-    encoder = AutoModel.from_config(config, **kwargs)
-    model = HEADS[meta["head"]](encoder, len(meta["labels"]))
-    if meta.get("prompt"):
-        spec = meta["prompt"]
-        add_prompts(model, spec["length"], spec["fusion"], depth=spec.get("depth", 1))
-    model.load_state_dict(load_file(str(folder / "model.safetensors")))
-    tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer", local_files_only=True)
+    try:
+        meta = json.loads(meta_path.read_text())
+        config_dict = dict(meta["encoder_config"])
+        config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
+        kwargs = {"add_pooling_layer": False} if config.model_type in _POOLER_TYPES else {}
+        encoder = AutoModel.from_config(config, **kwargs)
+        model = HEADS[meta["head"]](encoder, len(meta["labels"]))
+        if meta.get("prompt"):
+            spec = meta["prompt"]
+            add_prompts(model, spec["length"], spec["fusion"], depth=spec.get("depth", 1))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise ClinfedError(
+            f"{meta_path}: not a clinfed model description (corrupt or from another tool)"
+        ) from None
+    weights = folder / "model.safetensors"
+    try:
+        model.load_state_dict(load_file(str(weights)))
+    except (OSError, SafetensorError, RuntimeError) as exc:
+        reason = getattr(exc, "strerror", None) or "missing, truncated or not this model's"
+        raise ClinfedError(f"{weights}: unreadable weights ({reason})") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer", local_files_only=True)
+    except (OSError, ValueError):
+        raise ClinfedError(f"{folder / 'tokenizer'}: missing or unreadable tokenizer") from None
     return model, tokenizer, meta

@@ -19,8 +19,10 @@ def score_i2b2(gold_dir: Path, pred_dir: Path, problems: ProblemLog) -> dict[str
     """Exact and inexact scores of the ``.con`` files under ``pred_dir``.
 
     Predicted files pair with gold documents by file stem and are validated
-    against the gold text. A gold document with no predicted file counts as
-    predicting nothing (reported as ``missing_predictions``).
+    against the gold text. Every gold document needs a predicted file (an
+    empty one predicts no concept); a missing one is an error, or with
+    ``--on-error skip`` scored as predicting nothing and reported
+    (``missing_predictions``).
     """
     pred_dir = Path(pred_dir)
     if not pred_dir.is_dir():
@@ -39,6 +41,12 @@ def score_i2b2(gold_dir: Path, pred_dir: Path, problems: ProblemLog) -> dict[str
             problems.add(path, None, "second prediction file for the same document")
             continue
         predicted[path.stem] = read_con(path, doc.lines, problems)
+    for stem in sorted(set(by_stem) - set(predicted)):
+        problems.add(
+            by_stem[stem].con_path,
+            None,
+            f"no prediction ({stem}.con) under --pred {pred_dir} for this gold document",
+        )
     problems.raise_if_any()
     gold = {d.doc_id: d.concepts for d in gold_docs}
     result: dict[str, Any] = dict(score_concepts(gold, predicted))

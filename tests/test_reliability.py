@@ -288,3 +288,80 @@ def test_bad_mimic3_files_exit_2_with_the_file_and_line(mimic_corpus, tmp_path, 
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert str(named) in result.stderr
     assert CANARY not in result.stderr
+
+
+@pytest.fixture(scope="module")
+def finished_run(i2b2_corpus, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("finished") / "run"
+    result = run_cli(*TRAIN[:-6], "--rounds", "1", "--max-length", "32", "--threads", "1",
+                     "--data", str(i2b2_corpus), "--out", str(run))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return run
+
+
+def test_score_needs_a_prediction_for_every_gold_document(i2b2_corpus, finished_run, tmp_path):
+    predictions = tmp_path / "pred"
+    shutil.copytree(finished_run / "predictions", predictions)
+    gone = sorted(predictions.rglob("*.con"))[0]
+    gone.unlink()
+    args = ["score", "--task", "i2b2", "--gold", str(i2b2_corpus / "test"),
+            "--pred", str(predictions)]  # fmt: skip
+    result = run_cli(*args)
+    assert result.returncode == 2 and f"no prediction ({gone.stem}.con)" in result.stderr
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing", "model_json"])
+def test_a_damaged_run_folder_is_named_by_evaluate_predict_and_audit(
+    i2b2_corpus, finished_run, tmp_path, damage
+):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    weights = run / "model" / "model.safetensors"
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[:1000])
+    elif damage == "missing":
+        weights.unlink()
+    else:
+        (run / "model" / "model.json").write_text("{not json")
+    for args in (
+        ["evaluate", str(run), "--data", str(i2b2_corpus / "test")],
+        ["predict", str(run), "--data", str(i2b2_corpus / "test"), "--out", str(tmp_path / "p")],
+    ):
+        result = run_cli(*args)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, args
+        assert str(run / "model") in result.stderr
+    assert not (tmp_path / "p").exists()
+
+
+def test_a_full_disk_at_a_checkpoint_exits_2_and_keeps_the_last_commit(
+    i2b2_corpus, tmp_path, monkeypatch
+):
+    import errno
+
+    from clinfed.federated import state
+
+    run = tmp_path / "run"
+    args = [*TRAIN, "--data", str(i2b2_corpus), "--out", str(run)]
+    save = state.save_tensors
+    calls = []
+
+    def full_disk_in_round_two(path, tensors):
+        calls.append(path)
+        if "round-0002" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return save(path, tensors)
+
+    monkeypatch.setattr(state, "save_tensors", full_disk_in_round_two)
+    result = run_cli(*args)
+    assert result.returncode == 2 and "No space left on device" in result.stderr
+    assert json.loads((run / "state.json").read_text())["round"] == 1  # round 1 intact
+    monkeypatch.setattr(state, "save_tensors", save)
+    assert run_cli(*args, "--resume").returncode == 0  # and the run goes on from it
+
+
+def test_a_sweep_into_a_file_is_refused(i2b2_corpus, tmp_path):
+    (tmp_path / "file").write_text("mine")
+    result = run_cli("sweep", "--task", "i2b2", "--data", str(i2b2_corpus),
+                     "--out", str(tmp_path / "file"), "--epsilons", "inf")  # fmt: skip
+    assert result.returncode == 2 and "not a sweep folder" in result.stderr
+    assert (tmp_path / "file").read_text() == "mine"

@@ -68,6 +68,7 @@ def site_folders(data: Path) -> dict[str, Path]:
     data = Path(data)
     if not data.is_dir():
         raise ClinfedError(f"{data}: not a folder")
+
     def notes_in(folder: Path) -> bool:
         try:
             return find_file(folder, "NOTEEVENTS") is not None
