@@ -365,3 +365,34 @@ def test_a_sweep_into_a_file_is_refused(i2b2_corpus, tmp_path):
                      "--out", str(tmp_path / "file"), "--epsilons", "inf")  # fmt: skip
     assert result.returncode == 2 and "not a sweep folder" in result.stderr
     assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_linked_site_folders_are_read_and_a_link_loop_ends(i2b2_corpus, tmp_path):
+    from clinfed.errors import ProblemLog
+    from clinfed.tasks.i2b2.format import read_corpus
+
+    data = tmp_path / "data"
+    (data / "train").mkdir(parents=True)
+    real = tmp_path / "elsewhere" / "beth"
+    shutil.copytree(i2b2_corpus / "train" / "beth", real)
+    (data / "train" / "beth").symlink_to(real)  # a linked site folder is not dropped
+    (real / "txt" / "again").symlink_to(real)  # a loop
+    docs = read_corpus(data / "train", ProblemLog())
+    assert len(docs) == len(list((real / "txt").glob("*.txt")))
+
+
+def test_start_up_failures_exit_2_and_leave_nothing(mimic_corpus, i2b2_corpus, tmp_path):
+    (tmp_path / "file").write_text("mine")
+    unwritable = run_cli(*TRAIN, "--data", str(i2b2_corpus), "--out", str(tmp_path / "file" / "r"))
+    assert unwritable.returncode == 2 and "Traceback" not in unwritable.stderr
+    header_only = tmp_path / "mimic"
+    header_only.mkdir()
+    for name in ("NOTEEVENTS.csv", "DIAGNOSES_ICD.csv"):
+        lines = (mimic_corpus / "site1" / name).read_text().splitlines()
+        (header_only / name).write_text(lines[0] + "\n")
+    empty = run_cli("train", "--task", "mimic3", "--model", "tiny", "--data", str(header_only),
+                    "--out", str(tmp_path / "run"))  # fmt: skip
+    assert empty.returncode == 2 and "no training admission" in empty.stderr
+    assert not (tmp_path / "run").exists()
+    audit = run_cli("audit", str(tmp_path), "--max-examples", "-5")
+    assert audit.returncode == 2 and "Traceback" not in audit.stderr

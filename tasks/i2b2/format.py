@@ -146,7 +146,15 @@ def _files(root: Path, suffix: str, problems: ProblemLog | None = None) -> list[
         if problems is not None:
             problems.add(exc.filename, None, f"cannot read this folder ({exc.strerror})")
 
-    for dirpath, dirnames, filenames in os.walk(root, onerror=unreadable):
+    # Linked folders are followed (a site folder may be a link), each real
+    # folder once, so a link loop cannot recurse forever.
+    seen: set[str] = set()
+    for dirpath, dirnames, filenames in os.walk(root, onerror=unreadable, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if real in seen:
+            dirnames[:] = []
+            continue
+        seen.add(real)
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for name in sorted(filenames):
             if (
