@@ -96,6 +96,18 @@ def create_run_folder(path: Path | str) -> Path:
 RUN_LOCK = ".clinfed.lock"
 
 
+def _refuse_if_used(path: Path) -> None:
+    if any(p.name != RUN_LOCK for p in path.iterdir()):
+        hint = (
+            " (it died before its first round: --resume starts it over)"
+            if (path / "config.json").is_file() and not (path / "state.json").exists()
+            else ""
+        )
+        raise ClinfedError(
+            f"{path}: run folder already exists and is not empty{hint}; choose a new --out"
+        )
+
+
 @contextlib.contextmanager
 def claimed_run_folder(path: Path | str, resume: bool) -> Iterator[Path]:
     """Hold ``path`` as this process's run folder while the block runs.
@@ -112,7 +124,10 @@ def claimed_run_folder(path: Path | str, resume: bool) -> Iterator[Path]:
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ClinfedError(f"{path}: not a folder; choose a new --out")
+    if not resume and path.is_dir():
+        _refuse_if_used(path)  # before the lock file is made: a refused folder is untouched
     created = not path.exists()
+    lock_existed = (path / RUN_LOCK).exists()
     try:
         path.mkdir(parents=True, exist_ok=True)
         fd = os.open(path / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
@@ -126,15 +141,13 @@ def claimed_run_folder(path: Path | str, resume: bool) -> Iterator[Path]:
                 f"{path}: another clinfed process is writing this run folder now; wait for it "
                 "or choose another --out"
             ) from None
-        if not resume and any(p.name != RUN_LOCK for p in path.iterdir()):
-            hint = (
-                " (it died before its first round: --resume starts it over)"
-                if (path / "config.json").is_file() and not (path / "state.json").exists()
-                else ""
-            )
-            raise ClinfedError(
-                f"{path}: run folder already exists and is not empty{hint}; choose a new --out"
-            )
+        if not resume:
+            try:
+                _refuse_if_used(path)  # again, under the lock: another process may have won
+            except ClinfedError:
+                if not lock_existed:
+                    (path / RUN_LOCK).unlink(missing_ok=True)
+                raise
         for stale in path.rglob(".*.tmp"):
             stale.unlink(missing_ok=True)  # a write a killed process never finished
         try:

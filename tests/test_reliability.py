@@ -45,7 +45,7 @@ def test_no_note_text_is_left_in_tmp_or_home_after_a_signal(mimic_corpus, tmp_pa
     home.mkdir()
     tmp.mkdir()
     train = ["train", "--task", "mimic3", "--data", str(mimic_corpus), "--model", "tiny",
-             "--rounds", "50", "--max-length", "32", "--max-chunks", "2", "--threads", "1",
+             "--rounds", "5000", "--max-length", "32", "--max-chunks", "2", "--threads", "1",
              "--out", str(tmp_path / "run")]  # fmt: skip
     process = _clinfed(train, home, tmp)
     deadline = time.monotonic() + 120
@@ -85,32 +85,40 @@ TRAIN = ["train", "--task", "i2b2", "--strategy", "fedavg", "--model", "tiny", "
          "--max-length", "32", "--threads", "1"]  # fmt: skip
 
 
+def _hold_lock(path: Path) -> subprocess.Popen:
+    holder = (
+        "import fcntl, os, sys, time; "
+        "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); fcntl.flock(fd, fcntl.LOCK_EX); "
+        "print('locked', flush=True); time.sleep(60)"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", holder, str(path)], stdout=subprocess.PIPE, text=True
+    )
+    assert process.stdout.readline().strip() == "locked"
+    return process
+
+
 def test_a_second_writer_of_a_run_folder_is_refused(i2b2_corpus, tmp_path):
     run = tmp_path / "run"
     args = [*TRAIN, "--data", str(i2b2_corpus), "--out", str(run)]
     assert run_cli(*args).returncode == 0
-    holder = (
-        "import fcntl, os, sys, time; "
-        "fd = os.open(sys.argv[1], os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX); "
-        "print('locked', flush=True); time.sleep(60)"
-    )
-    process = subprocess.Popen(
-        [sys.executable, "-c", holder, str(run / ".clinfed.lock")],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    # another process is resuming this run; another is starting a new one in "new"
+    (tmp_path / "new").mkdir()
+    holders = [_hold_lock(run / ".clinfed.lock"), _hold_lock(tmp_path / "new" / ".clinfed.lock")]
     try:
-        assert process.stdout.readline().strip() == "locked"
         before = (run / "metrics.jsonl").read_bytes()
-        for extra in ([], ["--resume"]):
-            second = run_cli(*args, *extra)
-            assert second.returncode == 2 and "another clinfed process" in second.stderr
+        resumed = run_cli(*args, "--resume")
+        assert resumed.returncode == 2 and "another clinfed process" in resumed.stderr
         assert (run / "metrics.jsonl").read_bytes() == before
-        fresh = run_cli(*TRAIN, "--data", str(i2b2_corpus), "--out", str(tmp_path / "new"))
+        racing = run_cli(*TRAIN, "--data", str(i2b2_corpus), "--out", str(tmp_path / "new"))
+        assert racing.returncode == 2 and "another clinfed process" in racing.stderr
+        assert [p.name for p in (tmp_path / "new").iterdir()] == [".clinfed.lock"]
+        fresh = run_cli(*TRAIN, "--data", str(i2b2_corpus), "--out", str(tmp_path / "free"))
         assert fresh.returncode == 0  # other folders are free
     finally:
-        process.kill()
-        process.wait()
+        for process in holders:
+            process.kill()
+            process.wait()
 
 
 def test_a_run_that_died_before_its_first_commit_starts_over_on_resume(i2b2_corpus, tmp_path):
@@ -396,3 +404,27 @@ def test_start_up_failures_exit_2_and_leave_nothing(mimic_corpus, i2b2_corpus, t
     assert not (tmp_path / "run").exists()
     audit = run_cli("audit", str(tmp_path), "--max-examples", "-5")
     assert audit.returncode == 2 and "Traceback" not in audit.stderr
+
+
+def test_checkpoints_are_fsynced_before_the_commit_names_them(i2b2_corpus, tmp_path, monkeypatch):
+    synced: list[str] = []
+    fsync = os.fsync
+
+    def spy(fd):
+        try:
+            synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+        return fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    run = tmp_path / "run"
+    assert run_cli(*TRAIN, "--data", str(i2b2_corpus), "--out", str(run)).returncode == 0
+    for round_number in (1, 2):
+        weights = next(
+            i for i, p in enumerate(synced) if f"round-{round_number:04d}.safetensors" in p
+        )
+        commits = [i for i, p in enumerate(synced) if Path(p).name.startswith(".state.json")]
+        assert any(weights < c for c in commits)
+        # the commit of this round comes after its checkpoint's fsync
+        assert commits[round_number - 1] > weights
