@@ -251,5 +251,25 @@ def predict_cmd(
     out.print(f"wrote predictions for {count} records to {out_dir}")
 
 
+@app.command("export")
+def export_cmd(
+    run: Path = typer.Argument(..., help="A finished run folder."),
+    out_dir: Path = typer.Option(..., "--out", help="New folder for the exported model."),
+    as_json: bool = JSON,
+) -> None:
+    """The run's concept-extraction model as a transformers model folder
+    (AutoModelForTokenClassification with its real labels, and its tokenizer)."""
+    from clinfed.export import export_run
+
+    record = export_run(run, out_dir)
+    if as_json:
+        _print_json(record)
+    else:
+        out.print(
+            f"[bold]exported[/]: {out_dir} ({record['class']}, {len(record['labels'])} labels); "
+            "load it with transformers' AutoModelForTokenClassification.from_pretrained"
+        )
+
+
 with_parameters(train, settings_parameters())
 app.command("train")(train)

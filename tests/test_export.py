@@ -1,0 +1,53 @@
+"""A run's model loads in plain transformers with its real labels."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from transformers import AutoModelForTokenClassification, AutoTokenizer
+
+from clinfed.models import load_saved_model
+
+from .test_cli import run_cli
+
+
+def test_an_exported_model_loads_in_transformers_with_its_labels(i2b2_corpus, tmp_path):
+    run = tmp_path / "run"
+    trained = run_cli("train", "--task", "i2b2", "--strategy", "fedavg", "--model", "tiny",
+                      "--rounds", "1", "--max-length", "32", "--threads", "1",
+                      "--data", str(i2b2_corpus), "--out", str(run))  # fmt: skip
+    assert trained.returncode == 0, trained.stderr
+    out = tmp_path / "hf"
+    exported = run_cli("export", str(run), "--out", str(out), "--json")
+    assert exported.returncode == 0, exported.stderr
+    record = json.loads(exported.stdout)
+    assert set(record["versions"]) == {"clinfed", "torch", "transformers"}
+
+    model = AutoModelForTokenClassification.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    labels = json.loads((run / "labels.json").read_text())["labels"]
+    assert [model.config.id2label[i] for i in range(len(labels))] == labels
+    assert model.config.label2id["B-problem"] == labels.index("B-problem")
+    ours, _, _ = load_saved_model(run / "model")
+    batch = tokenizer(["Patient denies chest pain ."], return_tensors="pt")
+    model.eval()
+    ours.eval()
+    with torch.no_grad():
+        theirs = model(**batch).logits
+        mine = ours(batch["input_ids"], batch["attention_mask"])
+    torch.testing.assert_close(theirs, mine, atol=1e-4, rtol=1e-4)
+
+    again = run_cli("export", str(run), "--out", str(out))
+    assert again.returncode == 2  # never overwrites
+
+
+def test_a_label_attention_model_is_not_exported_and_says_how_to_load_it(mimic_corpus, tmp_path):
+    run = tmp_path / "run"
+    trained = run_cli("train", "--task", "mimic3", "--model", "tiny", "--epochs", "1",
+                      "--max-length", "32", "--max-chunks", "2", "--threads", "1",
+                      "--data", str(mimic_corpus), "--out", str(run))  # fmt: skip
+    assert trained.returncode == 0, trained.stderr
+    refused = run_cli("export", str(run), "--out", str(tmp_path / "hf"))
+    assert refused.returncode == 2 and "load_saved_model" in refused.stderr
+    assert not (tmp_path / "hf").exists()
