@@ -105,9 +105,7 @@ def _check_same_logits(model, exported, tokenizer) -> None:
     exported.eval()
     batch = tokenizer(["probe sentence for the export check"], return_tensors="pt")
     ours = model(batch["input_ids"], batch["attention_mask"])
-    theirs = exported(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
-    ).logits
+    theirs = exported(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     if not torch.allclose(ours, theirs, atol=1e-4):
         raise ClinfedError(
             "the exported model does not reproduce the run's logits; nothing was written"

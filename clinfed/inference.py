@@ -18,7 +18,7 @@ def _outputs(run: Path, data: Path, problems: ProblemLog, cache_dir: str):
     if not model_dir.is_dir():
         raise ClinfedError(f"{run}: no model/ folder (not a finished clinfed run?)")
     model, tokenizer, meta = load_saved_model(model_dir)
-    options = {k: meta[k] for k in ("codes", "top_k", "max_chunks") if k in meta}
+    options = {k: meta[k] for k in ("codes", "top_k", "max_chunks", "format", "types") if k in meta}
     task = get_task(meta["task"], cache_dir=cache_dir, **options)
     task.labels = list(meta["labels"])  # the model's label set, whatever the folder holds
     records = task.read_documents(Path(data), problems)

@@ -326,6 +326,8 @@ def make_task(config: RunConfig, cache_dir: str) -> Task:
         max_chunks=config.max_chunks,
         cache_dir=cache_dir,
         labels=config.labels,
+        format=config.format,
+        types=config.types,
     )
 
 

@@ -77,6 +77,17 @@ class DataSettings:
     max_length: int | None = setting(
         None, "Encoder window in tokens (default: the task's).", minimum=8, maximum=512
     )
+    format: str = setting(
+        "auto",
+        "i2b2: the annotation format: i2b2 (.txt + .con), conll (token and tag columns, "
+        "IOB/IOB2/IOBES), or auto (detected from the files).",
+        choices=("auto", "i2b2", "conll"),
+    )
+    types: str | None = setting(
+        None,
+        "i2b2 with --format conll: map the data's entity types onto problem, test, treatment "
+        "(e.g. Disease=problem,Chemical=treatment).",
+    )
     codes: str = setting(
         "diagnoses",
         "mimic3: which ICD-9 codes are labels.",

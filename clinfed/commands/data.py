@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import click
 import typer
 from rich.table import Table
 
@@ -84,13 +85,23 @@ def data_check(
     task: TaskName = typer.Option(..., "--task", help="i2b2 or mimic3."),
     on_error: OnError = ON_ERROR,
     codes: CodeKind = CODES,
+    annotation_format: str = typer.Option(
+        "auto",
+        "--format",
+        help="i2b2: i2b2 (.txt + .con), conll (token and tag columns), or auto.",
+        click_type=click.Choice(["auto", "i2b2", "conll"]),
+    ),
+    types: str = typer.Option(
+        None, "--types", help="i2b2 with CoNLL data: e.g. Disease=problem,Chemical=treatment."
+    ),
     as_json: bool = JSON,
 ) -> None:
     """Validate a corpus and summarize it (documents, concepts, codes, sites)."""
     from clinfed.tasks import get_task
 
     problems = ProblemLog(on_error.value)
-    summary = get_task(task.value, codes=codes.value, top_k=0).summarize(data, problems)
+    handle = get_task(task.value, codes=codes.value, top_k=0, format=annotation_format, types=types)
+    summary = handle.summarize(data, problems)
     if as_json:
         _print_json(summary)
         return

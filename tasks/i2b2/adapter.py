@@ -19,10 +19,11 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from clinfed.errors import ProblemLog
+from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.models import special_tokens
 from clinfed.tasks.base import Corpus, Task, rows_to_dataset
 from clinfed.tasks.i2b2.bio import LABEL_TO_ID, LABELS, OUTSIDE, decode_tags, encode_tags
+from clinfed.tasks.i2b2.conll import conll_files, parse_types, read_conll
 from clinfed.tasks.i2b2.format import Document, read_corpus, write_con
 from clinfed.tasks.i2b2.metrics import prf, score_concepts
 
@@ -38,6 +39,7 @@ LINE_FEATURES = datasets.Features(
     }
 )
 TEST_FRACTION = 0.2
+FORMATS = ("auto", "i2b2", "conll")
 PROBE_SEED = 20_101
 
 
@@ -73,19 +75,39 @@ class I2b2Task(Task):
     head = "token"
     defaults = {"max_length": 128, "batch_size": 16, "lr": 1e-4, "head_lr": 1e-3}
 
-    def __init__(self, seed: int = 0):
-        self.seed = seed
+    def __init__(self, seed: int = 0, format: str = "auto", types: Any = None):  # noqa: A002
+        if format not in FORMATS:
+            raise ClinfedError(f"--format must be one of {', '.join(FORMATS)}, not {format!r}")
+        self.seed, self.format, self.types = seed, format, parse_types(types)
         self.labels = list(LABELS)
         self.pad_id = 0  # set from the tokenizer by encode()
 
     # ---------------------------------------------------------------- reading
+    def _read(self, folder: Path, problems: ProblemLog) -> list[Document]:
+        """Every document of ``folder`` in the run's format."""
+        found = self.format
+        if found == "auto":
+            has_conll = bool(conll_files(Path(folder), ProblemLog("skip")))
+            has_txt = any(Path(folder).rglob("*.txt"))
+            if has_conll and has_txt:
+                raise ClinfedError(
+                    f"{folder}: holds both .txt notes and CoNLL files; say which with "
+                    "--format i2b2 or --format conll"
+                )
+            found = "conll" if has_conll else "i2b2"
+        if found == "conll":
+            return read_conll(folder, problems, self.types)
+        if self.types:
+            raise ClinfedError("--types maps CoNLL entity types; i2b2 .con files use i2b2's own")
+        return read_corpus(folder, problems)
+
     def load(self, data: Path, problems: ProblemLog) -> Corpus:
         data = Path(data)
         if (data / "train").is_dir() and (data / "test").is_dir():
-            train = read_corpus(data / "train", problems)
-            test = read_corpus(data / "test", problems)
+            train = self._read(data / "train", problems)
+            test = self._read(data / "test", problems)
         else:
-            docs = read_corpus(data, problems)
+            docs = self._read(data, problems)
             train = [d for d in docs if not _held_out(d.doc_id, self.seed)]
             test = [d for d in docs if _held_out(d.doc_id, self.seed)]
         # A document of an annotated split without its .con would train on
@@ -108,10 +130,10 @@ class I2b2Task(Task):
 
     def read_documents(self, folder: Path, problems: ProblemLog) -> list[Document]:
         """All documents of one folder (for ``evaluate`` and ``predict``)."""
-        return read_corpus(folder, problems)
+        return self._read(folder, problems)
 
     def summarize(self, data: Path, problems: ProblemLog) -> dict[str, Any]:
-        docs = read_corpus(data, problems)
+        docs = self._read(Path(data), problems)
         return {
             "documents": len(docs),
             "annotated_documents": sum(d.annotated for d in docs),
@@ -203,6 +225,9 @@ class I2b2Task(Task):
             "labels": labels,
             "relevant": relevant,
         }
+
+    def meta(self) -> dict[str, Any]:
+        return super().meta() | {"format": self.format, "types": self.types}
 
     def relevant_tokens(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Sub-words of words inside a gold concept span, and [CLS]."""

@@ -1,0 +1,89 @@
+"""CoNLL / IOB column files as concept-extraction input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from clinfed.errors import ClinfedError, DataError, ProblemLog
+from clinfed.tasks.i2b2.conll import parse_types, read_conll
+
+from .test_cli import run_cli
+
+FIXTURE = Path(__file__).parent / "fixtures" / "conll_bc5cdr"
+TYPES = {"Disease": "problem", "Chemical": "treatment"}
+
+
+def _write(tmp_path: Path, text: str, name: str = "site1/notes.conll") -> Path:
+    path = tmp_path / "data" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(text.encode("utf-8") if isinstance(text, str) else text)
+    return tmp_path / "data"
+
+
+def _spans(doc) -> list[tuple]:
+    return [(c.start, c.end, c.type, c.text) for c in doc.concepts]
+
+
+def test_docstart_sentences_and_every_tag_scheme(tmp_path):
+    text = (
+        "-DOCSTART- -X- O O\n\n"
+        "Aspirin NN B-Chemical\ncaused VB O\nrenal JJ B-Disease\nfailure NN I-Disease\n\n"
+        "-DOCSTART- -X- O O\n\n"
+        # IOBES: S- single, B- .. E- span; IOB1: I- with nothing open starts one
+        "cisplatin S-Chemical\nnephro B-Disease\ntoxicity E-Disease\nand O\n"
+        "fever I-Disease\n"
+    )
+    docs = read_conll(_write(tmp_path, text), ProblemLog(), TYPES)
+    assert [d.doc_id for d in docs] == ["site1-notes-1", "site1-notes-2"]
+    assert all(d.site == "site1" and d.annotated for d in docs)
+    assert docs[0].lines == [["Aspirin", "caused", "renal", "failure"]]
+    assert _spans(docs[0]) == [
+        ((1, 0), (1, 0), "treatment", "aspirin"),
+        ((1, 2), (1, 3), "problem", "renal failure"),
+    ]
+    assert _spans(docs[1]) == [
+        ((1, 0), (1, 0), "treatment", "cisplatin"),
+        ((1, 1), (1, 2), "problem", "nephro toxicity"),
+        ((1, 4), (1, 4), "problem", "fever"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "reason"),
+    [
+        ("a O\nb X-Disease\n", 2, "not O, B-, I-, E- or S-"),
+        ("a O\nb\n", 2, "without a tag"),
+        ("a O\n\nb B-Gene\n", 3, "'Gene' is not in --types"),
+        (b"a O\nb\xff O\n", 2, "not UTF-8"),
+    ],
+)
+def test_bad_lines_are_named_by_file_and_line(tmp_path, text, line, reason):
+    data = _write(tmp_path, text)
+    with pytest.raises(DataError) as caught:
+        read_conll(data, ProblemLog(), TYPES)
+    assert f"notes.conll:{line}: " in str(caught.value) and reason in str(caught.value)
+
+
+def test_types_must_map_onto_the_task_types():
+    assert parse_types("Disease=problem, Chemical=treatment") == TYPES
+    for bad in ("Disease", "Disease=illness", "=problem"):
+        with pytest.raises(ClinfedError, match="--types"):
+            parse_types(bad)
+
+
+def test_training_on_real_conll_text_with_a_type_map(tmp_path):
+    # The README's command on an excerpt of BC5CDR (tests/fixtures/SOURCES.md).
+    run = tmp_path / "run"
+    trained = run_cli("train", "--task", "i2b2", "--format", "conll",
+                      "--types", "Disease=problem,Chemical=treatment", "--data", str(FIXTURE),
+                      "--model", "tiny", "--strategy", "fedavg", "--rounds", "1",
+                      "--max-length", "64", "--threads", "1", "--out", str(run))  # fmt: skip
+    assert trained.returncode == 0, trained.stderr
+    unmapped = run_cli("train", "--task", "i2b2", "--data", str(FIXTURE), "--model", "tiny",
+                       "--out", str(tmp_path / "again"))  # fmt: skip
+    assert unmapped.returncode == 2 and "map it with --types" in unmapped.stderr
+    checked = run_cli("data", "check", str(FIXTURE / "train"), "--task", "i2b2",
+                      "--types", "Disease=problem,Chemical=treatment", "--json")  # fmt: skip
+    assert checked.returncode == 0 and '"treatment"' in checked.stdout
