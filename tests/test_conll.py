@@ -87,3 +87,12 @@ def test_training_on_real_conll_text_with_a_type_map(tmp_path):
     checked = run_cli("data", "check", str(FIXTURE / "train"), "--task", "i2b2",
                       "--types", "Disease=problem,Chemical=treatment", "--json")  # fmt: skip
     assert checked.returncode == 0 and '"treatment"' in checked.stdout
+
+
+def test_safl_profiles_its_public_probe_whatever_the_input_format(tmp_path):
+    from clinfed.models import load_tokenizer
+    from clinfed.tasks.i2b2.adapter import I2b2Task
+
+    task = I2b2Task(format="conll", types=TYPES)
+    probe = task.public_probe(load_tokenizer("tiny"), 32, str(tmp_path))
+    assert len(probe) > 0  # the project's own generator writes i2b2 files

@@ -328,7 +328,7 @@ class I2b2Task(Task):
 
         folder = Path(cache_dir) / "probe"
         generate(folder, sites=3, docs=4, seed=PROBE_SEED)
-        records = self.read_documents(folder / "train", ProblemLog())
+        records = read_corpus(folder / "train", ProblemLog())  # the generator writes i2b2
         return self.encode(records, tokenizer, max_length, cache_dir).shuffle(seed=PROBE_SEED)
 
     def write_predictions(
