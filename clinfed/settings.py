@@ -80,12 +80,12 @@ class DataSettings:
     format: str = setting(
         "auto",
         "i2b2: the annotation format: i2b2 (.txt + .con), conll (token and tag columns, "
-        "IOB/IOB2/IOBES), or auto (detected from the files).",
-        choices=("auto", "i2b2", "conll"),
+        "IOB/IOB2/IOBES), brat (.txt + .ann standoff), or auto (detected from the files).",
+        choices=("auto", "i2b2", "conll", "brat"),
     )
     types: str | None = setting(
         None,
-        "i2b2 with --format conll: map the data's entity types onto problem, test, treatment "
+        "i2b2 with CoNLL or BRAT data: map its entity types onto problem, test, treatment "
         "(e.g. Disease=problem,Chemical=treatment).",
     )
     codes: str = setting(

@@ -88,8 +88,8 @@ def data_check(
     annotation_format: str = typer.Option(
         "auto",
         "--format",
-        help="i2b2: i2b2 (.txt + .con), conll (token and tag columns), or auto.",
-        click_type=click.Choice(["auto", "i2b2", "conll"]),
+        help="i2b2: i2b2 (.txt + .con), conll (token and tag columns), brat, or auto.",
+        click_type=click.Choice(["auto", "i2b2", "conll", "brat"]),
     ),
     types: str = typer.Option(
         None, "--types", help="i2b2 with CoNLL data: e.g. Disease=problem,Chemical=treatment."

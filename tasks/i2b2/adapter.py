@@ -23,6 +23,7 @@ from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.models import special_tokens
 from clinfed.tasks.base import Corpus, Task, rows_to_dataset
 from clinfed.tasks.i2b2.bio import LABEL_TO_ID, LABELS, OUTSIDE, decode_tags, encode_tags
+from clinfed.tasks.i2b2.brat import read_brat
 from clinfed.tasks.i2b2.conll import conll_files, parse_types, read_conll
 from clinfed.tasks.i2b2.format import Document, read_corpus, write_con
 from clinfed.tasks.i2b2.metrics import prf, score_concepts
@@ -39,7 +40,7 @@ LINE_FEATURES = datasets.Features(
     }
 )
 TEST_FRACTION = 0.2
-FORMATS = ("auto", "i2b2", "conll")
+FORMATS = ("auto", "i2b2", "conll", "brat")
 PROBE_SEED = 20_101
 
 
@@ -87,18 +88,25 @@ class I2b2Task(Task):
         """Every document of ``folder`` in the run's format."""
         found = self.format
         if found == "auto":
-            has_conll = bool(conll_files(Path(folder), ProblemLog("skip")))
-            has_txt = any(Path(folder).rglob("*.txt"))
-            if has_conll and has_txt:
+            present = {
+                "conll": bool(conll_files(Path(folder), ProblemLog("skip"))),
+                "brat": any(Path(folder).rglob("*.ann")),
+                "i2b2": any(Path(folder).rglob("*.con")),
+            }
+            seen = [name for name, there in present.items() if there]
+            if len(seen) > 1:
                 raise ClinfedError(
-                    f"{folder}: holds both .txt notes and CoNLL files; say which with "
-                    "--format i2b2 or --format conll"
+                    f"{folder}: holds {' and '.join(seen)} files; say which with --format"
                 )
-            found = "conll" if has_conll else "i2b2"
+            found = seen[0] if seen else "i2b2"
         if found == "conll":
             return read_conll(folder, problems, self.types)
+        if found == "brat":
+            return read_brat(folder, problems, self.types)
         if self.types:
-            raise ClinfedError("--types maps CoNLL entity types; i2b2 .con files use i2b2's own")
+            raise ClinfedError(
+                "--types maps CoNLL or BRAT entity types; i2b2 .con files use i2b2's own"
+            )
         return read_corpus(folder, problems)
 
     def load(self, data: Path, problems: ProblemLog) -> Corpus:

@@ -44,7 +44,8 @@ def conll_files(root: Path, problems: ProblemLog) -> list[Path]:
     return sorted(set(found))
 
 
-def _site(path: Path, root: Path) -> str:
+def site_folder(path: Path, root: Path) -> str:
+    """The folder right under ``root`` that holds ``path`` (else its stem)."""
     parts = path.relative_to(root).parts
     return parts[0] if len(parts) > 1 else path.stem
 
@@ -62,13 +63,13 @@ def read_conll(
         problems.add(root, None, f"no CoNLL files ({', '.join('*' + s for s in SUFFIXES)})")
     documents: list[Document] = []
     for path in files:
-        documents += _read_file(path, _site(path, root), problems, types)
+        documents += _read_file(path, site_folder(path, root), problems, types)
     problems.raise_if_any()
     documents.sort(key=lambda d: (d.site, d.doc_id))
     return documents
 
 
-def _map_type(
+def map_type(
     name: str, types: Mapping[str, str] | None, path: Path, line: int, problems: ProblemLog
 ) -> str | None:
     mapped = types.get(name) if types else name
@@ -157,7 +158,7 @@ def _read_file(
             problems.add(path, line_no, "a tag that is not O, B-, I-, E- or S- with a type")
             close_span(position - 1)
             continue
-        ctype = _map_type(name, types, path, line_no, problems)
+        ctype = map_type(name, types, path, line_no, problems)
         if ctype is None:
             close_span(position - 1)
             continue

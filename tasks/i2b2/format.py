@@ -272,7 +272,13 @@ def read_con(path: Path, lines: list[list[str]], problems: ProblemLog) -> list[C
         concept = parse_span(match, lines, path, line_no, problems)
         if concept is not None:
             concepts.append(concept)
-    concepts.sort()
+    return drop_overlaps(concepts, path, problems)
+
+
+def drop_overlaps(concepts: list[Concept], path: Path, problems: ProblemLog) -> list[Concept]:
+    """Concepts sorted; one that overlaps or repeats an earlier one is a
+    problem (token tags cannot hold both), left out with ``--on-error skip``."""
+    concepts = sorted(concepts)
     kept: list[Concept] = []
     for cur in concepts:
         prev = kept[-1] if kept else None
