@@ -96,6 +96,25 @@ def create_run_folder(path: Path | str) -> Path:
 RUN_LOCK = ".clinfed.lock"
 
 
+@contextlib.contextmanager
+def exclusive_lock(lock_path: Path, busy: str) -> Iterator[None]:
+    """Hold an exclusive ``fcntl`` lock on ``lock_path`` (created 0600) while
+    the block runs; another holder makes it a ClinfedError saying ``busy``.
+    The lock ends with the process, so a crash never leaves it held."""
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise ClinfedError(f"{lock_path.parent}: cannot write here ({exc.strerror})") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ClinfedError(busy) from None
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def _refuse_if_used(path: Path) -> None:
     if any(p.name != RUN_LOCK for p in path.iterdir()):
         hint = (
@@ -130,17 +149,13 @@ def claimed_run_folder(path: Path | str, resume: bool) -> Iterator[Path]:
     lock_existed = (path / RUN_LOCK).exists()
     try:
         path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as exc:
         raise ClinfedError(f"{path}: cannot write the run folder ({exc.strerror})") from None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ClinfedError(
-                f"{path}: another clinfed process is writing this run folder now; wait for it "
-                "or choose another --out"
-            ) from None
+    busy = (
+        f"{path}: another clinfed process is writing this run folder now; wait for it or "
+        "choose another --out"
+    )
+    with exclusive_lock(path / RUN_LOCK, busy):
         if not resume:
             try:
                 _refuse_if_used(path)  # again, under the lock: another process may have won
@@ -157,5 +172,3 @@ def claimed_run_folder(path: Path | str, resume: bool) -> Iterator[Path]:
                 (path / RUN_LOCK).unlink(missing_ok=True)
                 path.rmdir()
             raise
-    finally:
-        os.close(fd)  # releases the lock

@@ -41,17 +41,16 @@ Surviving crashes, neighbours and tampering:
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from clinfed.errors import ClinfedError
 from clinfed.privacy.accountants import BUDGET, Accountant, Mechanism
-from clinfed.runs import append_jsonl, atomic_write_json
+from clinfed.runs import append_jsonl, atomic_write_json, exclusive_lock
 
 log = logging.getLogger("clinfed.privacy")
 
@@ -216,22 +215,13 @@ class Ledger:
         finally:
             os.close(folder)
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
+    def _locked(self) -> contextlib.AbstractContextManager[None]:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        lock_path = self.path.with_name(self.path.name + ".lock")
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise ClinfedError(
-                    f"{self.path}: another process is charging this ledger now; one site, "
-                    "one run at a time"
-                ) from None
-            yield
-        finally:
-            os.close(fd)  # releases the lock
+        return exclusive_lock(
+            self.path.with_name(self.path.name + ".lock"),
+            f"{self.path}: another process is charging this ledger now; one site, one run at "
+            "a time",
+        )
 
     # ------------------------------------------------------------- charges
     def unreleased(self, round_number: int) -> list[dict]:

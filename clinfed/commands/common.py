@@ -7,6 +7,7 @@ import sys
 from enum import Enum
 from typing import Any
 
+import click
 import typer
 from rich.console import Console
 
@@ -67,3 +68,17 @@ def _warn(problems: list) -> None:
         err.print(f"[yellow]warning:[/] {problem}", highlight=False, markup=True, soft_wrap=True)
     if len(problems) > MAX_PROBLEMS_SHOWN:
         err.print(f"[yellow]warning:[/] ... and {len(problems) - MAX_PROBLEMS_SHOWN} more")
+
+
+FORMAT = typer.Option(
+    "auto",
+    "--format",
+    help="i2b2: the annotation format: i2b2 (.txt + .con), conll (token and tag columns), "
+    "brat (.txt + .ann), or auto.",
+    click_type=click.Choice(["auto", "i2b2", "conll", "brat"]),
+)
+TYPES = typer.Option(
+    None,
+    "--types",
+    help="i2b2 with CoNLL or BRAT data: map its entity types, e.g. Disease=problem.",
+)

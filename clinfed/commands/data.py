@@ -10,8 +10,10 @@ from rich.table import Table
 
 from clinfed.commands.common import (
     CODES,
+    FORMAT,
     JSON,
     ON_ERROR,
+    TYPES,
     BaselineKind,
     CodeKind,
     Heterogeneity,
@@ -86,15 +88,8 @@ def data_convert(
         ..., "--to", help="i2b2, conll or brat.", click_type=click.Choice(["i2b2", "conll", "brat"])
     ),
     out_dir: Path = typer.Option(..., "--out", help="New folder for the converted corpus."),
-    annotation_format: str = typer.Option(
-        "auto",
-        "--format",
-        help="The source's format: i2b2, conll, brat, or auto.",
-        click_type=click.Choice(["auto", "i2b2", "conll", "brat"]),
-    ),
-    types: str = typer.Option(
-        None, "--types", help="Map the source's entity types (e.g. Disease=problem)."
-    ),
+    annotation_format: str = FORMAT,
+    types: str = TYPES,
     on_error: OnError = ON_ERROR,
 ) -> None:
     """Write a concept-extraction corpus in another format (train/ and test/ kept)."""
@@ -123,15 +118,8 @@ def data_check(
     task: TaskName = typer.Option(..., "--task", help="i2b2 or mimic3."),
     on_error: OnError = ON_ERROR,
     codes: CodeKind = CODES,
-    annotation_format: str = typer.Option(
-        "auto",
-        "--format",
-        help="i2b2: i2b2 (.txt + .con), conll (token and tag columns), brat, or auto.",
-        click_type=click.Choice(["auto", "i2b2", "conll", "brat"]),
-    ),
-    types: str = typer.Option(
-        None, "--types", help="i2b2 with CoNLL data: e.g. Disease=problem,Chemical=treatment."
-    ),
+    annotation_format: str = FORMAT,
+    types: str = TYPES,
     as_json: bool = JSON,
 ) -> None:
     """Validate a corpus and summarize it (documents, concepts, codes, sites)."""
