@@ -20,6 +20,7 @@ folder for all of them:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import shutil
@@ -63,6 +64,28 @@ def remove_stale(root: Path | None = None) -> list[Path]:
 def _terminate(signum: int, frame) -> None:
     del frame
     raise SystemExit(128 + signum)
+
+
+_LIBRARY_SCRATCH: Path | None = None
+
+
+def cache_folder(cache_dir: str | None) -> str:
+    """Where ``datasets`` may write for a reader: the folder the caller named,
+    else this process's private scratch folder (the CLI's, or, for library
+    use, one made on first need and removed at exit), never
+    ``~/.cache/huggingface``."""
+    global _LIBRARY_SCRATCH
+    if cache_dir is not None:
+        return str(cache_dir)
+    if tempfile.tempdir and Path(tempfile.tempdir).name.startswith(PREFIX):
+        return str(Path(tempfile.tempdir) / "datasets")
+    if _LIBRARY_SCRATCH is None or not _LIBRARY_SCRATCH.is_dir():
+        remove_stale()
+        _LIBRARY_SCRATCH = Path(
+            tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-lib-", dir=_SYSTEM_TMP)
+        )
+        atexit.register(shutil.rmtree, _LIBRARY_SCRATCH, True)
+    return str(_LIBRARY_SCRATCH)
 
 
 @contextlib.contextmanager

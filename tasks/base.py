@@ -20,6 +20,7 @@ import datasets
 import torch
 
 from clinfed.errors import ClinfedError, ProblemLog
+from clinfed.scratch import cache_folder
 
 PROBLEMS_FILE = "clinfed-problems.json"
 
@@ -49,7 +50,7 @@ def rows_to_dataset(
         generator = _tracked
     try:
         dataset = datasets.Dataset.from_generator(
-            generator, gen_kwargs=gen_kwargs, features=features, cache_dir=cache_dir
+            generator, gen_kwargs=gen_kwargs, features=features, cache_dir=cache_folder(cache_dir)
         )
     except ValueError as exc:
         if "corresponds to no data" not in str(exc):

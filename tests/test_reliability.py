@@ -428,3 +428,22 @@ def test_checkpoints_are_fsynced_before_the_commit_names_them(i2b2_corpus, tmp_p
         assert any(weights < c for c in commits)
         # the commit of this round comes after its checkpoint's fsync
         assert commits[round_number - 1] > weights
+
+
+def test_library_use_leaves_no_arrow_cache_behind(mimic_corpus, tmp_path):
+    home, tmp = tmp_path / "home", tmp_path / "tmp"
+    home.mkdir()
+    tmp.mkdir()
+    code = (
+        "import sys; from clinfed.errors import ProblemLog; "
+        "from clinfed.tasks.mimic3.adapter import Mimic3Task; "
+        "corpus = Mimic3Task(top_k=0).load(sys.argv[1], ProblemLog()); "
+        "print(len(corpus.train))"
+    )
+    env = dict(os.environ, HOME=str(home), TMPDIR=str(tmp))
+    done = subprocess.run([sys.executable, "-c", code, str(mimic_corpus)], env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) > 0
+    assert not (home / ".cache" / "huggingface" / "datasets").exists()
+    assert _holding(tmp, CANARY.encode()) == [] and not list(tmp.glob("clinfed-scratch-*"))

@@ -29,6 +29,7 @@ from pathlib import Path
 import datasets
 
 from clinfed.errors import ClinfedError, ProblemLog
+from clinfed.scratch import cache_folder
 from clinfed.tasks.base import rows_to_dataset
 
 CODE_KINDS = ("diagnoses", "procedures", "both")
@@ -264,7 +265,7 @@ def read_admissions(folder: Path, problems: ProblemLog, cache_dir: str | None) -
         return datasets.Dataset.from_dict(empty, features=ADMISSION_FEATURES)
     notes = notes.sort(["hadm_id", "addendum", "chartdate", "order"])
     grouped = datasets.Dataset.from_generator(
-        _group_admissions, gen_kwargs={"notes": notes}, cache_dir=cache_dir
+        _group_admissions, gen_kwargs={"notes": notes}, cache_dir=cache_folder(cache_dir)
     )  # not empty: every admission has at least one note
     return grouped.map(_join_texts, batched=True, remove_columns=["texts"])
 
