@@ -10,8 +10,9 @@ folder for all of them:
   it while it is open, so no library writes note content to
   ``~/.cache/huggingface`` or loose in ``$TMPDIR``;
 * removed on a normal exit, on an error, on Ctrl-C and on SIGTERM (how
-  schedulers and ``docker stop`` end jobs): SIGTERM is turned into
-  ``SystemExit(143)``, so every ``finally`` runs;
+  schedulers and ``docker stop`` end jobs): the SIGTERM handler removes it
+  and exits with status 143 at once (written files are atomic, so nothing
+  is left half-written);
 * a SIGKILL cannot be caught: the next clinfed process removes the scratch
   folders of processes that no longer exist before it starts.
 
@@ -61,9 +62,17 @@ def remove_stale(root: Path | None = None) -> list[Path]:
     return removed
 
 
+_ACTIVE: list[Path] = []
+
+
 def _terminate(signum: int, frame) -> None:
+    """SIGTERM: remove the scratch folders now and exit 128 + signum. Done
+    here rather than by raising, so no library that catches exceptions can
+    keep the process (and the notes on disk) alive."""
     del frame
-    raise SystemExit(128 + signum)
+    for folder in _ACTIVE:
+        shutil.rmtree(folder, ignore_errors=True)
+    os._exit(128 + signum)
 
 
 _LIBRARY_SCRATCH: Path | None = None
@@ -103,9 +112,11 @@ def private_scratch() -> Iterator[Path]:
         handler = signal.signal(signal.SIGTERM, _terminate)
     tempfile.tempdir = str(folder)
     datasets.config.HF_DATASETS_CACHE = folder / "datasets"
+    _ACTIVE.append(folder)
     try:
         yield folder
     finally:
+        _ACTIVE.remove(folder)
         tempfile.tempdir = previous_tempdir
         datasets.config.HF_DATASETS_CACHE = previous_cache
         if handler is not None:
