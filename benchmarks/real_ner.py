@@ -1,20 +1,32 @@
-"""Real text: BC5CDR (PubMed abstracts, expert chemical and disease spans).
+"""Real text: BC5CDR and NCBI-disease (PubMed abstracts, expert spans).
 
-BC5CDR's train split (``../shared/corpora/bc5cdr/train.tsv``) is cut into
-three sites of consecutive sentences (about 1,520 each; abstracts stay
-together except at the two cuts), its devel split likewise into each site's
-held-out part, so the global F1 is over the whole devel split. Chemical is
-mapped to ``treatment`` and Disease to ``problem`` (``--types``). Measured in
-one run, bundled MiniLM, seed 0:
+Table (a), ``--table a``: BC5CDR's train split (``../shared/corpora/bc5cdr/
+train.tsv``) is cut into three sites of consecutive sentences (about 1,520
+each; abstracts stay together except at the two cuts), its devel split
+likewise into each site's held-out part, so the global F1 is over the whole
+devel split. Chemical is mapped to ``treatment`` and Disease to ``problem``
+(``--types``). Measured in one run, bundled MiniLM, seed 0:
 
 * the dictionary baseline (training spans looked up in the test text);
 * centralized (all sites pooled), FedAvg, SAFL K=2 (global selection, free)
   and FedFrozen (warm-up 2 rounds), each evaluated with ``clinfed
   evaluate`` on the devel split: strict span F1, micro and per type.
 
-Writes ``RESULTS/real-ner-bc5cdr.json`` and ``.md`` (the README's table).
+Table (b), ``--table b``: two hospitals with different annotation
+guidelines. ``ncbi`` holds NCBI-disease sentences (diseases annotated, no
+chemicals), ``bc5cdr`` BC5CDR sentences (chemicals and diseases); the label
+set (Chemical, Disease) comes from the data. FedAvg and centralized, each
+naive (``--no-partial-labels``: ncbi's O tokens teach "not a chemical") and
+with the partial-label loss (the default: ncbi's O tokens may be chemicals).
+Scored on each corpus's devel split: NCBI devel by Disease only (it does
+not annotate chemicals, so chemical predictions there can be neither right
+nor wrong), BC5CDR devel per type.
 
-    .venv/bin/python benchmarks/real_ner.py              # about 45 minutes on 2 cores
+Writes ``RESULTS/real-ner-bc5cdr.json``/``.md`` (a) and
+``RESULTS/real-ner-mixed.json``/``.md`` (b), the README's tables.
+
+    .venv/bin/python benchmarks/real_ner.py --table a    # about 35 minutes on 2 cores
+    .venv/bin/python benchmarks/real_ner.py --table b    # about 30 minutes on 2 cores
     .venv/bin/python benchmarks/real_ner.py --quick      # tiny model, 300 sentences: a smoke run
 """
 
@@ -35,7 +47,8 @@ from clinfed.pipeline import RunConfig, run_training
 from clinfed.runs import atomic_write_json, atomic_write_text
 from clinfed.tasks.i2b2.adapter import I2b2Task
 
-CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpora" / "bc5cdr"
+CORPORA = Path(__file__).resolve().parents[2] / "shared" / "corpora"
+CORPUS = CORPORA / "bc5cdr"
 TYPES = "Disease=problem,Chemical=treatment"
 NAMES = {"problem": "Disease", "treatment": "Chemical"}
 SITES = ("site1", "site2", "site3")
@@ -63,15 +76,7 @@ def scores(metrics: dict) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("campaign-runs/real-ner"))
-    parser.add_argument("--results", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--model", default="minilm")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--max-length", type=int, default=64)
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
+def table_a(args: argparse.Namespace) -> None:
     limit = 300 if args.quick else None
     model = "tiny" if args.quick else args.model
     name = "real-ner-bc5cdr-quick" if args.quick else "real-ner-bc5cdr"
@@ -147,6 +152,114 @@ def main() -> None:
         )
     atomic_write_text(args.results / f"{name}.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def write_split(folder: Path, site: str, name: str, source: list[str]) -> None:
+    target = folder / site / name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text("\n\n".join(source) + "\n", encoding="utf-8")
+
+
+def table_b(args: argparse.Namespace) -> None:
+    train_n, devel_n = (300, 200) if args.quick else (args.mixed_train, args.mixed_devel)
+    model = "tiny" if args.quick else args.model
+    name = "real-ner-mixed-quick" if args.quick else "real-ner-mixed"
+    started_all = time.perf_counter()
+    data = args.out / "mixed"
+    corpora = {"ncbi": CORPORA / "ncbi-disease", "bc5cdr": CORPORA / "bc5cdr"}
+    sizes = {}
+    for site, folder in corpora.items():
+        train = sentences(folder / "train.tsv")[:train_n]
+        devel = sentences(folder / "devel.tsv")[:devel_n]
+        write_split(data / "train", site, "train.tsv", train)
+        write_split(data / "test", site, "devel.tsv", devel)
+        # each devel split alone, to score it by the types its corpus annotates
+        write_split(data / f"devel-{site}", site, "devel.tsv", devel)
+        sizes[site] = {"train_sentences": len(train), "devel_sentences": len(devel)}
+
+    common = dict(
+        task="i2b2",
+        format="conll",
+        data=str(data),
+        model=model,
+        max_length=args.max_length,
+        seed=0,
+        threads=0,
+    )
+    plans = {
+        f"{strategy} {mode}": {"strategy": strategy, "partial_labels": mode == "partial"}
+        | ({"epochs": args.rounds} if strategy == "centralized" else {"rounds": args.rounds})
+        for strategy in ("fedavg", "centralized")
+        for mode in ("naive", "partial")
+    }
+    rows = {}
+    for label, plan in plans.items():
+        out = args.out / ("mixed-" + label.replace(" ", "-"))
+        if out.exists():
+            shutil.rmtree(out)
+        started = time.perf_counter()
+        run_training(RunConfig.of(**common, **plan, out=str(out)))
+        wall = time.perf_counter() - started
+        ncbi = evaluate_run(out, data / "devel-ncbi")["scores"]["exact"]
+        bc5 = evaluate_run(out, data / "devel-bc5cdr")["scores"]["exact"]
+        rows[label] = {
+            "ncbi_disease_f1": ncbi["Disease"]["f1"],
+            "bc5cdr_chemical_f1": bc5["Chemical"]["f1"],
+            "bc5cdr_chemical_recall": bc5["Chemical"]["recall"],
+            "bc5cdr_disease_f1": bc5["Disease"]["f1"],
+            "bc5cdr_f1": bc5["micro"]["f1"],
+            "wall_s": round(wall, 1),
+        }
+        print(label, rows[label], flush=True)
+
+    result = {
+        "corpus": "NCBI-disease (site ncbi, diseases only) + BC5CDR (site bc5cdr, both types)",
+        "sizes": sizes,
+        "model": model,
+        "rounds": args.rounds,
+        "max_length": args.max_length,
+        "seed": 0,
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+        "wall_min": round((time.perf_counter() - started_all) / 60, 1),
+        "rows": rows,
+    }
+    args.results.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(args.results / f"{name}.json", result)
+    lines = [
+        f"Site ncbi: {sizes['ncbi']['train_sentences']} NCBI-disease training sentences "
+        f"(diseases only); site bc5cdr: {sizes['bc5cdr']['train_sentences']} BC5CDR sentences "
+        f"(chemicals and diseases). Scored on {sizes['ncbi']['devel_sentences']} NCBI and "
+        f"{sizes['bc5cdr']['devel_sentences']} BC5CDR devel sentences; {model}, {args.rounds} "
+        f"rounds (epochs for centralized), max length {args.max_length}, seed 0; "
+        f"{result['wall_min']} min.",
+        "",
+        "| method | NCBI Disease F1 | BC5CDR Chemical F1 (recall) | BC5CDR Disease F1 "
+        "| BC5CDR strict F1 | wall |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, row in rows.items():
+        lines.append(
+            f"| {label} | {row['ncbi_disease_f1']:.3f} | {row['bc5cdr_chemical_f1']:.3f} "
+            f"({row['bc5cdr_chemical_recall']:.3f}) | {row['bc5cdr_disease_f1']:.3f} "
+            f"| {row['bc5cdr_f1']:.3f} | {row['wall_s'] / 60:.1f} min |"
+        )
+    atomic_write_text(args.results / f"{name}.md", "\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--table", choices=("a", "b"), default="a")
+    parser.add_argument("--out", type=Path, default=Path("campaign-runs/real-ner"))
+    parser.add_argument("--results", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--model", default="minilm")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-length", type=int, default=64)
+    parser.add_argument("--mixed-train", type=int, default=1500, help="(b) sentences per site")
+    parser.add_argument("--mixed-devel", type=int, default=1000, help="(b) devel sentences each")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    (table_a if args.table == "a" else table_b)(args)
 
 
 if __name__ == "__main__":

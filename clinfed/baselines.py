@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -58,11 +58,12 @@ def dictionary_concepts(
     return predicted
 
 
-def i2b2_dictionary(train: list[Document], test: list[Document]) -> dict:
-    """Scores of the dictionary baseline on ``test`` (same keys as ``clinfed score``)."""
+def i2b2_dictionary(train: list[Document], test: list[Document], types: Sequence[str] = ()) -> dict:
+    """Scores of the dictionary baseline on ``test`` (same keys as ``clinfed
+    score``; per type for ``types`` and any other type found)."""
     gold = {d.doc_id: d.concepts for d in test if d.annotated}
     predicted = dictionary_concepts(train, [d for d in test if d.annotated])
-    scores = score_concepts(gold, predicted)
+    scores = score_concepts(gold, predicted, types)
     return {
         "f1": scores["exact"]["micro"]["f1"],
         "inexact_f1": scores["inexact"]["micro"]["f1"],

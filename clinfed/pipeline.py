@@ -328,6 +328,7 @@ def make_task(config: RunConfig, cache_dir: str) -> Task:
         labels=config.labels,
         format=config.format,
         types=config.types,
+        partial_labels=config.partial_labels,
     )
 
 

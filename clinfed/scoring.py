@@ -11,12 +11,18 @@ import numpy as np
 from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.tasks.i2b2.format import read_con, read_corpus
 from clinfed.tasks.i2b2.metrics import score_concepts
+from clinfed.tasks.i2b2.schema import CONCEPT_TYPES, PRESET, TypeNames, parse_types, run_types
 from clinfed.tasks.mimic3.adapter import Mimic3Task
 from clinfed.tasks.mimic3.metrics import multilabel_metrics
 
 
-def score_i2b2(gold_dir: Path, pred_dir: Path, problems: ProblemLog) -> dict[str, Any]:
+def score_i2b2(
+    gold_dir: Path, pred_dir: Path, problems: ProblemLog, types: str | None = None
+) -> dict[str, Any]:
     """Exact and inexact scores of the ``.con`` files under ``pred_dir``.
+
+    Types are the i2b2 preset's unless ``types`` declares others (as
+    ``--types`` does for training: ``Disease,Chemical``).
 
     Predicted files pair with gold documents by file stem and are validated
     against the gold text. Every gold document needs a predicted file (an
@@ -27,7 +33,10 @@ def score_i2b2(gold_dir: Path, pred_dir: Path, problems: ProblemLog) -> dict[str
     pred_dir = Path(pred_dir)
     if not pred_dir.is_dir():
         raise ClinfedError(f"--pred {pred_dir}: not a folder")
-    gold_docs = [d for d in read_corpus(gold_dir, problems) if d.annotated]
+    declared = parse_types(types)
+    names = TypeNames(declared) if declared else PRESET
+    kinds = run_types(declared.values()) if declared else CONCEPT_TYPES
+    gold_docs = [d for d in read_corpus(gold_dir, problems, names) if d.annotated]
     if not gold_docs:
         raise ClinfedError(f"--gold {gold_dir}: no annotated documents (.con files)")
     by_stem = {d.doc_id: d for d in gold_docs}
@@ -40,7 +49,7 @@ def score_i2b2(gold_dir: Path, pred_dir: Path, problems: ProblemLog) -> dict[str
         if path.stem in predicted:
             problems.add(path, None, "second prediction file for the same document")
             continue
-        predicted[path.stem] = read_con(path, doc.lines, problems)
+        predicted[path.stem] = read_con(path, doc.lines, problems, names)
     for stem in sorted(set(by_stem) - set(predicted)):
         problems.add(
             by_stem[stem].con_path,
@@ -49,7 +58,7 @@ def score_i2b2(gold_dir: Path, pred_dir: Path, problems: ProblemLog) -> dict[str
         )
     problems.raise_if_any()
     gold = {d.doc_id: d.concepts for d in gold_docs}
-    result: dict[str, Any] = dict(score_concepts(gold, predicted))
+    result: dict[str, Any] = dict(score_concepts(gold, predicted, kinds))
     result["documents"] = len(gold)
     result["missing_predictions"] = sorted(set(gold) - set(predicted))
     return result

@@ -85,8 +85,14 @@ class DataSettings:
     )
     types: str | None = setting(
         None,
-        "i2b2 with CoNLL or BRAT data: map its entity types onto problem, test, treatment "
-        "(e.g. Disease=problem,Chemical=treatment).",
+        "i2b2: the entity types to predict, declared: Disease=problem,Chemical=treatment maps "
+        'names, Disease,Chemical keeps them, or a .toml file of NAME = "TYPE" pairs. '
+        "Default: the i2b2 preset for .con files, the training split's types for CoNLL/BRAT.",
+    )
+    partial_labels: bool = setting(
+        True,
+        "i2b2: a site's O tokens are not evidence against a type the site never annotates "
+        "(partial-label loss); off: they train as plain O.",
     )
     codes: str = setting(
         "diagnoses",

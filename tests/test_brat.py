@@ -9,10 +9,12 @@ import pytest
 from clinfed.errors import DataError, ProblemLog
 from clinfed.tasks.i2b2 import brat
 from clinfed.tasks.i2b2.brat import read_brat
+from clinfed.tasks.i2b2.schema import TypeNames
 
 from .test_cli import run_cli
 
 TYPES = {"Disease": "problem", "Chemical": "treatment"}
+MAPPED = TypeNames(TYPES)
 TEXT = "Aspirin caused renal failure .\nParkinson's disease and fever were seen .\n"
 
 
@@ -37,7 +39,7 @@ def test_spans_discontinuous_fragments_partial_tokens_and_skipped_kinds(tmp_path
         "A1\tNegated T3\n"
         "#1\tAnnotatorNotes T1\tchecked\n"
     )
-    (doc,) = read_brat(_write(tmp_path, ann), ProblemLog(), TYPES)
+    (doc,) = read_brat(_write(tmp_path, ann), ProblemLog(), MAPPED)
     assert doc.site == "site1" and doc.annotated
     spans = [(c.start, c.end, c.type) for c in doc.concepts]
     assert spans == [
@@ -62,7 +64,7 @@ def test_spans_discontinuous_fragments_partial_tokens_and_skipped_kinds(tmp_path
 )
 def test_bad_annotations_are_named_by_file_and_line(tmp_path, ann, reason):
     with pytest.raises(DataError) as caught:
-        read_brat(_write(tmp_path, ann), ProblemLog(), TYPES)
+        read_brat(_write(tmp_path, ann), ProblemLog(), MAPPED)
     message = str(caught.value)
     assert "note.ann:1: " in message and reason in message
     assert "kidney" not in message and "renal" not in message  # no text quoted
@@ -72,7 +74,7 @@ def test_an_ann_without_its_txt_and_nested_spans_are_problems(tmp_path):
     data = _write(tmp_path, "T1\tDisease 15 28\trenal failure\nT2\tDisease 21 28\tfailure\n")
     (data / "site1" / "other.ann").write_text("")
     with pytest.raises(DataError) as caught:
-        read_brat(data, ProblemLog(), TYPES)
+        read_brat(data, ProblemLog(), MAPPED)
     assert "other.ann: .ann file without a matching .txt" in str(caught.value)
     assert "overlaps" in str(caught.value)
 

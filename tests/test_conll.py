@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
 
 from clinfed.errors import ClinfedError, DataError, ProblemLog
-from clinfed.tasks.i2b2.conll import parse_types, read_conll
+from clinfed.tasks.i2b2.conll import read_conll
+from clinfed.tasks.i2b2.schema import TypeNames, parse_types
 
 from .test_cli import run_cli
 
 FIXTURE = Path(__file__).parent / "fixtures" / "conll_bc5cdr"
 TYPES = {"Disease": "problem", "Chemical": "treatment"}
+MAPPED = TypeNames(TYPES)
 
 
 def _write(tmp_path: Path, text: str, name: str = "site1/notes.conll") -> Path:
@@ -35,7 +39,7 @@ def test_docstart_sentences_and_every_tag_scheme(tmp_path):
         "cisplatin S-Chemical\nnephro B-Disease\ntoxicity E-Disease\nand O\n"
         "fever I-Disease\n"
     )
-    docs = read_conll(_write(tmp_path, text), ProblemLog(), TYPES)
+    docs = read_conll(_write(tmp_path, text), ProblemLog(), MAPPED)
     assert [d.doc_id for d in docs] == ["site1-notes-1", "site1-notes-2"]
     assert all(d.site == "site1" and d.annotated for d in docs)
     assert docs[0].lines == [["Aspirin", "caused", "renal", "failure"]]
@@ -62,15 +66,22 @@ def test_docstart_sentences_and_every_tag_scheme(tmp_path):
 def test_bad_lines_are_named_by_file_and_line(tmp_path, text, line, reason):
     data = _write(tmp_path, text)
     with pytest.raises(DataError) as caught:
-        read_conll(data, ProblemLog(), TYPES)
+        read_conll(data, ProblemLog(), MAPPED)
     assert f"notes.conll:{line}: " in str(caught.value) and reason in str(caught.value)
 
 
-def test_types_must_map_onto_the_task_types():
+def test_types_map_keep_or_come_from_a_toml_file(tmp_path):
     assert parse_types("Disease=problem, Chemical=treatment") == TYPES
-    for bad in ("Disease", "Disease=illness", "=problem"):
+    assert parse_types("Disease,Chemical=drug") == {"Disease": "Disease", "Chemical": "drug"}
+    table = tmp_path / "types.toml"
+    table.write_text('[types]\nDisease = "problem"\nChemical = "treatment"\n')
+    assert parse_types(str(table)) == TYPES
+    for bad in ("=problem", "Disease=", "Dis ease=problem", "Disease=O", "a=b=c"):
         with pytest.raises(ClinfedError, match="--types"):
             parse_types(bad)
+    table.write_text("Disease = 3\n")
+    with pytest.raises(ClinfedError, match="types.toml"):
+        parse_types(str(table))
 
 
 def test_training_on_real_conll_text_with_a_type_map(tmp_path):
@@ -81,9 +92,26 @@ def test_training_on_real_conll_text_with_a_type_map(tmp_path):
                       "--model", "tiny", "--strategy", "fedavg", "--rounds", "1",
                       "--max-length", "64", "--threads", "1", "--out", str(run))  # fmt: skip
     assert trained.returncode == 0, trained.stderr
-    unmapped = run_cli("train", "--task", "i2b2", "--data", str(FIXTURE), "--model", "tiny",
-                       "--out", str(tmp_path / "again"))  # fmt: skip
-    assert unmapped.returncode == 2 and "map it with --types" in unmapped.stderr
+    # Mapped onto i2b2 types: the i2b2 preset, so the model is interchangeable.
+    labels = json.loads((run / "labels.json").read_text())
+    assert labels["labels"] == ["O", "B-problem", "I-problem", "B-test", "I-test",
+                                "B-treatment", "I-treatment"]  # fmt: skip
+    # A declaration that leaves a type out is an error naming file and line.
+    partial = run_cli("train", "--task", "i2b2", "--data", str(FIXTURE), "--model", "tiny",
+                      "--types", "Disease", "--out", str(tmp_path / "partial"))  # fmt: skip
+    assert partial.returncode == 2
+    assert re.search(r"\.tsv:\d+: entity type 'Chemical' is not in --types", partial.stderr)
+    # Without --types the data's own types are the label set.
+    own = tmp_path / "own"
+    kept = run_cli("train", "--task", "i2b2", "--data", str(FIXTURE), "--model", "tiny",
+                   "--rounds", "1", "--max-length", "32", "--threads", "1",
+                   "--out", str(own))  # fmt: skip
+    assert kept.returncode == 0, kept.stderr
+    labels = json.loads((own / "labels.json").read_text())
+    assert labels["labels"] == ["O", "B-Chemical", "I-Chemical", "B-Disease", "I-Disease"]
+    assert labels["source"].startswith("from the data")
+    exact = json.loads((own / "summary.json").read_text())["detail"]["exact"]
+    assert {"Chemical", "Disease"} <= set(exact) and "problem" not in exact
     checked = run_cli("data", "check", str(FIXTURE / "train"), "--task", "i2b2",
                       "--types", "Disease=problem,Chemical=treatment", "--json")  # fmt: skip
     assert checked.returncode == 0 and '"treatment"' in checked.stdout

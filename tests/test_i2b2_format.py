@@ -116,7 +116,7 @@ def test_assertion_files_are_read(tmp_path):
 
 BAD_CON_CASES = [
     ('c="pneumothorax" 1:9 1:9||t="problem"', "token offset 9 past the end of line 1"),
-    ('c="pneumothorax" 1:1 1:1||t="diagnosis"', "unknown concept type"),
+    ('c="pneumothorax" 1:1 1:1||t="diagnosis"', "is not one of problem, test, treatment"),
     ('c="pneumonia" 1:1 1:1||t="problem"', "concept text does not match the tokens at 1:1-1:1"),
     ('c="pneumothorax" 1:1||t="problem"', "malformed concept line"),
     ('c="pneumothorax" 0:1 0:1||t="problem"', "line 0 in a span"),

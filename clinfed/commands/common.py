@@ -11,6 +11,8 @@ import click
 import typer
 from rich.console import Console
 
+from clinfed.settings import schema_fields
+
 app = typer.Typer(
     help="Federated training of clinical NLP models with privacy accounting.",
     no_args_is_help=True,
@@ -70,15 +72,11 @@ def _warn(problems: list) -> None:
         err.print(f"[yellow]warning:[/] ... and {len(problems) - MAX_PROBLEMS_SHOWN} more")
 
 
+# Declared once in clinfed.settings; the data commands share the wording.
 FORMAT = typer.Option(
     "auto",
     "--format",
-    help="i2b2: the annotation format: i2b2 (.txt + .con), conll (token and tag columns), "
-    "brat (.txt + .ann), or auto.",
+    help=schema_fields()["format"].metadata["help"],
     click_type=click.Choice(["auto", "i2b2", "conll", "brat"]),
 )
-TYPES = typer.Option(
-    None,
-    "--types",
-    help="i2b2 with CoNLL or BRAT data: map its entity types, e.g. Disease=problem.",
-)
+TYPES = typer.Option(None, "--types", help=schema_fields()["types"].metadata["help"])

@@ -152,6 +152,7 @@ def score(
         ..., "--pred", help="i2b2: folder of .con files; mimic3: predictions.csv."
     ),
     codes: CodeKind = CODES,
+    types: str = TYPES,
     as_json: bool = JSON,
 ) -> None:
     """Score predictions: i2b2 exact/inexact P/R/F1; mimic3 F1, AUC, P@k."""
@@ -159,7 +160,7 @@ def score(
 
     problems = ProblemLog("strict")
     if task is TaskName.i2b2:
-        result = score_i2b2(gold, pred, problems)
+        result = score_i2b2(gold, pred, problems, types)
     else:
         result = score_mimic3(gold, pred, codes.value, problems)
     if as_json:
@@ -209,6 +210,8 @@ def baseline(
         50, "--top-k", help="mimic3: keep the K most frequent codes (0: all)."
     ),
     seed: int = typer.Option(0, "--seed", help="Seeds the split when the corpus has none."),
+    annotation_format: str = FORMAT,
+    types: str = TYPES,
     as_json: bool = JSON,
 ) -> None:
     """Score a model-free baseline on the held-out split."""
@@ -221,10 +224,17 @@ def baseline(
     }
     if kind not in valid[task]:
         raise ClinfedError(f"--kind {kind.value} does not apply to {task.value}")
-    handle = get_task(task.value, seed=seed, codes=codes.value, top_k=top_k)
+    handle = get_task(
+        task.value,
+        seed=seed,
+        codes=codes.value,
+        top_k=top_k,
+        format=annotation_format,
+        types=types,
+    )
     corpus = handle.load(data, ProblemLog("strict"))
     if task is TaskName.i2b2:
-        result = i2b2_dictionary(corpus.train, corpus.test)
+        result = i2b2_dictionary(corpus.train, corpus.test, handle.entity_types)
     else:
         ks = (5,) if len(handle.labels) <= 50 else (8, 15)
         if kind is BaselineKind.frequency:

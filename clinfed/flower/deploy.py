@@ -200,6 +200,11 @@ def flower_run_config(settings: dict[str, Any], out: Path, resume: bool = False)
             f"--task {config.task} on Flower needs --labels FILE (the labels to predict): "
             "otherwise they come from pooled training data, which no server sees"
         )
+    if config.task == "i2b2" and config.format in ("conll", "brat") and not config.types:
+        raise ClinfedError(
+            f"--format {config.format} on Flower needs --types (the entity types to predict): "
+            "otherwise they come from pooled training data, which no server sees"
+        )
     if config.strategy in STRATEGIES and STRATEGIES[config.strategy].pooled:
         raise ClinfedError(f"--strategy {config.strategy} pools the data: it has no Flower form")
     config.validate(check_data=False)

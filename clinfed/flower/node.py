@@ -261,7 +261,15 @@ class NodeSite:
         cache_dir = self._tmp.name
         try:
             task = make_task(config, cache_dir)
+            planned = list(task.labels)
             corpus = task.load(node.data, ProblemLog(config.on_error))
+            if task.labels != planned:
+                # The server built the model for the planned labels; a site
+                # must not train another head (types from its own data).
+                raise ClinfedError(
+                    f"{node.data}: the labels its data gives ({len(task.labels)}) are not the "
+                    f"run's ({len(planned)}); the run must declare them (--types for i2b2)"
+                )
             sites = corpus.sites
             if node.site is None and len(sites) != 1:
                 raise ClinfedError(

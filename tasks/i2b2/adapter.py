@@ -22,21 +22,34 @@ from torch.nn import functional as F
 from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.models import special_tokens
 from clinfed.tasks.base import Corpus, Task, rows_to_dataset
-from clinfed.tasks.i2b2.bio import LABEL_TO_ID, LABELS, OUTSIDE, decode_tags, encode_tags
+from clinfed.tasks.i2b2.bio import decode_tags, encode_tags
 from clinfed.tasks.i2b2.brat import read_brat
-from clinfed.tasks.i2b2.conll import conll_files, parse_types, read_conll
+from clinfed.tasks.i2b2.conll import conll_files, read_conll
 from clinfed.tasks.i2b2.format import Document, read_corpus, write_con
 from clinfed.tasks.i2b2.metrics import prf, score_concepts
+from clinfed.tasks.i2b2.schema import (
+    CONCEPT_TYPES,
+    OUTSIDE,
+    PRESET,
+    TypeNames,
+    bio_labels,
+    parse_types,
+    run_types,
+    types_of,
+)
 
 IGNORE = -100
-OUTSIDE_ID = LABEL_TO_ID[OUTSIDE]
+OUTSIDE_ID = 0  # bio_labels puts O first
 LINE_FEATURES = datasets.Features(
     {
         "doc": datasets.Value("int32"),
         "line": datasets.Value("int32"),
         "site": datasets.Value("string"),
         "words": datasets.Sequence(datasets.Value("string")),
-        "tags": datasets.Sequence(datasets.Value("int8")),
+        "tags": datasets.Sequence(datasets.Value("int16")),
+        # 1 for a word inside any gold span, whether or not its type is one
+        # the run predicts (SAFL's relevance mask on the public probe)
+        "inside": datasets.Sequence(datasets.Value("int8")),
     }
 )
 TEST_FRACTION = 0.2
@@ -70,22 +83,58 @@ class I2b2Task(Task):
     seed
         Seeds the held-out split when the data folder has no ``train/`` and
         ``test/`` folders (20% of documents, by a hash of the file stem).
+    format
+        ``auto``, ``i2b2``, ``conll`` or ``brat``.
+    types
+        The declared entity types (``--types``, see
+        :mod:`clinfed.tasks.i2b2.schema`). Without it ``.con`` files use the
+        i2b2 2010 preset and CoNLL/BRAT files the types of their training
+        split.
+    partial_labels
+        A site's ``O`` tokens are not evidence against a type the site never
+        annotates (none in its training split): their loss is that of
+        ``O`` *or* that type (the marginal likelihood of the labels the token
+        may really have). Without it they train as plain ``O``.
     """
 
     name = "i2b2"
     head = "token"
     defaults = {"max_length": 128, "batch_size": 16, "lr": 1e-4, "head_lr": 1e-3}
 
-    def __init__(self, seed: int = 0, format: str = "auto", types: Any = None):  # noqa: A002
+    def __init__(
+        self,
+        seed: int = 0,
+        format: str = "auto",  # noqa: A002
+        types: Any = None,
+        partial_labels: bool = True,
+    ):
         if format not in FORMATS:
             raise ClinfedError(f"--format must be one of {', '.join(FORMATS)}, not {format!r}")
         self.seed, self.format, self.types = seed, format, parse_types(types)
-        self.labels = list(LABELS)
+        self.partial_labels = partial_labels
+        if self.types:
+            self.labels = bio_labels(run_types(self.types.values()))
+            self.label_source = "declared with --types"
+        else:
+            self.labels = bio_labels(CONCEPT_TYPES)
+            self.label_source = "the i2b2 2010 preset (problem, test, treatment)"
+        # The types each site annotates (its training split's), set by load():
+        # local knowledge, never sent.
+        self.site_types: dict[str, set[str]] = {}
         self.pad_id = 0  # set from the tokenizer by encode()
+
+    @property
+    def entity_types(self) -> tuple[str, ...]:
+        """The types the run predicts, in label order."""
+        return types_of(self.labels)
 
     # ---------------------------------------------------------------- reading
     def _read(self, folder: Path, problems: ProblemLog) -> list[Document]:
         """Every document of ``folder`` in the run's format."""
+        return self._read_found(folder, problems)[0]
+
+    def _read_found(self, folder: Path, problems: ProblemLog) -> tuple[list[Document], str]:
+        """(documents, the format they were read as)."""
         found = self.format
         if found == "auto":
             present = {
@@ -99,23 +148,23 @@ class I2b2Task(Task):
                     f"{folder}: holds {' and '.join(seen)} files; say which with --format"
                 )
             found = seen[0] if seen else "i2b2"
-        if found == "conll":
-            return read_conll(folder, problems, self.types)
-        if found == "brat":
-            return read_brat(folder, problems, self.types)
         if self.types:
-            raise ClinfedError(
-                "--types maps CoNLL or BRAT entity types; i2b2 .con files use i2b2's own"
-            )
-        return read_corpus(folder, problems)
+            names = TypeNames(self.types)
+        else:
+            names = PRESET if found == "i2b2" else TypeNames(open=True)
+        if found == "conll":
+            return read_conll(folder, problems, names), found
+        if found == "brat":
+            return read_brat(folder, problems, names), found
+        return read_corpus(folder, problems, names), found
 
     def load(self, data: Path, problems: ProblemLog) -> Corpus:
         data = Path(data)
         if (data / "train").is_dir() and (data / "test").is_dir():
-            train = self._read(data / "train", problems)
+            train, found = self._read_found(data / "train", problems)
             test = self._read(data / "test", problems)
         else:
-            docs = self._read(data, problems)
+            docs, found = self._read_found(data, problems)
             train = [d for d in docs if not _held_out(d.doc_id, self.seed)]
             test = [d for d in docs if _held_out(d.doc_id, self.seed)]
         # A document of an annotated split without its .con would train on
@@ -131,6 +180,17 @@ class I2b2Task(Task):
         problems.raise_if_any()
         train = [d for d in train if d.annotated]
         test = [d for d in test if d.annotated]
+        if not self.types and found != "i2b2":
+            names = sorted({c.type for d in train for c in d.concepts})
+            if not names:
+                raise ClinfedError(
+                    f"{data}: no entity annotated in the training documents, so no types to learn"
+                )
+            self.labels = bio_labels(run_types(names))
+            self.label_source = "from the data: the entity types of the training split"
+        self.site_types = {}
+        for doc in train:
+            self.site_types.setdefault(doc.site, set()).update(c.type for c in doc.concepts)
         sites = sorted({d.site for d in train} | {d.site for d in test})
         return Corpus(
             train, test, sites, {"train_documents": len(train), "test_documents": len(test)}
@@ -160,9 +220,19 @@ class I2b2Task(Task):
     ) -> datasets.Dataset:
         # datasets shards list-valued gen_kwargs, so each document travels
         # with its index rather than relying on enumeration order.
+        label_ids = {label: i for i, label in enumerate(self.labels)}
         rows = rows_to_dataset(
-            _line_rows, {"indexed_docs": list(enumerate(records))}, LINE_FEATURES, cache_dir
+            _line_rows,
+            {"indexed_docs": list(enumerate(records)), "label_ids": label_ids},
+            LINE_FEATURES,
+            cache_dir,
         )
+        # Per site, a 0/1 row over the labels: what an O token may really be.
+        only_outside = [1] + [0] * (len(self.labels) - 1)
+        may_be = {
+            site: [int(i == OUTSIDE_ID or i in ids) for i in range(len(self.labels))]
+            for site, ids in self._open_labels().items()
+        }
         self.pad_id = tokenizer.pad_token_id
         prefix, suffix = special_tokens(tokenizer)
         before, after = len(prefix), len(suffix)
@@ -183,7 +253,7 @@ class I2b2Task(Task):
                         tag = int(batch["tags"][i][w])
                         labels += [tag] + [IGNORE] * (len(kept) - 1)
                         positions += [w - start] + [-1] * (len(kept) - 1)
-                        in_concept += [int(tag != OUTSIDE_ID)] * len(kept)
+                        in_concept += [int(batch["inside"][i][w])] * len(kept)
                         input_ids += kept
                     input_ids = prefix + input_ids + suffix
                     out["input_ids"].append(input_ids)
@@ -192,6 +262,7 @@ class I2b2Task(Task):
                     out["concept_mask"].append([0] * before + in_concept + [0] * after)
                     out["word_start"].append(start)
                     out["n_tokens"].append(len(input_ids))
+                    out["outside_may_be"].append(may_be.get(batch["site"][i], only_outside))
                     for key in ("doc", "line", "site"):
                         out[key].append(batch[key][i])
             return dict(out)
@@ -199,6 +270,17 @@ class I2b2Task(Task):
         return rows.map(
             tokenize, batched=True, batch_size=256, remove_columns=rows.column_names, desc=None
         )
+
+    def _open_labels(self) -> dict[str, list[int]]:
+        """Per site, the labels an ``O`` token may really be under partial
+        labels: ``B-``/``I-`` of every type the site never annotates."""
+        if not self.partial_labels:
+            return {}
+        ids = {label: i for i, label in enumerate(self.labels)}
+        return {
+            site: [ids[f"{p}-{t}"] for t in self.entity_types if t not in seen for p in "BI"]
+            for site, seen in self.site_types.items()
+        }
 
     units = {
         "example": "one sentence (a line of a note; the windows of a long line folded into one)",
@@ -227,12 +309,16 @@ class I2b2Task(Task):
             mask[i, : len(ids)] = 1
             relevant[i, : len(ids)] = torch.tensor(batch["concept_mask"][i])
         relevant[:, 0] = 1  # [CLS]
-        return {
+        tensors = {
             "input_ids": input_ids,
             "attention_mask": mask,
             "labels": labels,
             "relevant": relevant,
         }
+        may_be = torch.tensor(batch["outside_may_be"], dtype=torch.bool)
+        if may_be.sum(dim=1).gt(1).any():  # some example's site leaves a type out
+            tensors["outside_may_be"] = may_be
+        return tensors
 
     def meta(self) -> dict[str, Any]:
         return super().meta() | {"format": self.format, "types": self.types}
@@ -244,29 +330,49 @@ class I2b2Task(Task):
     def model_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
 
-    def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE)
+    @staticmethod
+    def token_losses(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Loss of every token, ``(batch, width)``; 0 where unlabelled.
 
-    def example_losses(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        An ``O`` token of an example whose site never annotates some types
+        (``outside_may_be``: per example, the labels it may really have)
+        costs ``-log P(O or any of those)``, so the site teaches nothing
+        against the types it does not annotate.
+        """
         labels = batch["labels"]
         per_token = F.cross_entropy(
             logits.transpose(1, 2), labels, ignore_index=IGNORE, reduction="none"
         )
-        labelled = (labels != IGNORE).sum(dim=1).clamp(min=1)
-        return per_token.sum(dim=1) / labelled
+        may_be = batch.get("outside_may_be")
+        if may_be is None:
+            return per_token
+        marginal = torch.logsumexp(logits, -1) - torch.logsumexp(
+            logits.masked_fill(~may_be[:, None, :], float("-inf")), -1
+        )
+        return torch.where(labels == OUTSIDE_ID, marginal, per_token)
+
+    def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        labelled = (batch["labels"] != IGNORE).sum().clamp(min=1)
+        return self.token_losses(logits, batch).sum() / labelled
+
+    def example_losses(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        labelled = (batch["labels"] != IGNORE).sum(dim=1).clamp(min=1)
+        return self.token_losses(logits, batch).sum(dim=1) / labelled
 
     def outputs(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> list[Any]:
         predicted = logits.argmax(-1).cpu().numpy()
         return [predicted[i] for i in range(predicted.shape[0])]
 
     def partition_keys(self, records: list[Document], examples: datasets.Dataset):
-        """Groups are documents; a document's label is its most frequent
-        concept type (0 problem, 1 test, 2 treatment; 3 when it has none)."""
+        """Groups are documents; a document's label is the index of its most
+        frequent concept type (one past the last type when it has none)."""
+        kinds = self.entity_types
         labels = []
         for doc in records:
-            counts = Counter(c.type for c in doc.concepts)
-            kinds = ("problem", "test", "treatment")
-            labels.append(max(range(3), key=lambda i: counts[kinds[i]]) if counts else 3)
+            counts = Counter(c.type for c in doc.concepts if c.type in kinds)
+            labels.append(
+                max(range(len(kinds)), key=lambda i: counts[kinds[i]]) if counts else len(kinds)
+            )
         return np.asarray(examples["doc"]), np.asarray(labels)
 
     # ------------------------------------------------------------- decoding
@@ -288,11 +394,15 @@ class I2b2Task(Task):
     ) -> dict[str, Any]:
         predicted = self.predicted_concepts(records, examples, outputs)
         gold = {d.doc_id: d.concepts for d in records if d.annotated}
-        scores = score_concepts(gold, {k: v for k, v in predicted.items() if k in gold})
+        scores = score_concepts(
+            gold, {k: v for k, v in predicted.items() if k in gold}, self.entity_types
+        )
         per_site = {}
         for site in sorted({d.site for d in records}):
             ids = [d.doc_id for d in records if d.site == site and d.annotated]
-            site_scores = score_concepts({k: gold[k] for k in ids}, {k: predicted[k] for k in ids})
+            site_scores = score_concepts(
+                {k: gold[k] for k in ids}, {k: predicted[k] for k in ids}, self.entity_types
+            )
             per_site[site] = site_scores["exact"]["micro"]["f1"]
         return {
             "f1": scores["exact"]["micro"]["f1"],
@@ -312,7 +422,9 @@ class I2b2Task(Task):
         predicted = self.predicted_concepts(records, examples, outputs)
         present = set(np.asarray(examples["doc"]).tolist()) if len(examples) else set()
         gold = {d.doc_id: d.concepts for i, d in enumerate(records) if d.annotated and i in present}
-        scores = score_concepts(gold, {k: v for k, v in predicted.items() if k in gold})
+        scores = score_concepts(
+            gold, {k: v for k, v in predicted.items() if k in gold}, self.entity_types
+        )
         counts = {}
         for mode in ("exact", "inexact"):
             micro = scores[mode]["micro"]
@@ -347,7 +459,9 @@ class I2b2Task(Task):
             write_con(Path(folder) / f"{doc.doc_id}.con", predicted[doc.doc_id])
 
 
-def _line_rows(indexed_docs: list[tuple[int, Document]]):
+def _line_rows(indexed_docs: list[tuple[int, Document]], label_ids: dict[str, int]):
+    # A gold type the run does not predict (a model used on data with other
+    # types) is O for the model; scoring still counts the span.
     for index, doc in indexed_docs:
         tags = encode_tags(doc)
         for line_no, (words, line_tags) in enumerate(zip(doc.lines, tags), start=1):
@@ -357,5 +471,6 @@ def _line_rows(indexed_docs: list[tuple[int, Document]]):
                     "line": line_no,
                     "site": doc.site,
                     "words": words,
-                    "tags": [LABEL_TO_ID[t] for t in line_tags],
+                    "tags": [label_ids.get(t, OUTSIDE_ID) for t in line_tags],
+                    "inside": [int(t != OUTSIDE) for t in line_tags],
                 }

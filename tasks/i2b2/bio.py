@@ -10,13 +10,8 @@ usual lenient reading of model output).
 
 from __future__ import annotations
 
-from clinfed.tasks.i2b2.format import CONCEPT_TYPES, Concept, Document, iter_span_tokens
-
-OUTSIDE = "O"
-LABELS: tuple[str, ...] = (OUTSIDE,) + tuple(
-    f"{prefix}-{ctype}" for ctype in CONCEPT_TYPES for prefix in ("B", "I")
-)
-LABEL_TO_ID = {label: i for i, label in enumerate(LABELS)}
+from clinfed.tasks.i2b2.format import Concept, Document, iter_span_tokens
+from clinfed.tasks.i2b2.schema import OUTSIDE
 
 
 def encode_tags(doc: Document) -> list[list[str]]:
@@ -54,7 +49,7 @@ def decode_tags(lines: list[list[str]], tags: list[list[str]]) -> list[Concept]:
                 end = (line_no, tok)
                 continue
             close()
-            if prefix in ("B", "I") and ctype in CONCEPT_TYPES:
+            if prefix in ("B", "I") and ctype:
                 open_type, start, end = ctype, (line_no, tok), (line_no, tok)
         # A span stays open across the line break only if the next line
         # continues it; the check happens at that line's first tag.

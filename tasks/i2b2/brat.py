@@ -21,19 +21,18 @@ annotations become concepts::
   holds the counts of the last read; ``data check`` shows them).
 * Problems name the ``.ann`` file and line and never quote text: an offset
   past the text or reversed, a span whose text field does not match the
-  ``.txt`` at its offsets, an unknown type (mapped with ``--types`` as for
-  CoNLL), bytes that are not UTF-8, a ``.ann`` without its ``.txt``.
+  ``.txt`` at its offsets, a type a declared ``--types``
+  does not list, bytes that are not UTF-8, a ``.ann`` without its ``.txt``.
 """
 
 from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Mapping
 from pathlib import Path
 
 from clinfed.errors import ClinfedError, ProblemLog
-from clinfed.tasks.i2b2.conll import map_type, site_folder
+from clinfed.tasks.i2b2.conll import site_folder
 from clinfed.tasks.i2b2.format import (
     Concept,
     Document,
@@ -43,6 +42,7 @@ from clinfed.tasks.i2b2.format import (
     drop_overlaps,
     split_lines,
 )
+from clinfed.tasks.i2b2.schema import TypeNames
 
 _TEXT_BOUND = re.compile(r"^(T\d+)\t(\S+) (\d+ \d+(?:;\d+ \d+)*)\t(.*)$")
 KINDS = {"R": "relations", "E": "events", "A": "attributes", "M": "attributes",
@@ -74,9 +74,10 @@ def _locate(
 
 
 def read_brat(
-    root: Path | str, problems: ProblemLog, types: Mapping[str, str] | None = None
+    root: Path | str, problems: ProblemLog, names: TypeNames = TypeNames(open=True)
 ) -> list[Document]:
-    """Every ``.txt`` + ``.ann`` document under ``root`` (see the module docstring)."""
+    """Every ``.txt`` + ``.ann`` document under ``root`` (see the module
+    docstring); entity type names resolved by ``names`` (kept by default)."""
     root = Path(root)
     if not root.is_dir():
         raise ClinfedError(f"{root}: not a folder")
@@ -96,7 +97,7 @@ def read_brat(
         doc = Document(stem, site_folder(txt_path, root), split_lines(text), txt_path=txt_path)
         if stem in anns:
             doc.con_path = anns[stem]
-            doc.concepts = _read_ann(anns[stem], text, doc, problems, types)
+            doc.concepts = _read_ann(anns[stem], text, doc, problems, names)
         documents.append(doc)
     problems.raise_if_any()
     documents.sort(key=lambda d: (d.site, d.doc_id))
@@ -108,7 +109,7 @@ def _read_ann(
     text: str,
     doc: Document,
     problems: ProblemLog,
-    types: Mapping[str, str] | None,
+    names: TypeNames,
 ) -> list[Concept]:
     ann = decode_utf8(path, problems)
     if ann is None:
@@ -138,7 +139,7 @@ def _read_ann(
         if " ".join(text[lo:hi] for lo, hi in fragments).replace("\n", " ") != match[4]:
             problems.add(path, line_no, "the span text does not match the .txt at these offsets")
             continue
-        ctype = map_type(match[2], types, path, line_no, problems)
+        ctype = names.resolve(match[2], path, line_no, problems)
         if ctype is None:
             continue
         for lo, hi in fragments:

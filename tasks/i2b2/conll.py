@@ -18,19 +18,19 @@ Files: ``*.conll``, ``*.iob``, ``*.bio``, ``*.tsv`` under the data folder. A
 file's site is the folder right under the data folder that holds it (or,
 for a file directly in it, the file's stem).
 
-Entity types are mapped to the task's types by ``types`` (``{"Disease":
-"problem", "Chemical": "treatment"}``); a type the map does not name is a
+Entity type names are kept, or mapped by a declared ``--types`` (see
+:mod:`clinfed.tasks.i2b2.schema`); a name a declaration does not list is a
 problem (``path:line``), so nothing is dropped silently. Errors name the file
 and line and never quote a token.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 
 from clinfed.errors import ClinfedError, ProblemLog
-from clinfed.tasks.i2b2.format import CONCEPT_TYPES, Concept, Document, _files
+from clinfed.tasks.i2b2.format import Concept, Document, _files
+from clinfed.tasks.i2b2.schema import TypeNames
 
 SUFFIXES = (".conll", ".iob", ".bio", ".tsv")
 PREFIXES = ("B", "I", "E", "S")
@@ -51,10 +51,11 @@ def site_folder(path: Path, root: Path) -> str:
 
 
 def read_conll(
-    root: Path | str, problems: ProblemLog, types: Mapping[str, str] | None = None
+    root: Path | str, problems: ProblemLog, names: TypeNames = TypeNames(open=True)
 ) -> list[Document]:
     """Every document of every CoNLL file under ``root`` (see the module
-    docstring); concept types mapped through ``types``."""
+    docstring); entity type names resolved by ``names`` (kept as they are
+    by default)."""
     root = Path(root)
     if not root.is_dir():
         raise ClinfedError(f"{root}: not a folder")
@@ -63,31 +64,13 @@ def read_conll(
         problems.add(root, None, f"no CoNLL files ({', '.join('*' + s for s in SUFFIXES)})")
     documents: list[Document] = []
     for path in files:
-        documents += _read_file(path, site_folder(path, root), problems, types)
+        documents += _read_file(path, site_folder(path, root), problems, names)
     problems.raise_if_any()
     documents.sort(key=lambda d: (d.site, d.doc_id))
     return documents
 
 
-def map_type(
-    name: str, types: Mapping[str, str] | None, path: Path, line: int, problems: ProblemLog
-) -> str | None:
-    mapped = types.get(name) if types else name
-    if mapped in CONCEPT_TYPES:
-        return mapped
-    how = (
-        f"entity type {name!r} is not in --types"
-        if types
-        else f"entity type {name!r} is not one of {', '.join(CONCEPT_TYPES)}; map it with "
-        "--types (e.g. Disease=problem)"
-    )
-    problems.add(path, line, how)
-    return None
-
-
-def _read_file(
-    path: Path, site: str, problems: ProblemLog, types: Mapping[str, str] | None
-) -> list[Document]:
+def _read_file(path: Path, site: str, problems: ProblemLog, names: TypeNames) -> list[Document]:
     try:
         text = path.read_bytes().decode("utf-8").removeprefix("\ufeff")
     except OSError as exc:
@@ -158,7 +141,7 @@ def _read_file(
             problems.add(path, line_no, "a tag that is not O, B-, I-, E- or S- with a type")
             close_span(position - 1)
             continue
-        ctype = map_type(name, types, path, line_no, problems)
+        ctype = names.resolve(name, path, line_no, problems)
         if ctype is None:
             close_span(position - 1)
             continue
@@ -172,26 +155,3 @@ def _read_file(
     if not documents:
         problems.add(path, None, "no tokens")
     return documents
-
-
-def parse_types(spec: str | Mapping[str, str] | None) -> dict[str, str] | None:
-    """``Disease=problem,Chemical=treatment`` (or a TOML table) -> a map."""
-    if spec is None or spec == "":
-        return None
-    if isinstance(spec, Mapping):
-        pairs = list(spec.items())
-    else:
-        pairs = []
-        for item in str(spec).split(","):
-            source, eq, target = item.partition("=")
-            if not eq or not source.strip() or not target.strip():
-                raise ClinfedError(f"--types {spec!r}: expected NAME=TYPE,NAME=TYPE")
-            pairs.append((source.strip(), target.strip()))
-    mapped = {}
-    for source, target in pairs:
-        if target not in CONCEPT_TYPES:
-            raise ClinfedError(
-                f"--types: {source}={target}: the i2b2 task's types are {', '.join(CONCEPT_TYPES)}"
-            )
-        mapped[str(source)] = str(target)
-    return mapped

@@ -28,8 +28,8 @@ from pathlib import Path
 
 from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.runs import atomic_write_text
+from clinfed.tasks.i2b2.schema import TypeNames
 
-CONCEPT_TYPES: tuple[str, ...] = ("problem", "test", "treatment")
 ASSERTION_VALUES: tuple[str, ...] = (
     "present",
     "absent",
@@ -203,7 +203,12 @@ def decode_utf8(path: Path, problems: ProblemLog) -> str | None:
 
 
 def parse_span(
-    match: re.Match[str], lines: list[list[str]], path: Path, line_no: int, problems: ProblemLog
+    match: re.Match[str],
+    lines: list[list[str]],
+    path: Path,
+    line_no: int,
+    problems: ProblemLog,
+    names: TypeNames | None = None,
 ) -> Concept | None:
     """Validate a matched span against the document; report and return None if bad."""
     l1, t1, l2, t2 = (int(match[g]) for g in ("l1", "t1", "l2", "t2"))
@@ -227,10 +232,8 @@ def parse_span(
                 f"token offset {tok} past the end of line {ln} ({len(lines[ln - 1])} tokens)",
             )
             return None
-    if ctype not in CONCEPT_TYPES:
-        problems.add(
-            path, line_no, f"unknown concept type (expected one of {', '.join(CONCEPT_TYPES)})"
-        )
+    ctype = (names or TypeNames()).resolve(ctype, path, line_no, problems)
+    if ctype is None:
         return None
     expected = " ".join(tok.lower() for tok in iter_span_tokens(lines, (l1, t1), (l2, t2)))
     given = " ".join(match["text"].lower().split())
@@ -265,11 +268,14 @@ def _matched_lines(
             yield line_no, match
 
 
-def read_con(path: Path, lines: list[list[str]], problems: ProblemLog) -> list[Concept]:
-    """Concepts of one ``.con`` file, validated against the document's tokens."""
+def read_con(
+    path: Path, lines: list[list[str]], problems: ProblemLog, names: TypeNames | None = None
+) -> list[Concept]:
+    """Concepts of one ``.con`` file, validated against the document's tokens
+    (types: the i2b2 preset, or resolved by ``names``)."""
     concepts: list[Concept] = []
     for line_no, match in _matched_lines(path, _CON_RE, problems, _CON_SHAPE):
-        concept = parse_span(match, lines, path, line_no, problems)
+        concept = parse_span(match, lines, path, line_no, problems, names)
         if concept is not None:
             concepts.append(concept)
     return drop_overlaps(concepts, path, problems)
@@ -297,20 +303,24 @@ def drop_overlaps(concepts: list[Concept], path: Path, problems: ProblemLog) -> 
     return kept
 
 
-def read_ast(path: Path, lines: list[list[str]], problems: ProblemLog) -> list[Assertion]:
+def read_ast(
+    path: Path, lines: list[list[str]], problems: ProblemLog, names: TypeNames | None = None
+) -> list[Assertion]:
     """Assertions of one ``.ast`` file."""
     assertions = []
     for line_no, match in _matched_lines(path, _AST_RE, problems, _AST_SHAPE):
         if match["assertion"] not in ASSERTION_VALUES:
             problems.add(path, line_no, "unknown assertion value")
             continue
-        concept = parse_span(match, lines, path, line_no, problems)
+        concept = parse_span(match, lines, path, line_no, problems, names)
         if concept is not None:
             assertions.append(Assertion(concept, match["assertion"]))
     return assertions
 
 
-def read_corpus(root: Path | str, problems: ProblemLog | None = None) -> list[Document]:
+def read_corpus(
+    root: Path | str, problems: ProblemLog | None = None, names: TypeNames | None = None
+) -> list[Document]:
     """Read every document under ``root`` in any of the release layouts.
 
     Parameters
@@ -320,6 +330,9 @@ def read_corpus(root: Path | str, problems: ProblemLog | None = None) -> list[Do
     problems
         Where problems go. Strict by default: all problems are collected and
         raised together as :class:`~clinfed.errors.DataError`.
+    names
+        How ``t="..."`` type names resolve (:mod:`clinfed.tasks.i2b2.schema`);
+        by default they must be i2b2 2010 types.
 
     Returns
     -------
@@ -346,9 +359,9 @@ def read_corpus(root: Path | str, problems: ProblemLog | None = None) -> list[Do
         doc = Document(stem, site_of(txt_path, root), lines, txt_path=txt_path)
         if stem in cons:
             doc.con_path = cons[stem]
-            doc.concepts = read_con(cons[stem], lines, problems)
+            doc.concepts = read_con(cons[stem], lines, problems, names)
         if stem in asts:
-            doc.assertions = read_ast(asts[stem], lines, problems)
+            doc.assertions = read_ast(asts[stem], lines, problems, names)
         documents.append(doc)
     if not txts:
         problems.add(root, None, "no documents (.txt files) found")

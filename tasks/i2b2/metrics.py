@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from clinfed.tasks.i2b2.format import CONCEPT_TYPES, Concept
+from clinfed.tasks.i2b2.format import Concept
 
 
 def prf(correct_pred: int, n_pred: int, found_gold: int, n_gold: int) -> dict[str, float]:
@@ -43,9 +43,14 @@ def _counts(gold: Sequence[Concept], pred: Sequence[Concept], exact: bool) -> tu
 
 
 def score_concepts(
-    gold: Mapping[str, Sequence[Concept]], pred: Mapping[str, Sequence[Concept]]
+    gold: Mapping[str, Sequence[Concept]],
+    pred: Mapping[str, Sequence[Concept]],
+    types: Sequence[str] = (),
 ) -> dict[str, dict[str, dict[str, float]]]:
     """Score predicted against gold concepts, keyed by document id.
+
+    Per-type scores cover ``types`` (the run's, in order, each present even
+    with no concept) and then any other type found in ``gold`` or ``pred``.
 
     Returns
     -------
@@ -55,10 +60,12 @@ def score_concepts(
         ``n_pred``. Documents missing from ``pred`` count as predicting nothing.
     """
     result: dict[str, dict[str, dict[str, float]]] = {}
+    found = {c.type for concepts in (*gold.values(), *pred.values()) for c in concepts}
+    all_types = list(dict.fromkeys(types)) + sorted(found - set(types))
     for mode in ("exact", "inexact"):
         totals = dict.fromkeys(("correct", "pred", "found", "gold"), 0)
         per_type = {}
-        for ctype in CONCEPT_TYPES:
+        for ctype in all_types:
             correct = n_pred = found = n_gold = 0
             for doc_id in set(gold) | set(pred):
                 g = [c for c in gold.get(doc_id, ()) if c.type == ctype]
