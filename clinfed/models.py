@@ -261,9 +261,12 @@ def prompt_meta(model: nn.Module) -> dict[str, Any] | None:
 def save_model(model: nn.Module, folder: Path, meta: dict[str, Any], tokenizer) -> None:
     """Weights (safetensors), ``model.json`` and the tokenizer, so the run
     folder alone can rebuild the model offline."""
+    from clinfed.adapters import merged
     from clinfed.runs import atomic_write_json
 
     folder.mkdir(parents=True, exist_ok=True)
+    # Adapters are merged into the encoder: the saved model is a plain one.
+    model = merged(model)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     tmp = folder / ".model.safetensors.tmp"
     save_file(state, str(tmp))

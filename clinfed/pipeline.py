@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from clinfed import __version__
+from clinfed.adapters import add_lora, fedavg_bytes, load_shared, shared_names, shared_state
 from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.federated.client import LocalSettings
 from clinfed.federated.engine import RoundEngine
@@ -178,7 +179,7 @@ def _train(config: RunConfig, report: Reporter) -> dict[str, Any]:
         # exists, so a failed start leaves nothing behind.
         tokenizer = load_tokenizer(config.model)
         model = make_model(config, task)
-        strategy_cls.check_model(config.options(), [n for n, _ in model.named_parameters()])
+        strategy_cls.check_model(config.options(), shared_names(model))
         train = task.encode(corpus.train, tokenizer, config.max_length, cache_dir)
         test = task.encode(corpus.test, tokenizer, config.max_length, cache_dir)
         prep = _Prepared(task, corpus, tokenizer, model, Path(config.out), cache_dir)
@@ -313,6 +314,8 @@ def make_model(config: RunConfig, task: Task) -> nn.Module:
     STRATEGIES[config.strategy].prepare_model(
         model, config.options(), config.seed, config.max_length
     )
+    if config.adapter == "lora":
+        add_lora(model, config.lora_rank, config.lora_alpha, config.lora_factors, config.seed)
     return model
 
 
@@ -455,6 +458,7 @@ def _federated(
     server_strategy = make_strategy(config, task, prep.tokenizer, prep.cache_dir)
     site_strategy = make_strategy(config, task, prep.tokenizer, prep.cache_dir)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    shared = {k: initial[k] for k in shared_state(model)}
     runners = {
         client: SiteRunner(
             client,
@@ -478,13 +482,14 @@ def _federated(
     engine = RoundEngine(
         task,
         server_strategy,
-        initial,
-        [n for n, _ in model.named_parameters()],
+        shared,
+        shared_names(model),
         prep.out,
         config.rounds,
         config.fraction,
         config.seed,
         report=report,
+        full_bytes=fedavg_bytes(model),
     )
     if config.resume:
         engine.resume()
@@ -503,10 +508,10 @@ def _federated(
             outputs[i] = output
     missing = [i for i, o in enumerate(outputs) if o is None]
     if missing:
-        model.load_state_dict(engine.global_state)
+        load_shared(model, engine.global_state)
         for i, output in zip(missing, predict(model, task, test.select(missing))):
             outputs[i] = output
-    model.load_state_dict(engine.global_state)
+    load_shared(model, engine.global_state)
     return _finish(prep, config, test, outputs, engine.last_record, summary)
 
 
@@ -552,19 +557,20 @@ def _serve(
     engine = RoundEngine(
         task,
         strategy,
-        {k: v.detach().clone() for k, v in model.state_dict().items()},
-        [n for n, _ in model.named_parameters()],
+        {k: v.detach().clone() for k, v in shared_state(model).items()},
+        shared_names(model),
         out,
         config.rounds,
         config.fraction,
         config.seed,
         deployment,
         log=log,
+        full_bytes=fedavg_bytes(model),
     )
     if config.resume:
         engine.resume()
     summary = engine.run(transport)
-    model.load_state_dict(engine.global_state)
+    load_shared(model, engine.global_state)
     meta = task.meta() | {"max_length": config.max_length, "encoder": config.model}
     save_model(model, out / "model", meta, tokenizer)
     return summary

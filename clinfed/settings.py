@@ -117,6 +117,22 @@ class ModelSettings:
     """The encoder."""
 
     model: str = setting("minilm", "minilm (bundled), tiny (random, tests) or a checkpoint folder.")
+    adapter: str = setting(
+        "none",
+        "none: plans move encoder weights; lora: the encoder stays frozen and only LoRA "
+        "adapters and the head train and travel (any strategy but pfeddc).",
+        choices=("none", "lora"),
+    )
+    lora_rank: int = setting(8, "lora: rank of each adapter.", minimum=1, maximum=256)
+    lora_alpha: float = setting(
+        16.0, "lora: scale (the update is B A times alpha/rank).", above=0.0
+    )
+    lora_factors: str = setting(
+        "b",
+        "lora: b trains B alone from a seeded A shared by all (the average is exact, half "
+        "travels); ab trains both and averages them separately (inexact).",
+        choices=("b", "ab"),
+    )
 
 
 @dataclass
@@ -337,6 +353,8 @@ class RunConfig(
             raise ClinfedError(
                 f"--labels (a fixed label list) does not apply to --task {self.task}"
             )
+        if self.adapter != "none" and self.strategy == "pfeddc":
+            raise ClinfedError("--adapter: pfeddc trains prompts on a frozen encoder already")
         if self.partition != "sites" and self.clients < 1:
             raise ClinfedError(f"--partition {self.partition} needs --clients N")
         if self.partition == "sites" and self.clients:

@@ -18,6 +18,7 @@ from dp_accounting.rdp import RdpAccountant
 from safetensors.torch import load_file
 from torch import nn
 
+from clinfed.adapters import add_lora, shared_names
 from clinfed.errors import ProblemLog
 from clinfed.federated.client import apply_plan
 from clinfed.federated.plan import Plan
@@ -173,6 +174,9 @@ def test_microbatches_cover_the_batch_once_and_group_by_length():
         ("mimic3", "prompts", "hooks", "example"),
         ("i2b2", "top", "hooks", "document"),  # every sentence of a note, clipped once
         ("mimic3", "top", "hooks", "patient"),  # every admission of a patient
+        ("i2b2", "lora", "hooks", "example"),  # LoRA B factors and the head
+        ("i2b2", "lora-ab", "hooks", "document"),  # both factors, a note clipped once
+        ("mimic3", "lora", "hooks", "example"),
     ],
 )
 def test_dp_step_clips_each_unit_jointly(
@@ -210,6 +214,12 @@ def test_dp_step_clips_each_unit_jointly(
         add_prompts(model, 3, "attention", depth=2)  # deep: layer hooks, shared fusion
         with torch.no_grad():  # the fusion's output starts at zero: give P_l a gradient
             model.prompt.fusion.output.weight.normal_(std=0.1)
+    if trainable.startswith("lora"):
+        add_lora(model, 4, 8.0, "ab" if trainable == "lora-ab" else "b", seed=0)
+        with torch.no_grad():  # B starts at zero: give A a gradient too
+            for n, p in model.named_parameters():
+                if ".lora_B." in n:
+                    p.normal_(std=0.1)
     _no_dropout(model)
     names = [n for n, _ in model.named_parameters()]
     chosen = frozenset(
@@ -217,6 +227,10 @@ def test_dp_step_clips_each_unit_jointly(
         for n in names
         if trainable == "all" or n.startswith(("head.", "encoder.encoder.layer.1."))
     )
+    if trainable.startswith("lora"):
+        chosen = frozenset(shared_names(model))
+        assert any(".lora_B." in n for n in chosen)
+        assert any(".lora_A." in n for n in chosen) == (trainable == "lora-ab")
     if trainable == "prompts":
         chosen = PFedDC().plan(1, "s", names).trainable
         assert any(n.startswith("prompt.local_prompt.") for n in chosen)

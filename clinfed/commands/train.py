@@ -145,7 +145,8 @@ def train(
             out.print(f"privacy spent (epsilon at delta {summary['delta']:g}): {spent}")
         out.print(
             f"[bold]done[/]: held-out f1 {summary['f1']:.4f}; uploaded {summary['mb_up']:.1f} MB, "
-            f"downloaded {summary['mb_down']:.1f} MB ({summary['ratio_to_fedavg_up']:.0%} of "
+            f"downloaded {summary['mb_down']:.1f} MB "
+            f"({100 * summary['ratio_to_fedavg_up']:.3g}% of "
             f"FedAvg's upload); run folder {out_dir}"
         )
     else:

@@ -184,9 +184,10 @@ class RoundEngine:
     strategy
         The server's strategy object.
     global_state
-        The model every site starts from (the run's seeded model).
+        The model every site starts from (the run's seeded model): its
+        shared entries (:func:`clinfed.adapters.shared_state`).
     names
-        The model's parameter names (what plans and envelopes speak of).
+        The shared parameter names (what plans and envelopes speak of).
     out
         The run folder (created by the caller, with ``config.json``).
     rounds, fraction, seed
@@ -206,6 +207,7 @@ class RoundEngine:
         deployment: Deployment | None = None,
         report: Reporter = _quiet,
         log: Callable[[str], None] = lambda line: None,
+        full_bytes: int | None = None,
     ):
         self.task, self.strategy, self.names = task, strategy, names
         self.global_state = {k: v.detach().clone() for k, v in global_state.items()}
@@ -223,8 +225,9 @@ class RoundEngine:
         self.pending_observed: dict[str, Any] = {}
         self.last_record: dict[str, Any] = {}
         self.stopped: str | None = None
-        # FedAvg's payload for this model: the yardstick for every strategy.
-        self.full_bytes = len(payload.encode(self._params()))
+        # FedAvg's payload for this model: the yardstick for every strategy
+        # (given when the shared model is not the whole one: adapters).
+        self.full_bytes = full_bytes or len(payload.encode(self._params()))
 
     def _params(self) -> dict[str, torch.Tensor]:
         return {n: self.global_state[n] for n in self.names}

@@ -42,6 +42,7 @@ import datasets
 import torch
 from torch import nn
 
+from clinfed.adapters import shared_names, shared_state
 from clinfed.errors import ClinfedError
 from clinfed.federated import payload
 from clinfed.federated.client import LocalSettings, LocalWork, site_generator
@@ -122,7 +123,8 @@ class SiteRunner:
         # An auditing run keeps each site's latest update as the server saw
         # it (the global model it received with the upload overlaid).
         self.audit_dir = audit_dir
-        self.names = [n for n, _ in model.named_parameters()]
+        self.names = shared_names(model)
+        self.shared = set(shared_state(model))
         self.personal: dict[str, torch.Tensor] = {}
         self.final_outputs: list | None = None
 
@@ -257,8 +259,8 @@ class SiteRunner:
                 raise ClinfedError(
                     f"site {self.name}: received {name} with shape {tuple(value.shape)}"
                 )
-        if strict and set(tensors) != set(own):
-            missing = sorted(set(own) - set(tensors))
+        missing = sorted(self.shared - set(tensors))
+        if strict and missing:
             raise ClinfedError(f"site {self.name}: incomplete model ({missing[0]} missing)")
         with torch.no_grad():
             for name, value in tensors.items():

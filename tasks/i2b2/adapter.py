@@ -187,7 +187,10 @@ class I2b2Task(Task):
                     f"{data}: no entity annotated in the training documents, so no types to learn"
                 )
             self.labels = bio_labels(run_types(names))
-            self.label_source = "from the data: the entity types of the training split"
+            self.label_source = (
+                "from the data: the entity types annotated in the training split (type "
+                "names only; on Flower they are declared)"
+            )
         self.site_types = {}
         for doc in train:
             self.site_types.setdefault(doc.site, set()).update(c.type for c in doc.concepts)

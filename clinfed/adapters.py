@@ -1,0 +1,122 @@
+"""Parameter-efficient training: LoRA adapters (``--adapter lora``) on peft.
+
+The pretrained encoder stays frozen at every party; each linear layer of
+every encoder layer (attention query, key, value and output, feed-forward
+in and out) gets a low-rank update ``B A`` (rank ``--lora-rank``, scaled by
+``alpha / rank``), and the task head trains in full. Only adapter tensors
+and the head ever train, travel or are aggregated: :func:`shared_names` is
+what every strategy plans over, so the adapter plan composes with any of
+them (SAFL moves the selected layers' adapters; FedFrozen stops the
+query/key adapters after its warm-up, as :mod:`clinfed.blocks` files a
+``query.lora_B`` under the layer's ``query_key`` block).
+
+Aggregating the factors. Averaging ``A`` and ``B`` separately, as most
+federated LoRA does, is not averaging the sites' updates: ``mean(B) mean(A)
+!= mean(B A)``, the cross terms are lost. Averaging the products would send
+``d x d`` matrices, the full layer. ``--lora-factors b`` (the default)
+keeps ``A`` at its seeded random start everywhere (as FFA-LoRA, Sun et al.
+2024) and trains ``B`` alone: then ``mean(B) A = mean(B A)`` exactly, half
+the adapter travels, and DP-SGD noises half as many coordinates.
+``--lora-factors ab`` trains both and averages them separately (more
+capacity per round, inexact aggregation); the choice is recorded in the
+run's config.
+
+Every party builds the same adapters from the run's seed, so the frozen
+encoder and ``A`` are never sent. A saved model has its adapters merged
+into the encoder weights (:func:`merged`): it loads as a plain clinfed or
+transformers model.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from clinfed.errors import ClinfedError
+
+ADAPTERS = ("none", "lora")
+LORA_FACTORS = ("b", "ab")
+# Every linear layer of a BERT-family encoder layer (attention and feed-forward).
+LORA_TARGETS = (
+    *("query", "key", "value", "dense"),  # BERT, RoBERTa, ELECTRA
+    *("q_lin", "k_lin", "v_lin", "out_lin", "lin1", "lin2"),  # DistilBERT
+)
+
+
+def add_lora(model: nn.Module, rank: int, alpha: float, factors: str, seed: int) -> nn.Module:
+    """Give ``model.encoder`` LoRA adapters (in place; see the module docstring)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    if factors not in LORA_FACTORS:
+        raise ClinfedError(f"--lora-factors must be one of {', '.join(LORA_FACTORS)}")
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.encoder.named_modules()}
+    targets = sorted(present & set(LORA_TARGETS))
+    if not targets:
+        raise ClinfedError("--adapter lora: the encoder has no linear layer LoRA knows")
+    torch.manual_seed(seed + 2)  # A's random start: the same at every party
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets)
+    model.encoder = inject_adapter_in_model(config, model.encoder)
+    model.adapter = {"kind": "lora", "rank": rank, "alpha": alpha, "factors": factors}
+    return model
+
+
+def adapter_of(model: nn.Module) -> dict | None:
+    return getattr(model, "adapter", None)
+
+
+def _travels(name: str, adapter: dict | None) -> bool:
+    if adapter is None or not name.startswith("encoder."):
+        return True  # no adapter: everything; with one: the head (and prompts)
+    return ".lora_B." in name or (adapter["factors"] == "ab" and ".lora_A." in name)
+
+
+def shared_names(model: nn.Module) -> list[str]:
+    """The parameters a plan may train, send and aggregate: all of them,
+    or with adapters the trained adapter factors and the head."""
+    adapter = adapter_of(model)
+    return [n for n, _ in model.named_parameters() if _travels(n, adapter)]
+
+
+def shared_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The entries of the global model (server checkpoints, full downloads):
+    the whole state, or with adapters what :func:`shared_names` lists."""
+    adapter = adapter_of(model)
+    return {k: v for k, v in model.state_dict().items() if _travels(k, adapter)}
+
+
+def fedavg_bytes(model: nn.Module) -> int | None:
+    """Bytes of FedAvg's upload of the whole model (adapters merged): the
+    yardstick of an adapter run's traffic; ``None`` without adapters (the
+    shared model is the whole one)."""
+    if adapter_of(model) is None:
+        return None
+    from clinfed.federated import payload
+
+    return len(payload.encode(dict(merged(model).named_parameters())))
+
+
+def load_shared(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a global model (:func:`shared_state`'s entries, all of them)."""
+    missing = sorted(set(shared_state(model)) - set(state))
+    if missing:
+        raise ClinfedError(f"the global model lacks {missing[0]}")
+    model.load_state_dict(state, strict=adapter_of(model) is None)
+
+
+def merged(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` with its adapters merged into the encoder's
+    weights and removed (peft's ``merge``), or ``model`` if it has none."""
+    if adapter_of(model) is None:
+        return model
+    from peft.tuners.lora import LoraLayer
+
+    plain = copy.deepcopy(model)
+    for name, module in list(plain.named_modules()):
+        if isinstance(module, LoraLayer):
+            module.merge()
+            parent_name, _, child = name.rpartition(".")
+            setattr(plain.get_submodule(parent_name), child, module.get_base_layer())
+    plain.adapter = None
+    return plain
