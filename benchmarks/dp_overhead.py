@@ -6,7 +6,10 @@ FedAvg's (everything trains, embeddings included: ghost clipping) and SAFL
 K=2's (two layers and the head, embeddings frozen: hook clipping). Each
 measurement is one local epoch, repeated ``--repeats`` times, alternating
 DP and non-DP so machine noise hits both; reports the median seconds per
-training token and the ratio. Writes ``RESULTS/dp_overhead.json`` and ``.md``.
+training token and the ratio. Two more plans put LoRA adapters (rank 8, B
+factors trained, the encoder frozen) in place of the encoder weights: every
+layer's, and SAFL K=2's two layers'. Writes ``RESULTS/dp_overhead.json``
+and ``.md``.
 
     .venv/bin/python benchmarks/dp_overhead.py          # a few minutes on 2 cores
 """
@@ -23,6 +26,7 @@ import numpy as np
 import torch
 import transformers
 
+from clinfed.adapters import add_lora, shared_names
 from clinfed.blocks import HEAD, Block
 from clinfed.errors import ProblemLog
 from clinfed.federated.client import LocalSettings, LocalWork, client_update
@@ -56,19 +60,34 @@ def main() -> None:
         records = task.read_documents(Path(work) / "data" / "train", ProblemLog())
         examples = task.encode(records, load_tokenizer("minilm"), 128, work)
         model = build_model("token", "minilm", len(task.labels), seed=0)
-        names = [n for n, _ in model.named_parameters()]
-        safl = names_in(
-            names, {Block(k, layer) for layer in (4, 5) for k in ("query_key", "value", "rest")}
-        ) | names_in(names, {HEAD})
+        adapted = add_lora(build_model("token", "minilm", len(task.labels), seed=0), 8, 16, "b", 0)
+        top_two = {Block(k, layer) for layer in (4, 5) for k in ("query_key", "value", "rest")}
+
+        def plan_of(names, blocks=None):
+            chosen = full_plan(names).trainable if blocks is None else names_in(names, blocks)
+            return Plan(chosen, chosen, frozenset(names))
+
+        names, lora_names = [n for n, _ in model.named_parameters()], shared_names(adapted)
         plans = {
-            "fedavg (all parameters, embeddings train)": full_plan(names),
-            "safl K=2 (2 layers + head, embeddings frozen)": Plan(safl, safl, frozenset(names)),
+            "fedavg (all parameters, embeddings train)": (model, plan_of(names)),
+            "safl K=2 (2 layers + head, embeddings frozen)": (
+                model,
+                plan_of(names, top_two | {HEAD}),
+            ),
+            "lora r=8 (B factors of every layer + head)": (adapted, plan_of(lora_names)),
+            "safl K=2 + lora r=8 (2 layers' B factors + head)": (
+                adapted,
+                plan_of(lora_names, top_two | {HEAD}),
+            ),
         }
-        start = {k: v.clone() for k, v in model.state_dict().items()}
+        starts = {
+            id(m): {k: v.clone() for k, v in m.state_dict().items()} for m in (model, adapted)
+        }
         results, lines = {}, []
         for batch_size in (int(b) for b in args.batch_sizes.split(",")):
             settings = LocalSettings(epochs=1, batch_size=batch_size, lr=1e-4)
-            for label, plan in plans.items():
+            for label, (model, plan) in plans.items():
+                start = starts[id(model)]
                 timings: dict[str, list[float]] = {"plain": [], "dp": []}
                 clipping = {}
                 for repeat in range(args.repeats):

@@ -37,6 +37,10 @@ from torch import nn
 from clinfed.errors import ClinfedError
 
 ADAPTERS = ("none", "lora")
+# A low-rank update starting at zero moves the model slowly at the encoder's
+# fine-tuning rate (1e-4): adapters train at 1e-3 unless --lr says otherwise
+# (the usual LoRA rate for BERT-sized encoders; the head keeps its own).
+TRAINING_DEFAULTS = {"lr": 1e-3}
 LORA_FACTORS = ("b", "ab")
 # Every linear layer of a BERT-family encoder layer (attention and feed-forward).
 LORA_TARGETS = (

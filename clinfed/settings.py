@@ -394,6 +394,10 @@ class RunConfig(
 
         strategy = STRATEGIES[self.strategy]
         defaults = dict(TASKS[self.task].defaults) | dict(strategy.training_defaults)
+        if self.adapter != "none":
+            from clinfed.adapters import TRAINING_DEFAULTS
+
+            defaults |= TRAINING_DEFAULTS
         changes = {k: v for k, v in defaults.items() if getattr(self, k) is None}
         options = asdict(strategy.make_options(self.strategy_options, self.strategy))
         return replace(self, **changes, strategy_options=options)
