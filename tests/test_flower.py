@@ -246,6 +246,22 @@ def test_flower_over_tls_matches_the_simulator(tmp_path):
     assert "reported by the sites" in report
 
 
+@pytest.mark.slow
+def test_flower_with_lora_adapters_matches_the_simulator(tmp_path):
+    # The server holds only adapter factors and the head; each node builds
+    # the frozen encoder and A itself from the run's seed.
+    data = _corpus(tmp_path)
+    config = flower_run_config(_settings(adapter="lora", lora_rank=4), tmp_path / "flower-run")
+    _simulate_then_deploy(config, data, tmp_path, certs=None)
+    ours = load_file(str(Path(config.out) / "model" / "model.safetensors"))
+    theirs = load_file(str(tmp_path / "sim" / "model" / "model.safetensors"))
+    assert ours.keys() == theirs.keys() and not any("lora" in k for k in ours)
+    worst = max((ours[k].double() - theirs[k].double()).abs().max().item() for k in ours)
+    assert worst <= 1e-5
+    checkpoint = load_file(str(Path(config.out) / "checkpoints" / "round-0002.safetensors"))
+    assert all(".lora_B." in k or k.startswith("head.") for k in checkpoint)
+
+
 def _submit_until_round_two(federation, config, data, min_sites: int, timeout: float):
     """Start a SuperLink and a SuperNode per site, submit ``config`` and
     return its ``flwr run`` process once round 2 is being sent."""
