@@ -76,6 +76,28 @@ def scores(metrics: dict) -> dict:
     }
 
 
+def train_fresh(out: Path, settings: dict) -> tuple[dict, float]:
+    """Train one run into a fresh ``out``: (summary, wall seconds)."""
+    if out.exists():
+        shutil.rmtree(out)
+    started = time.perf_counter()
+    summary = run_training(RunConfig.of(**settings, out=str(out)))
+    return summary, time.perf_counter() - started
+
+
+def record(args: argparse.Namespace, model: str, started: float, **fields) -> dict:
+    """The results file's common fields (settings, machine, wall time) and ``fields``."""
+    return {
+        **fields,
+        "model": model,
+        "rounds": args.rounds,
+        "max_length": args.max_length,
+        "seed": 0,
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+        "wall_min": round((time.perf_counter() - started) / 60, 1),
+    }
+
+
 def table_a(args: argparse.Namespace) -> None:
     limit = 300 if args.quick else None
     model = "tiny" if args.quick else args.model
@@ -111,11 +133,7 @@ def table_a(args: argparse.Namespace) -> None:
     }
     for label, plan in plans.items():
         out = args.out / label.replace(" ", "-").replace("=", "")
-        if out.exists():
-            shutil.rmtree(out)
-        started = time.perf_counter()
-        summary = run_training(RunConfig.of(**common, **plan, out=str(out)))
-        wall = time.perf_counter() - started
+        summary, wall = train_fresh(out, common | plan)
         metrics = evaluate_run(out, data / "test")
         rows[label] = scores(metrics) | {
             "wall_s": round(wall, 1),
@@ -123,18 +141,15 @@ def table_a(args: argparse.Namespace) -> None:
         }
         print(label, rows[label], flush=True)
 
-    result = {
-        "corpus": "BC5CDR train (3 sites of consecutive sentences) / devel",
-        "train_sentences": len(train_sentences),
-        "devel_sentences": len(devel_sentences),
-        "model": model,
-        "rounds": args.rounds,
-        "max_length": args.max_length,
-        "seed": 0,
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
-        "wall_min": round((time.perf_counter() - started_all) / 60, 1),
-        "rows": rows,
-    }
+    result = record(
+        args,
+        model,
+        started_all,
+        corpus="BC5CDR train (3 sites of consecutive sentences) / devel",
+        train_sentences=len(train_sentences),
+        devel_sentences=len(devel_sentences),
+        rows=rows,
+    )
     args.results.mkdir(parents=True, exist_ok=True)
     atomic_write_json(args.results / f"{name}.json", result)
     lines = [
@@ -195,11 +210,7 @@ def table_b(args: argparse.Namespace) -> None:
     rows = {}
     for label, plan in plans.items():
         out = args.out / ("mixed-" + label.replace(" ", "-"))
-        if out.exists():
-            shutil.rmtree(out)
-        started = time.perf_counter()
-        run_training(RunConfig.of(**common, **plan, out=str(out)))
-        wall = time.perf_counter() - started
+        _, wall = train_fresh(out, common | plan)
         ncbi = evaluate_run(out, data / "devel-ncbi")["scores"]["exact"]
         bc5 = evaluate_run(out, data / "devel-bc5cdr")["scores"]["exact"]
         rows[label] = {
@@ -212,17 +223,14 @@ def table_b(args: argparse.Namespace) -> None:
         }
         print(label, rows[label], flush=True)
 
-    result = {
-        "corpus": "NCBI-disease (site ncbi, diseases only) + BC5CDR (site bc5cdr, both types)",
-        "sizes": sizes,
-        "model": model,
-        "rounds": args.rounds,
-        "max_length": args.max_length,
-        "seed": 0,
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
-        "wall_min": round((time.perf_counter() - started_all) / 60, 1),
-        "rows": rows,
-    }
+    result = record(
+        args,
+        model,
+        started_all,
+        corpus="NCBI-disease (site ncbi, diseases only) + BC5CDR (site bc5cdr, both types)",
+        sizes=sizes,
+        rows=rows,
+    )
     args.results.mkdir(parents=True, exist_ok=True)
     atomic_write_json(args.results / f"{name}.json", result)
     lines = [
