@@ -76,6 +76,19 @@ def scores(metrics: dict) -> dict:
     }
 
 
+def run_settings(args: argparse.Namespace, data: Path, model: str) -> dict:
+    """The settings every run of both tables shares (CoNLL data, seed 0)."""
+    return {
+        "task": "i2b2",
+        "format": "conll",
+        "data": str(data),
+        "model": model,
+        "max_length": args.max_length,
+        "seed": 0,
+        "threads": 0,
+    }
+
+
 def train_fresh(out: Path, settings: dict) -> tuple[dict, float]:
     """Train one run into a fresh ``out``: (summary, wall seconds)."""
     if out.exists():
@@ -115,16 +128,7 @@ def table_a(args: argparse.Namespace) -> None:
     dictionary = i2b2_dictionary(corpus.train, corpus.test)
     rows = {"dictionary": scores(dictionary) | {"wall_s": 0.0}}
 
-    common = dict(
-        task="i2b2",
-        format="conll",
-        types=TYPES,
-        data=str(data),
-        model=model,
-        max_length=args.max_length,
-        seed=0,
-        threads=0,
-    )
+    common = run_settings(args, data, model) | {"types": TYPES}
     plans = {
         "centralized": {"strategy": "centralized", "epochs": args.rounds},
         "fedavg": {"strategy": "fedavg", "rounds": args.rounds},
@@ -192,15 +196,7 @@ def table_b(args: argparse.Namespace) -> None:
         write_split(data / f"devel-{site}", site, "devel.tsv", devel)
         sizes[site] = {"train_sentences": len(train), "devel_sentences": len(devel)}
 
-    common = dict(
-        task="i2b2",
-        format="conll",
-        data=str(data),
-        model=model,
-        max_length=args.max_length,
-        seed=0,
-        threads=0,
-    )
+    common = run_settings(args, data, model)
     plans = {
         f"{strategy} {mode}": {"strategy": strategy, "partial_labels": mode == "partial"}
         | ({"epochs": args.rounds} if strategy == "centralized" else {"rounds": args.rounds})
