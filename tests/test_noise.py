@@ -46,6 +46,23 @@ def test_the_noise_has_the_calibrated_standard_deviation():
     assert abs(float(noise.mean())) < 0.05
 
 
+def test_an_empty_batch_still_releases_noise_of_the_calibrated_size():
+    # Skipping an empty Poisson batch would reveal it was empty: the step
+    # then adds the same noise as any other, over the expected batch size.
+    torch.manual_seed(0)
+    model = nn.Linear(200, 500)
+    before = model.weight.detach().clone()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    step = PrivateStep(model, optimizer, "hooks", DPSettings(1.7, 0.5, "hooks"), 8, secret().noise)
+    try:
+        step.noise_only()
+    finally:
+        step.detach()
+    noise = (before - model.weight.detach()) * 8
+    assert float(noise.std()) == pytest.approx(1.7 * 0.5, rel=0.05)
+    assert abs(float(noise.mean())) < 0.05
+
+
 def test_noise_is_secret_by_default_and_reproducible_only_when_asked():
     assert not torch.equal(one_noisy_step(secret()), one_noisy_step(secret()))
     replay = [one_noisy_step(reproducible(np.random.default_rng([0, 1]))) for _ in range(2)]
