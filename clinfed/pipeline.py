@@ -367,6 +367,7 @@ def privacy_policy(
         strategy.selection_mechanism(),
         strategy.trainings_per_round,
         config.reproducible_noise,
+        reference_batch=task.defaults["batch_size"],
     )
     policy.unit, policy.unit_text = unit, task.units[unit]
     if unit == "example":

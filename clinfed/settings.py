@@ -141,7 +141,12 @@ class TrainingSettings:
 
     epochs: int = setting(3, "centralized: passes over the pooled training data.", minimum=1)
     local_epochs: int = setting(1, "Passes over a site's data per round.", minimum=1)
-    batch_size: int | None = setting(None, "Examples per step (default: the task's).", minimum=1)
+    batch_size: int | None = setting(
+        None,
+        "Examples per step (default: the task's; under DP each site's expected Poisson batch "
+        "is its units / 16, 64 to 1024, with the rates scaled by sqrt(batch / task batch)).",
+        minimum=1,
+    )
     lr: float | None = setting(None, "AdamW rate of the encoder (default: the task's).", above=0.0)
     head_lr: float | None = setting(
         None, "Rate of the freshly initialised task head (default: the task's).", above=0.0
@@ -398,6 +403,10 @@ class RunConfig(
             from clinfed.adapters import TRAINING_DEFAULTS
 
             defaults |= TRAINING_DEFAULTS
+        if self.dp:
+            # Under DP each site derives its batch from its own size
+            # (clinfed.privacy.recipe) unless --batch-size is given.
+            defaults.pop("batch_size", None)
         changes = {k: v for k, v in defaults.items() if getattr(self, k) is None}
         options = asdict(strategy.make_options(self.strategy_options, self.strategy))
         return replace(self, **changes, strategy_options=options)

@@ -73,6 +73,11 @@ class DPSettings:
     unit
         The privacy unit (``example``, ``document``, ``patient``; see
         :meth:`clinfed.tasks.base.Task.unit_keys`).
+    batch_size
+        Expected Poisson batch in units (``None``: the run's ``--batch-size``);
+        see :mod:`clinfed.privacy.recipe`.
+    lr_scale
+        Factor on the site's rates that goes with a derived batch.
     """
 
     noise_multiplier: float
@@ -80,6 +85,8 @@ class DPSettings:
     clipping: str = "auto"
     reproducible: bool = False
     unit: str = "example"
+    batch_size: int | None = None
+    lr_scale: float = 1.0
 
 
 def unit_rows(task: Task, dataset: datasets.Dataset, unit: str) -> list[np.ndarray]:

@@ -19,6 +19,7 @@ from clinfed.privacy.accountant import ACCOUNTANT, RELATION, Mechanism, calibrat
 from clinfed.privacy.dpsgd import CLIPPINGS, DPSettings, round_mechanism
 from clinfed.privacy.ledger import Ledger
 from clinfed.privacy.randomness import NOT_PRIVATE
+from clinfed.privacy.recipe import dp_batch_size, lr_scale
 
 UNIT = "one training example (an i2b2 sentence, its windows folded; a MIMIC-III admission)"
 RELATION_REASON = (
@@ -72,6 +73,9 @@ class PrivacyPolicy:
         Where the ledgers live (``RUN/privacy/``; a node's state folder under Flower).
     sizes
         Training examples per site (decides each site's sampling rate).
+    batch_sizes
+        Expected Poisson batch per site: the run's ``--batch-size``, or
+        derived from the site's size (:mod:`clinfed.privacy.recipe`).
     noise
         DP-SGD noise multiplier per site.
     budget
@@ -82,7 +86,7 @@ class PrivacyPolicy:
 
     folder: Path
     sizes: dict[str, int]
-    batch_size: int
+    batch_sizes: dict[str, int]
     epochs: int
     rounds: int
     delta: float
@@ -104,6 +108,8 @@ class PrivacyPolicy:
     unit: str = "example"
     unit_text: str = UNIT
     groups: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # With a derived batch, each site's factor on its rates (recipe.lr_scale).
+    lr_scales: dict[str, float] = field(default_factory=dict)
     _ledgers: dict[str, Ledger] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -111,7 +117,7 @@ class PrivacyPolicy:
         cls,
         folder: Path,
         sizes: dict[str, int],
-        batch_size: int,
+        batch_size: int | None,
         epochs: int,
         rounds: int,
         delta: float,
@@ -122,9 +128,22 @@ class PrivacyPolicy:
         selection: Mechanism | None = None,
         trainings: int = 1,
         reproducible: bool = False,
+        reference_batch: int | None = None,
     ) -> PrivacyPolicy:
-        """Calibrate (or take) each site's noise for the planned rounds."""
+        """Calibrate (or take) each site's noise for the planned rounds.
+
+        ``batch_size`` ``None`` derives each site's batch from its size and
+        scales its rates from ``reference_batch`` (the task's batch), as
+        :mod:`clinfed.privacy.recipe` says.
+        """
         check_settings(target_epsilon, delta, noise_multiplier, max_grad_norm, clipping)
+        if batch_size is None:
+            batch_sizes = {site: dp_batch_size(n) for site, n in sizes.items()}
+            reference = reference_batch or min(batch_sizes.values(), default=1)
+            lr_scales = {site: lr_scale(b, reference) for site, b in batch_sizes.items()}
+        else:
+            batch_sizes = dict.fromkeys(sizes, batch_size)
+            lr_scales = dict.fromkeys(sizes, 1.0)
         if target_epsilon is None and noise_multiplier is None:
             raise ClinfedError("DP needs --target-epsilon or --noise-multiplier")
         warnings = [
@@ -139,9 +158,11 @@ class PrivacyPolicy:
                 noise[site] = noise_multiplier
                 continue
 
-            def per_round(sigma: float, n: int = n) -> list[Mechanism]:
+            def per_round(
+                sigma: float, n: int = n, batch: int = batch_sizes[site]
+            ) -> list[Mechanism]:
                 extra = [selection] if selection is not None else []
-                return [round_mechanism(n, batch_size, epochs, sigma)] * trainings + extra
+                return [round_mechanism(n, batch, epochs, sigma)] * trainings + extra
 
             try:
                 noise[site] = calibrate_noise(target_epsilon, delta, per_round, rounds)
@@ -150,7 +171,7 @@ class PrivacyPolicy:
         policy = cls(
             Path(folder),
             dict(sizes),
-            batch_size,
+            batch_sizes,
             epochs,
             rounds,
             delta,
@@ -163,6 +184,7 @@ class PrivacyPolicy:
             trainings,
             reproducible,
         )
+        policy.lr_scales = lr_scales
         if reproducible:
             policy.warnings.append(NOT_PRIVATE)
         if target_epsilon is not None and noise_multiplier is not None:
@@ -177,12 +199,20 @@ class PrivacyPolicy:
 
     def settings(self, site: str) -> DPSettings:
         return DPSettings(
-            self.noise[site], self.max_grad_norm, self.clipping, self.reproducible, self.unit
+            self.noise[site],
+            self.max_grad_norm,
+            self.clipping,
+            self.reproducible,
+            self.unit,
+            self.batch_sizes[site],
+            self.lr_scales.get(site, 1.0),
         )
 
     def round_mechanisms(self, site: str) -> list[Mechanism]:
         """What one round costs ``site``: its DP-SGD and any private selection."""
-        sgd = round_mechanism(self.sizes[site], self.batch_size, self.epochs, self.noise[site])
+        sgd = round_mechanism(
+            self.sizes[site], self.batch_sizes[site], self.epochs, self.noise[site]
+        )
         extra = [self.selection] if self.selection is not None else []
         return [sgd] * self.trainings + extra
 
@@ -230,11 +260,15 @@ class PrivacyPolicy:
         }
 
     def describe_site(self, site: str) -> dict[str, Any]:
-        sgd = round_mechanism(self.sizes[site], self.batch_size, self.epochs, self.noise[site])
+        sgd = round_mechanism(
+            self.sizes[site], self.batch_sizes[site], self.epochs, self.noise[site]
+        )
         planned = epsilon(self.round_mechanisms(site) * self.rounds, self.delta)
         described = {
             "examples": self.sizes[site],
             "noise_multiplier": sgd.noise_multiplier,
+            "batch_size": self.batch_sizes[site],
+            "lr_scale": self.lr_scales.get(site, 1.0),
             "sample_rate": sgd.sample_rate,
             "steps_per_round": sgd.steps,
             "planned_epsilon": planned,

@@ -133,9 +133,14 @@ def client_update(work: LocalWork, objective: Any = None) -> ClientResult:
     trainable = apply_plan(model, work.plan)
     if callable(objective):
         objective = objective()
-    optimizer = make_optimizer(model, settings.lr, settings.weight_decay, settings.head_lr)
+    # Under DP the site's policy may derive its batch and scale its rates
+    # from its size (clinfed.privacy.recipe).
+    dp = work.dp
+    scale = dp.lr_scale if dp is not None else 1.0
+    head_lr = settings.head_lr * scale if settings.head_lr is not None else None
+    optimizer = make_optimizer(model, settings.lr * scale, settings.weight_decay, head_lr)
     clipping = None
-    if work.dp is not None:
+    if dp is not None:
         if work.randomness is None:
             raise ValueError("DP-SGD needs the site's randomness (LocalWork.randomness)")
         stats, clipping = train_private(
@@ -143,9 +148,9 @@ def client_update(work: LocalWork, objective: Any = None) -> ClientResult:
             work.task,
             work.dataset,
             optimizer,
-            settings.batch_size,
+            dp.batch_size or settings.batch_size,
             settings.epochs,
-            work.dp,
+            dp,
             work.randomness,
             objective.grad if objective is not None else None,
         )

@@ -1,0 +1,79 @@
+"""The DP recipe: without --batch-size a private site trains at a batch
+derived from its own size, with its rates scaled to match, and accounts
+exactly that batch."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+import clinfed.federated.client as client
+from clinfed.pipeline import RunConfig, run_training
+from clinfed.privacy.recipe import MAX_BATCH, MIN_BATCH, dp_batch_size, lr_scale
+from clinfed.tasks.i2b2.adapter import I2b2Task
+
+
+def test_the_batch_grows_with_the_site_and_stays_in_bounds():
+    assert dp_batch_size(30) == 30  # never more than the site holds
+    assert dp_batch_size(500) == MIN_BATCH
+    assert dp_batch_size(3200) == 200
+    assert dp_batch_size(10**7) == MAX_BATCH
+    assert lr_scale(64, 16) == 2.0
+
+
+def _run(corpus, out, **extra):
+    config = RunConfig.of(
+        task="i2b2",
+        data=str(corpus),
+        out=str(out),
+        strategy="fedavg",
+        model="tiny",
+        rounds=1,
+        max_length=32,
+        noise_multiplier=5.0,
+        threads=1,
+        **extra,
+    )
+    return run_training(config)
+
+
+@pytest.fixture
+def trained(monkeypatch):
+    """What each DP-SGD training was given: its batch and encoder rate."""
+    seen = []
+    real = client.train_private
+
+    def spy(model, task, dataset, optimizer, batch_size, *args, **kwargs):
+        seen.append((len(dataset), batch_size, optimizer.param_groups[0]["lr"]))
+        return real(model, task, dataset, optimizer, batch_size, *args, **kwargs)
+
+    monkeypatch.setattr(client, "train_private", spy)
+    return seen
+
+
+def test_a_private_site_trains_and_accounts_at_its_derived_batch(i2b2_corpus, tmp_path, trained):
+    _run(i2b2_corpus, tmp_path / "run")
+    base = I2b2Task.defaults
+    policy = json.loads((tmp_path / "run" / "privacy" / "policy.json").read_text())
+    assert len(trained) == len(policy["sites"]) == 3
+    expected = []
+    for described in policy["sites"].values():
+        units = described["examples"]
+        batch = dp_batch_size(units)
+        scale = math.sqrt(batch / base["batch_size"])
+        assert (described["batch_size"], described["lr_scale"]) == (batch, pytest.approx(scale))
+        assert described["sample_rate"] == pytest.approx(batch / units)
+        expected.append((batch, pytest.approx(base["lr"] * scale)))
+    # Each site's training ran at the batch and rate its policy describes.
+    assert sorted((batch, lr) for _, batch, lr in trained) == sorted(expected, key=lambda e: e[0])
+
+
+def test_a_given_batch_size_is_used_as_is(i2b2_corpus, tmp_path, trained):
+    _run(i2b2_corpus, tmp_path / "run", batch_size=8, lr=3e-4)
+    policy = json.loads((tmp_path / "run" / "privacy" / "policy.json").read_text())
+    assert [(b, lr) for _, b, lr in trained] == [(8, pytest.approx(3e-4))] * 3
+    assert all(
+        site["batch_size"] == 8 and site["lr_scale"] == 1.0 for site in policy["sites"].values()
+    )
