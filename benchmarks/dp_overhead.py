@@ -8,10 +8,13 @@ measurement is one local epoch, repeated ``--repeats`` times, alternating
 DP and non-DP so machine noise hits both; reports the median seconds per
 training token and the ratio. Two more plans put LoRA adapters (rank 8, B
 factors trained, the encoder frozen) in place of the encoder weights: every
-layer's, and SAFL K=2's two layers'. Writes ``RESULTS/dp_overhead.json``
+layer's, and SAFL K=2's two layers'. DP runs twice per repeat: with
+``--clipping auto`` (book-keeping, one backward pass) and with the Opacus
+mode clinfed used before it (ghost where embeddings train, else hooks), so
+the table shows what book-keeping buys. Writes ``RESULTS/dp_overhead.json``
 and ``.md``.
 
-    .venv/bin/python benchmarks/dp_overhead.py          # a few minutes on 2 cores
+    .venv/bin/python benchmarks/dp_overhead.py --batch-sizes 64   # ~10 min on 2 cores
 """
 
 from __future__ import annotations
@@ -88,12 +91,18 @@ def main() -> None:
             settings = LocalSettings(epochs=1, batch_size=batch_size, lr=1e-4)
             for label, (model, plan) in plans.items():
                 start = starts[id(model)]
-                timings: dict[str, list[float]] = {"plain": [], "dp": []}
+                timings: dict[str, list[float]] = {"plain": [], "dp": [], "opacus": []}
                 clipping = {}
+                embeddings = "encoder.embeddings.word_embeddings.weight" in plan.trainable
+                opacus = "ghost" if embeddings else "hooks"
                 for repeat in range(args.repeats):
-                    for mode in ("plain", "dp"):
+                    for mode in ("plain", "dp", "opacus"):
                         model.load_state_dict(start)
-                        dp = DPSettings(1.0, 1.0, "auto") if mode == "dp" else None
+                        dp = {
+                            "plain": None,
+                            "dp": DPSettings(1.0, 1.0, "auto"),
+                            "opacus": DPSettings(1.0, 1.0, opacus),
+                        }[mode]
                         generator = np.random.default_rng(repeat)
                         randomness = secret() if dp is not None else None
                         work = LocalWork(model, task, examples, plan, settings, generator, dp)
@@ -102,24 +111,31 @@ def main() -> None:
                         tokens = sum(s.tokens for s in result.stats)
                         timings[mode].append(result.seconds / tokens)
                         clipping[mode] = result.clipping
-                plain, private = (statistics.median(timings[m]) for m in ("plain", "dp"))
+                plain, private, before = (
+                    statistics.median(timings[m]) for m in ("plain", "dp", "opacus")
+                )
+                noised = sum(p.numel() for n, p in model.named_parameters() if n in plan.trainable)
                 results[f"{label}, batch {batch_size}"] = {
                     "batch_size": batch_size,
+                    "noised_parameters": noised,
                     "plain_tokens_per_s": 1 / plain,
                     "dp_tokens_per_s": 1 / private,
                     "ratio": private / plain,
                     "clipping": clipping["dp"],
+                    "opacus_clipping": opacus,
+                    "opacus_ratio": before / plain,
                     "timings_s_per_token": timings,
                 }
                 lines.append(
-                    f"| {label} | {batch_size} | {clipping['dp']} | {1 / plain:.0f} "
-                    f"| {1 / private:.0f} | {private / plain:.2f}x |"
+                    f"| {label} | {batch_size} | {noised / 1e6:.2f}M | {1 / plain:.0f} "
+                    f"| {clipping['dp']}: {1 / private:.0f} | {private / plain:.2f}x "
+                    f"| {opacus}: {before / plain:.2f}x |"
                 )
                 print(lines[-1], flush=True)
     table = (
-        "| plan | batch | DP clipping | plain tokens/s | DP-SGD tokens/s "
-        "| DP time / plain time |\n"
-        "|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n"
+        "| plan | batch | noised numbers | plain tokens/s | DP-SGD tokens/s "
+        "| DP time / plain time | the same with Opacus clipping |\n"
+        "|---|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n"
     )
     args.results.mkdir(parents=True, exist_ok=True)
     atomic_write_json(args.results / "dp_overhead.json", results)

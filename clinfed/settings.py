@@ -205,9 +205,10 @@ class PrivacySettings:
     max_grad_norm: float = setting(1.0, "DP-SGD per-example clipping norm.", above=0.0)
     clipping: str = setting(
         "auto",
-        "DP-SGD per-example clipping: hooks, ghost, or auto (ghost when embeddings train and "
-        "examples are single rows, else hooks).",
-        choices=("auto", "hooks", "ghost"),
+        "DP-SGD per-example clipping: bk (book-keeping: one backward pass), hooks, ghost, or "
+        "auto (bk wherever it applies, else ghost when embeddings train and examples are "
+        "single rows, else hooks).",
+        choices=("auto", "bk", "hooks", "ghost"),
     )
     privacy_unit: str = setting(
         "example",

@@ -1,5 +1,10 @@
-"""Per-example clipping for DP-SGD, on Opacus: two ways to get each
-example's gradient norm over every trainable parameter jointly.
+"""Per-example clipping for DP-SGD: three ways to get each example's
+gradient norm over every trainable parameter jointly.
+
+* ``bk``: book-keeping (:mod:`clinfed.privacy.bookkeeping`): one backward
+  pass, norms from each layer's inputs and output gradients, the clipped
+  sum in one product per parameter. For linear, LayerNorm, embedding and
+  label-wise layers, one example per unit.
 
 * ``hooks``: per-example gradients materialised by Opacus's layer hooks.
   Works for every task and unit; needed wherever a privacy unit spans
@@ -12,7 +17,9 @@ example's gradient norm over every trainable parameter jointly.
   the 30k x 384 word-embedding matrix trains; needs one encoder row per
   unit.
 
-``auto`` picks ghost when embeddings train and every unit is one row.
+``auto`` picks bk wherever it applies (measured fastest on every plan, see
+``benchmarks/dp_overhead.py``), else ghost when embeddings train and every
+unit is one row, else hooks.
 """
 
 from __future__ import annotations
@@ -30,9 +37,10 @@ from torch import nn
 from clinfed.blocks import EMBEDDINGS, block_of
 from clinfed.errors import ClinfedError
 from clinfed.models import LabelwiseLinear
+from clinfed.privacy import bookkeeping
 from clinfed.tasks.base import Task
 
-CLIPPINGS = ("auto", "hooks", "ghost")
+CLIPPINGS = ("auto", "hooks", "ghost", "bk")
 
 
 @register_grad_sampler(LabelwiseLinear)
@@ -60,8 +68,15 @@ def choose_clipping(model: nn.Module, task: Task, requested: str, grouped: bool 
             f"--clipping ghost needs one encoder row per privacy unit; here a unit spans "
             f"several rows ({task.name}): use hooks (or auto)"
         )
+    if requested == "bk" and (grouped or not bookkeeping.supports(model)):
+        raise ClinfedError(
+            "--clipping bk needs one example per privacy unit and only linear, LayerNorm, "
+            "embedding or label-wise layers training: use hooks (or auto)"
+        )
     if requested != "auto":
         return requested
+    if not grouped and bookkeeping.supports(model):
+        return "bk"
     embeddings = any(
         p.requires_grad and block_of(n) == EMBEDDINGS for n, p in model.named_parameters()
     )
@@ -125,4 +140,8 @@ class GhostClipping:
         self.hooks.cleanup()
 
 
-CLIPPERS = {"hooks": HooksClipping, "ghost": GhostClipping}
+CLIPPERS = {
+    "hooks": HooksClipping,
+    "ghost": GhostClipping,
+    "bk": bookkeeping.BookKeepingClipping,
+}

@@ -35,7 +35,7 @@ from torch import nn
 
 from clinfed.privacy.accountants import Mechanism
 from clinfed.privacy.clipping import CLIPPERS, CLIPPINGS, choose_clipping
-from clinfed.privacy.noise import noise_only_step
+from clinfed.privacy.noise import add_noise, noise_only_step
 from clinfed.privacy.randomness import SiteRandomness
 from clinfed.privacy.sampler import PoissonSampler, sample_rate, steps_per_epoch
 from clinfed.tasks.base import Task
@@ -176,28 +176,44 @@ class PrivateStep:
         self.optimizer = optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.clipper = CLIPPERS[mode](model, dp.max_grad_norm)
-        self.dp_optimizer = self.clipper.optimizer_class(
-            optimizer,
-            noise_multiplier=dp.noise_multiplier,
-            max_grad_norm=dp.max_grad_norm,
-            expected_batch_size=expected_batch,
-            loss_reduction="mean",
-            # The site's own generator, and Opacus's defence against
-            # floating-point attacks on Gaussian sampling
-            # (clinfed.privacy.randomness).
-            generator=noise,
-            secure_mode=True,
-        )
+        self.dp_optimizer = None
+        if self.clipper.optimizer_class is not None:
+            self.dp_optimizer = self.clipper.optimizer_class(
+                optimizer,
+                noise_multiplier=dp.noise_multiplier,
+                max_grad_norm=dp.max_grad_norm,
+                expected_batch_size=expected_batch,
+                loss_reduction="mean",
+                # The site's own generator, and Opacus's defence against
+                # floating-point attacks on Gaussian sampling
+                # (clinfed.privacy.randomness).
+                generator=noise,
+                secure_mode=True,
+            )
 
     def zero_grad(self) -> None:
-        self.dp_optimizer.zero_grad(set_to_none=True)
+        if self.dp_optimizer is None:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.dp_optimizer.zero_grad(set_to_none=True)
 
     def backward(self, losses: torch.Tensor, owner: torch.Tensor, last: bool) -> bool:
         """Clip this pass's per-unit gradients (``owner[i]``: the unit of
         example ``i``, numbered from 0 in this pass) into the step's sum
-        (Opacus's virtual steps: every pass but the last accumulates; the
-        last adds the noise once). Returns whether the step is ready."""
+        (every pass but the last accumulates; the last adds the noise once).
+        Returns whether the step is ready."""
         self.clipper.backward(losses, self.dp_optimizer, owner)
+        if self.dp_optimizer is None:  # the clipper summed into .grad itself
+            if last:
+                add_noise(
+                    self.params,
+                    self.dp.noise_multiplier,
+                    self.dp.max_grad_norm,
+                    self.expected_batch,
+                    self.noise,
+                )
+            return last
+        # Opacus's virtual steps.
         self.dp_optimizer.signal_skip_step(not last)
         ready = self.dp_optimizer.pre_step()
         if not ready and not last:
@@ -222,7 +238,7 @@ class PrivateStep:
         )
 
     def detach(self) -> None:
-        self.dp_optimizer.zero_grad(set_to_none=True)
+        self.zero_grad()
         self.clipper.cleanup()
 
 

@@ -1,0 +1,254 @@
+"""Book-keeping clipping: DP-SGD's clipped sum in one backward pass.
+
+Opacus's hooks materialise every example's gradient (a ``(B, out, in)``
+tensor per linear layer); its ghost clipping avoids that but runs backward
+twice. Book-keeping (Bu et al. 2023, "Differentially private optimization on
+large model at small cost", the FastDP library) runs it once:
+
+1. the forward pass keeps each trainable layer's input ``a`` and the
+   backward pass its output gradient ``g``; autograd computes no parameter
+   gradient at all (the parameters are marked not to need one while the
+   forward runs);
+2. each example's squared gradient norm comes from ``a`` and ``g``: for a
+   linear layer the "ghost norm" ``sum_ts <a_t, a_s> <g_t, g_s>`` (cost
+   ``T^2 (in + out)`` per example), or the example's gradient itself where
+   that is cheaper (LoRA's rank-``r`` factors);
+3. with every example's clip factor ``c_i`` known, each parameter gets its
+   clipped sum in one matrix product, ``sum_i c_i g_i^T a_i``: the same work
+   as the non-private weight gradient.
+
+Layer types covered: ``nn.Linear`` (peft's LoRA factors are linear layers),
+``nn.LayerNorm``, ``nn.Embedding`` and clinfed's ``LabelwiseLinear``. A model
+with any other trainable parameter (pfeddc's prompts) uses hooks. Rows of one
+example must be contiguous and equally many (MIMIC-III's chunks are); units
+spanning several examples use hooks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from clinfed.models import LabelwiseLinear
+
+SUPPORTED = (nn.Linear, nn.LayerNorm, nn.Embedding, LabelwiseLinear)
+
+
+def supports(model: nn.Module) -> bool:
+    """Whether every trainable parameter belongs to a layer type covered here."""
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        if not own:
+            continue
+        if not isinstance(module, SUPPORTED):
+            return False
+        if isinstance(module, nn.Embedding) and (
+            module.max_norm is not None or module.scale_grad_by_freq or module.sparse
+        ):
+            return False
+    return True
+
+
+class _Tap(torch.autograd.Function):
+    """Identity on a layer's output that keeps the gradient reaching it.
+
+    ``anchor`` (a leaf that needs a gradient) keeps the tap in the graph
+    when nothing below the layer trains, so the backward pass reaches it."""
+
+    @staticmethod
+    def forward(ctx, output, anchor, record):  # noqa: D102
+        del anchor
+        ctx.record = record
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        ctx.record.backprop = grad.detach()
+        return (grad if ctx.needs_input_grad[0] else None), None, None
+
+
+@dataclass
+class _Record:
+    """One call of a trainable layer: its input, and its output's gradient
+    once the backward pass has reached it."""
+
+    module: nn.Module
+    activation: torch.Tensor
+    backprop: torch.Tensor | None = None
+
+
+def _per_example(x: torch.Tensor, examples: int) -> torch.Tensor:
+    """``(rows, ..., d)`` as ``(examples, tokens, d)``: an example's rows
+    (MIMIC-III chunks, example-major) laid end to end."""
+    if x.dim() == 2 and x.shape[0] == examples:
+        return x.unsqueeze(1)
+    return x.reshape(examples, -1, x.shape[-1])
+
+
+def _per_example_ids(ids: torch.Tensor, examples: int) -> torch.Tensor:
+    return ids.reshape(examples, -1)
+
+
+class _Layer:
+    """Per-example squared norms and the clipped sum of one layer's
+    parameters, from its inputs and output gradients.
+
+    A layer that runs several times in one forward pass (pfeddc's fusion,
+    once per prompted encoder layer) contributes the sum of its calls'
+    gradients: its calls are laid end to end as more tokens of each example.
+    """
+
+    def __init__(self, module: nn.Module, calls: list[tuple[torch.Tensor, torch.Tensor]], n: int):
+        self.module, self.examples = module, n
+        self.kept: dict[str, torch.Tensor] = {}  # per-example gradients, where built
+        if isinstance(module, nn.Embedding):
+            ids = torch.cat([a.reshape(n, -1) for a, _ in calls], dim=1)
+            g = torch.cat([_per_example(g, n) for _, g in calls], dim=1)
+            if module.padding_idx is not None:  # its row never trains
+                g = g * (ids != module.padding_idx).unsqueeze(-1)
+            self.a, self.g = ids, g
+        elif isinstance(module, LabelwiseLinear):
+            # logit_bl = <w_l, v_bl> + b_l: the gradient of w_l is g_bl v_bl.
+            if module.weight.requires_grad:
+                self.kept["weight"] = sum(g.unsqueeze(-1) * a for a, g in calls)
+            if module.bias.requires_grad:
+                self.kept["bias"] = sum(g for _, g in calls)
+        else:
+            if isinstance(module, nn.LayerNorm):  # its weight multiplies the normalised input
+                calls = [
+                    (F.layer_norm(a, module.normalized_shape, eps=module.eps), g) for a, g in calls
+                ]
+            self.a = torch.cat([_per_example(a, n) for a, _ in calls], dim=1)
+            self.g = torch.cat([_per_example(g, n) for _, g in calls], dim=1)
+
+    def norms(self) -> torch.Tensor:
+        module = self.module
+        if isinstance(module, nn.Linear) and module.weight.requires_grad:
+            a, g = self.a, self.g
+            tokens, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
+            if tokens * (d_in + d_out) < d_in * d_out:  # ghost norm
+                gram = torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))
+                total = gram.sum((1, 2))
+            else:  # the example's gradient is smaller than its Gram matrices
+                self.kept["weight"] = torch.bmm(g.transpose(1, 2), a)
+                total = torch.zeros(self.examples)
+        elif isinstance(module, nn.Embedding):
+            same = self.a.unsqueeze(2) == self.a.unsqueeze(1)
+            total = (torch.bmm(self.g, self.g.transpose(1, 2)) * same).sum((1, 2))
+        else:
+            total = torch.zeros(self.examples)
+        if isinstance(module, nn.LayerNorm) and module.weight is not None:
+            if module.weight.requires_grad:
+                self.kept["weight"] = (self.g * self.a).sum(1)
+        if isinstance(module, (nn.Linear, nn.LayerNorm)) and module.bias is not None:
+            if module.bias.requires_grad:
+                self.kept["bias"] = self.g.sum(1)
+        for grad in self.kept.values():
+            total = total + grad.pow(2).flatten(1).sum(1)
+        return total
+
+    def accumulate(self, factors: torch.Tensor) -> None:
+        """Add ``sum_i factors[i] * grad_i`` into each parameter's ``.grad``."""
+        module = self.module
+        sums = {name: torch.tensordot(factors, grad, dims=1) for name, grad in self.kept.items()}
+        if isinstance(module, (nn.Linear, nn.Embedding)) and "weight" not in sums:
+            if module.weight.requires_grad:
+                weighted = (self.g * factors.view(-1, 1, 1)).reshape(-1, self.g.shape[-1])
+                if isinstance(module, nn.Linear):
+                    sums["weight"] = weighted.t() @ self.a.reshape(-1, self.a.shape[-1])
+                else:
+                    sums["weight"] = torch.zeros_like(module.weight).index_add_(
+                        0, self.a.reshape(-1), weighted
+                    )
+        for name, total in sums.items():
+            param = getattr(module, name)
+            if param.grad is None:
+                param.grad = total.view_as(param)
+            else:
+                param.grad.add_(total.view_as(param))
+
+
+class BookKeepingClipping:
+    """Per-example clipping in one backward pass (see the module docstring).
+
+    ``backward`` adds this pass's clipped sum to each trainable parameter's
+    ``.grad``; the caller adds the noise and steps.
+    """
+
+    mode = "bk"
+    optimizer_class = None
+
+    def __init__(self, model: nn.Module, max_grad_norm: float):
+        self.model, self.max_grad_norm = model, max_grad_norm
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.anchor = torch.zeros((), requires_grad=True)
+        self.records: list[_Record] = []
+        self.handles = [model.register_forward_pre_hook(self._untrack)]
+        self.handles.append(model.register_forward_hook(self._retrack))
+        self.layers = [
+            module
+            for module in model.modules()
+            if any(p.requires_grad for p in module.parameters(recurse=False))
+        ]
+        for module in self.layers:
+            self.handles.append(module.register_forward_hook(self._keep))
+
+    # Autograd must not build parameter gradients: marked off while the
+    # forward runs, back on after it (the plan and optimizer see them as
+    # trainable throughout).
+    def _untrack(self, module, inputs) -> None:
+        del module, inputs
+        if torch.is_grad_enabled() and self.model.training:
+            self.records = []
+            for p in self.params:
+                p.requires_grad_(False)
+
+    def _retrack(self, module, inputs, output) -> None:
+        del module, inputs, output
+        for p in self.params:
+            p.requires_grad_(True)
+
+    def _keep(self, module, inputs, output):
+        if not (torch.is_grad_enabled() and self.model.training):
+            return None
+        record = _Record(module, inputs[0].detach())
+        self.records.append(record)
+        return _Tap.apply(output, self.anchor, record)
+
+    def backward(self, losses: torch.Tensor, optimizer, owner: torch.Tensor) -> None:
+        del optimizer
+        examples = len(owner)
+        # A trainable parameter used other than through its layer's forward
+        # would get no gradient here: refuse rather than train it wrongly.
+        ran = {id(r.module) for r in self.records}
+        missing = [type(m).__name__ for m in self.layers if id(m) not in ran]
+        if missing:
+            raise RuntimeError(
+                f"book-keeping clipping: trainable {', '.join(sorted(set(missing)))} did not "
+                "run in the forward pass; use hooks clipping"
+            )
+        losses.sum().backward()
+        self.anchor.grad = None
+        calls: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        modules: dict[int, nn.Module] = {}
+        for r in self.records:
+            if r.backprop is not None:  # else nothing below the loss used it
+                calls.setdefault(id(r.module), []).append((r.activation, r.backprop))
+                modules[id(r.module)] = r.module
+        layers = [_Layer(modules[key], found, examples) for key, found in calls.items()]
+        norms = torch.zeros(examples)
+        for layer in layers:
+            norms += layer.norms()
+        # Opacus's clip factor, so every clipping mode computes the same step.
+        factors = (self.max_grad_norm / (norms.sqrt() + 1e-6)).clamp(max=1.0)
+        for layer in layers:
+            layer.accumulate(factors)
+        self.records = []
+
+    def cleanup(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles, self.records = [], []
