@@ -8,7 +8,8 @@ measurement is one local epoch, repeated ``--repeats`` times, alternating
 DP and non-DP so machine noise hits both; reports the median seconds per
 training token and the ratio. Two more plans put LoRA adapters (rank 8, B
 factors trained, the encoder frozen) in place of the encoder weights: every
-layer's, and SAFL K=2's two layers'. DP runs twice per repeat: with
+layer's, and SAFL K=2's two layers'. One more trains only the encoder's
+bias terms and the head (BitFit). DP runs twice per repeat: with
 ``--clipping auto`` (book-keeping, one backward pass) and with the Opacus
 mode clinfed used before it (ghost where embeddings train, else hooks), so
 the table shows what book-keeping buys. Writes ``RESULTS/dp_overhead.json``
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 import transformers
 
-from clinfed.adapters import add_lora, shared_names
+from clinfed.adapters import add_bias, add_lora, shared_names
 from clinfed.blocks import HEAD, Block
 from clinfed.errors import ProblemLog
 from clinfed.federated.client import LocalSettings, LocalWork, client_update
@@ -64,6 +65,7 @@ def main() -> None:
         examples = task.encode(records, load_tokenizer("minilm"), 128, work)
         model = build_model("token", "minilm", len(task.labels), seed=0)
         adapted = add_lora(build_model("token", "minilm", len(task.labels), seed=0), 8, 16, "b", 0)
+        biased = add_bias(build_model("token", "minilm", len(task.labels), seed=0))
         top_two = {Block(k, layer) for layer in (4, 5) for k in ("query_key", "value", "rest")}
 
         def plan_of(names, blocks=None):
@@ -82,9 +84,11 @@ def main() -> None:
                 adapted,
                 plan_of(lora_names, top_two | {HEAD}),
             ),
+            "bias only (every encoder bias + head)": (biased, plan_of(shared_names(biased))),
         }
         starts = {
-            id(m): {k: v.clone() for k, v in m.state_dict().items()} for m in (model, adapted)
+            id(m): {k: v.clone() for k, v in m.state_dict().items()}
+            for m in (model, adapted, biased)
         }
         results, lines = {}, []
         for batch_size in (int(b) for b in args.batch_sizes.split(",")):

@@ -1,4 +1,5 @@
-"""Parameter-efficient training: LoRA adapters (``--adapter lora``) on peft.
+"""Parameter-efficient training: LoRA adapters (``--adapter lora``) on peft,
+and bias terms only (``--adapter bias``).
 
 The pretrained encoder stays frozen at every party; each linear layer of
 every encoder layer (attention query, key, value and output, feed-forward
@@ -21,6 +22,12 @@ the adapter travels, and DP-SGD noises half as many coordinates.
 capacity per round, inexact aggregation); the choice is recorded in the
 run's config.
 
+``--adapter bias`` (BitFit, Ben Zaken et al. 2022) is the cheaper
+alternative: the encoder's weights stay frozen and only its bias terms
+(attention, feed-forward and LayerNorm biases, about 0.5% of MiniLM) and
+the head train and travel. Nothing is added to the model, so aggregation
+is exact, and under DP-SGD only those few coordinates are noised.
+
 Every party builds the same adapters from the run's seed, so the frozen
 encoder and ``A`` are never sent. A saved model has its adapters merged
 into the encoder weights (:func:`merged`): it loads as a plain clinfed or
@@ -36,7 +43,7 @@ from torch import nn
 
 from clinfed.errors import ClinfedError
 
-ADAPTERS = ("none", "lora")
+ADAPTERS = ("none", "lora", "bias")
 # A low-rank update starting at zero moves the model slowly at the encoder's
 # fine-tuning rate (1e-4): adapters train at 1e-3 unless --lr says otherwise
 # (the usual LoRA rate for BERT-sized encoders; the head keeps its own).
@@ -66,6 +73,14 @@ def add_lora(model: nn.Module, rank: int, alpha: float, factors: str, seed: int)
     return model
 
 
+def add_bias(model: nn.Module) -> nn.Module:
+    """Train and share only the encoder's bias terms (and the head)."""
+    if not any(n.endswith(".bias") for n, _ in model.encoder.named_parameters()):
+        raise ClinfedError("--adapter bias: the encoder has no bias terms")
+    model.adapter = {"kind": "bias"}
+    return model
+
+
 def adapter_of(model: nn.Module) -> dict | None:
     return getattr(model, "adapter", None)
 
@@ -73,6 +88,8 @@ def adapter_of(model: nn.Module) -> dict | None:
 def _travels(name: str, adapter: dict | None) -> bool:
     if adapter is None or not name.startswith("encoder."):
         return True  # no adapter: everything; with one: the head (and prompts)
+    if adapter["kind"] == "bias":
+        return name.endswith(".bias")
     return ".lora_B." in name or (adapter["factors"] == "ab" and ".lora_A." in name)
 
 
@@ -111,9 +128,15 @@ def load_shared(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
 
 def merged(model: nn.Module) -> nn.Module:
     """A copy of ``model`` with its adapters merged into the encoder's
-    weights and removed (peft's ``merge``), or ``model`` if it has none."""
-    if adapter_of(model) is None:
+    weights and removed (peft's ``merge``), or ``model`` if it has none
+    (bias-only training adds no module: the model is already plain)."""
+    adapter = adapter_of(model)
+    if adapter is None:
         return model
+    if adapter["kind"] == "bias":
+        plain = copy.deepcopy(model)
+        plain.adapter = None
+        return plain
     from peft.tuners.lora import LoraLayer
 
     plain = copy.deepcopy(model)

@@ -36,7 +36,14 @@ import torch
 from torch import nn
 
 from clinfed import __version__
-from clinfed.adapters import add_lora, fedavg_bytes, load_shared, shared_names, shared_state
+from clinfed.adapters import (
+    add_bias,
+    add_lora,
+    fedavg_bytes,
+    load_shared,
+    shared_names,
+    shared_state,
+)
 from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.federated.client import LocalSettings
 from clinfed.federated.engine import RoundEngine
@@ -316,6 +323,8 @@ def make_model(config: RunConfig, task: Task) -> nn.Module:
     )
     if config.adapter == "lora":
         add_lora(model, config.lora_rank, config.lora_alpha, config.lora_factors, config.seed)
+    elif config.adapter == "bias":
+        add_bias(model)
     return model
 
 

@@ -4,7 +4,7 @@ Opacus's ``make_private``:
 * :mod:`clinfed.privacy.sampler` - Poisson batches of privacy units (each
   unit joins with probability ``q = batch_size / n_units``);
 * :mod:`clinfed.privacy.clipping` - per-unit clipping over all trainable
-  parameters jointly (Opacus hooks, or ghost clipping): the gradient of a
+  parameters jointly (book-keeping, Opacus hooks, or ghost clipping): the gradient of a
   unit is the sum over all its rows (the windows of one i2b2 sentence; at
   ``--privacy-unit document`` or ``patient``, every example of the note or
   patient), clipped once;
@@ -67,7 +67,7 @@ class DPSettings:
     max_grad_norm
         Per-example L2 clipping norm over all trainable parameters.
     clipping
-        ``auto``, ``hooks`` or ``ghost`` (see the module docstring).
+        ``auto``, ``bk``, ``hooks`` or ``ghost`` (see :mod:`clinfed.privacy.clipping`).
     reproducible
         Noise from the public seed: tests only, not private.
     unit

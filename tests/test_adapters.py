@@ -1,4 +1,5 @@
-"""LoRA adapters: what trains and travels, composition with the plans, saving."""
+"""Adapters (LoRA, bias-only): what trains and travels, composition with the
+plans, saving."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 import pytest
 import torch
 
-from clinfed.adapters import add_lora, merged, shared_names, shared_state
+from clinfed.adapters import add_bias, add_lora, merged, shared_names, shared_state
 from clinfed.blocks import Block, block_of
 from clinfed.federated.strategies.fedfrozen import FedFrozen, FedFrozenOptions
 from clinfed.federated.strategies.safl import SAFL, SAFLOptions
@@ -96,5 +97,46 @@ def test_a_federated_lora_run_sends_adapters_and_head_only(i2b2_corpus, tmp_path
     from clinfed.inference import evaluate_run
 
     assert json.loads((run / "config.json").read_text())["model"]["adapter"] == "lora"
+    again = evaluate_run(run, i2b2_corpus / "test")
+    assert again["f1"] == pytest.approx(summary["f1"], abs=1e-9)
+
+
+def test_bias_only_shares_the_encoder_biases_and_the_head():
+    model = add_bias(build_model("token", "tiny", 5, seed=0))
+    names = shared_names(model)
+    encoder = [n for n in names if n.startswith("encoder.")]
+    assert encoder and all(n.endswith(".bias") for n in encoder)
+    assert any("LayerNorm.bias" in n for n in encoder)  # BitFit trains every bias
+    assert {n for n, _ in model.named_parameters() if n.startswith("head.")} <= set(names)
+    assert set(shared_state(model)) == set(names)
+    strategy = SAFL(SAFLOptions(top_layers=1, selection="global"))
+    strategy._chosen["s"] = [0]
+    plan = strategy.plan(2, "s", names)
+    assert {block_of(n).layer for n in plan.uploaded if not n.startswith("head.")} == {0}
+    assert merged(model) is not model and merged(model).adapter is None
+
+
+def test_a_federated_bias_only_run_sends_biases_and_head_only(i2b2_corpus, tmp_path, traffic):
+    run = tmp_path / "run"
+    summary = run_training(
+        RunConfig.of(
+            task="i2b2",
+            data=str(i2b2_corpus),
+            out=str(run),
+            strategy="fedavg",
+            model="tiny",
+            rounds=1,
+            max_length=32,
+            adapter="bias",
+        )
+    )
+    uploads = [m["up"] for m in traffic.messages if m["kind"] == "train"]
+    assert len(uploads) == 3
+    for up in uploads:
+        assert all(n.startswith("head.") or n.endswith(".bias") for n in up)
+        assert any(n.startswith("encoder.") for n in up)
+    assert summary["ratio_to_fedavg_up"] < 0.05
+    from clinfed.inference import evaluate_run
+
     again = evaluate_run(run, i2b2_corpus / "test")
     assert again["f1"] == pytest.approx(summary["f1"], abs=1e-9)

@@ -18,7 +18,7 @@ from dp_accounting.rdp import RdpAccountant
 from safetensors.torch import load_file
 from torch import nn
 
-from clinfed.adapters import add_lora, shared_names
+from clinfed.adapters import add_bias, add_lora, shared_names
 from clinfed.errors import ProblemLog
 from clinfed.federated.client import apply_plan
 from clinfed.federated.plan import Plan
@@ -183,6 +183,7 @@ def test_microbatches_cover_the_batch_once_and_group_by_length():
         ("i2b2", "lora", "bk", "example", "bk"),
         ("i2b2", "lora-ab", "hooks", "document", "hooks"),  # both factors, a note clipped once
         ("mimic3", "lora", "bk", "example", "bk"),
+        ("i2b2", "bias", "bk", "example", "bk"),  # bias terms only (BitFit)
     ],
 )
 def test_dp_step_clips_each_unit_jointly(
@@ -226,6 +227,8 @@ def test_dp_step_clips_each_unit_jointly(
             for n, p in model.named_parameters():
                 if ".lora_B." in n:
                     p.normal_(std=0.1)
+    if trainable == "bias":
+        add_bias(model)
     _no_dropout(model)
     names = [n for n, _ in model.named_parameters()]
     chosen = frozenset(
@@ -237,6 +240,9 @@ def test_dp_step_clips_each_unit_jointly(
         chosen = frozenset(shared_names(model))
         assert any(".lora_B." in n for n in chosen)
         assert any(".lora_A." in n for n in chosen) == (trainable == "lora-ab")
+    if trainable == "bias":
+        chosen = frozenset(shared_names(model))
+        assert all(n.startswith("head.") or n.endswith(".bias") for n in chosen)
     if trainable == "prompts":
         chosen = PFedDC().plan(1, "s", names).trainable
         assert any(n.startswith("prompt.local_prompt.") for n in chosen)
