@@ -7,7 +7,10 @@ sweep folder, named ``<strategy>-eps<epsilon>-seed<seed>``. A cell with a
 A sweep never overwrites: its folder is new, or an earlier sweep's (marked
 by ``sweep.json``) continued with ``--resume``. The table
 (``sweep.csv``, ``sweep.md``) and the plot (``sweep.png``) are rewritten
-from all finished cells after every cell.
+from all finished cells after every cell. ``times.jsonl`` records each
+cell's wall time (every attempt of a resumed cell adds its own line); the
+table gives their sum per cell. A cell trained with adapters is labelled
+with them (``fedavg + lora``).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import io
 import json
 import math
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -27,7 +31,7 @@ import matplotlib
 from clinfed.errors import ClinfedError
 from clinfed.federated.strategies import STRATEGIES
 from clinfed.pipeline import RunConfig, run_training
-from clinfed.runs import atomic_write_json, atomic_write_text
+from clinfed.runs import append_jsonl, atomic_write_json, atomic_write_text, read_jsonl
 from clinfed.settings import read_run_config
 
 matplotlib.use("Agg")
@@ -111,7 +115,10 @@ def run_sweep(
                     strategy_options=options_for(strategy, options),
                 )
                 report("cell_start", {"cell": folder.name})
+                started = time.perf_counter()
                 run_training(config)
+                seconds = round(time.perf_counter() - started, 1)
+                append_jsonl(out / TIMES, {"cell": folder.name, "seconds": seconds})
                 write_table(out, collect(out))
                 report("cell_end", {"cell": folder.name})
     rows = collect(out)
@@ -127,22 +134,32 @@ def options_for(strategy: str, options: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in options.items() if k in own}
 
 
+TIMES = "times.jsonl"
+
+
 def collect(out: Path) -> list[dict[str, Any]]:
     rows = []
+    seconds: dict[str, float] = {}
+    if (out / TIMES).is_file():
+        for line in read_jsonl(out / TIMES):
+            seconds[line["cell"]] = seconds.get(line["cell"], 0.0) + line["seconds"]
     for summary_path in sorted(out.glob("*/summary.json")):
         config = read_run_config(summary_path.parent)
         summary = json.loads(summary_path.read_text())
         target = config.get("target_epsilon")
         spent = summary.get("epsilon") or {}
+        adapter = config.get("adapter", "none")
+        cell = summary_path.parent.name
         rows.append(
             {
-                "strategy": config["strategy"],
+                "strategy": config["strategy"] + ("" if adapter == "none" else f" + {adapter}"),
                 "target_epsilon": math.inf if target is None else target,
                 "seed": config["seed"],
                 "f1": summary["f1"],
                 "max_epsilon_spent": max(spent.values()) if spent else math.inf,
                 "mb_up": summary.get("mb_up"),
-                "run": summary_path.parent.name,
+                "wall_min": round(seconds[cell] / 60, 1) if cell in seconds else None,
+                "run": cell,
             }
         )
     return rows
@@ -150,7 +167,16 @@ def collect(out: Path) -> list[dict[str, Any]]:
 
 def write_table(out: Path, rows: list[dict[str, Any]]) -> None:
     buffer = io.StringIO()
-    fields = ["strategy", "target_epsilon", "seed", "f1", "max_epsilon_spent", "mb_up", "run"]
+    fields = [
+        "strategy",
+        "target_epsilon",
+        "seed",
+        "f1",
+        "max_epsilon_spent",
+        "mb_up",
+        "wall_min",
+        "run",
+    ]
     writer = csv.DictWriter(buffer, fieldnames=fields)
     writer.writeheader()
     writer.writerows(rows)

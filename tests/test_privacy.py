@@ -542,6 +542,10 @@ def test_sweep_writes_a_table_and_skips_finished_cells(i2b2_corpus, tmp_path):
     assert first.returncode == 0, first.stderr
     rows = (tmp_path / "sweep" / "sweep.csv").read_text().splitlines()
     assert len(rows) == 1 + 4
+    import csv
+
+    timed = list(csv.DictReader(rows))
+    assert all(float(r["wall_min"]) >= 0 for r in timed)  # each cell's wall time
     table = (tmp_path / "sweep" / "sweep.md").read_text()
     assert "eps 2" in table and "eps inf" in table and "| safl |" in table
     assert (tmp_path / "sweep" / "sweep.png").stat().st_size > 0
