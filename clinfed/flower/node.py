@@ -13,7 +13,10 @@ A node is configured by its operator, not by the server (``--node-config``):
     same ledger (``fingerprints.json`` beside it caches file hashes by size
     and modification time). Per run (``STATE/<run name>/``) it holds the
     site's copies of the model (``copy.rNNNN.safetensors``), the evaluation
-    meter and the site's predictions. It survives restarts of the node.
+    meter and the site's predictions. ``encoded/`` keeps the site's encoded
+    data between messages (protected health information: folders 0700,
+    files 0600; see :mod:`clinfed.flower.cache`). It survives restarts of
+    the node.
 ``site``
     The site's name, when the data folder holds several sites (otherwise
     the one site found there).
@@ -50,7 +53,7 @@ import os
 import re
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +62,14 @@ import torch
 
 from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.federated.site import SiteRunner
-from clinfed.models import load_tokenizer
+from clinfed.flower.cache import (
+    Encoded,
+    EncodedCache,
+    cache_key,
+    restore_task_state,
+    task_state,
+)
+from clinfed.models import checkpoint_dir, load_tokenizer
 from clinfed.pipeline import (
     RunConfig,
     local_settings,
@@ -239,6 +249,50 @@ def data_fingerprint(data: Path, cache: Path) -> str:
     return total.hexdigest()
 
 
+def _encoded(
+    config: RunConfig, node: NodeConfig, task: Any, tokenizer, cache_dir: str, data_fp: str
+) -> Encoded:
+    """The site's encoded data: from the node's cache (``STATE/encoded/``)
+    when nothing it depends on changed, else read, checked, encoded and
+    cached (:mod:`clinfed.flower.cache`)."""
+    planned = list(task.labels)
+    settings = asdict(config)
+    model_fp = data_fingerprint(checkpoint_dir(config.model), node.state / "model-files.json")
+    key = cache_key(settings, node.site, data_fp, model_fp)
+    cache = EncodedCache(node.state)
+    found = cache.load(key)
+    if found is not None:
+        restore_task_state(task, found.task_state)
+        if task.labels != planned:  # the key covers the label settings: never expected
+            raise ClinfedError(f"{cache.root / key}: cached labels differ from the run's")
+        return found
+    corpus = task.load(node.data, ProblemLog(config.on_error))
+    if task.labels != planned:
+        # The server built the model for the planned labels; a site must
+        # not train another head (types from its own data).
+        raise ClinfedError(
+            f"{node.data}: the labels its data gives ({len(task.labels)}) are not the "
+            f"run's ({len(planned)}); the run must declare them (--types for i2b2)"
+        )
+    sites = corpus.sites
+    if node.site is None and len(sites) != 1:
+        raise ClinfedError(
+            f"{node.data}: holds sites {', '.join(sites)}; name this node's with "
+            "--node-config site=NAME"
+        )
+    name = node.site or sites[0]
+    if name not in sites:
+        raise ClinfedError(f"{node.data}: no site {name!r} (found {', '.join(sites)})")
+    test_records = _of_site(corpus.test, name)
+    train = task.encode(_of_site(corpus.train, name), tokenizer, config.max_length, cache_dir)
+    test = task.encode(test_records, tokenizer, config.max_length, cache_dir)
+    if len(train) == 0:
+        raise ClinfedError(f"{node.data}: no training examples for site {name}")
+    encoded = Encoded(name, train, test, test_records, task_state(task))
+    cache.save(key, encoded)
+    return encoded
+
+
 def _of_site(records: Any, site: str) -> Any:
     """The records (documents or an admissions table) of one site."""
     if isinstance(records, datasets.Dataset):
@@ -261,31 +315,12 @@ class NodeSite:
         cache_dir = self._tmp.name
         try:
             task = make_task(config, cache_dir)
-            planned = list(task.labels)
-            corpus = task.load(node.data, ProblemLog(config.on_error))
-            if task.labels != planned:
-                # The server built the model for the planned labels; a site
-                # must not train another head (types from its own data).
-                raise ClinfedError(
-                    f"{node.data}: the labels its data gives ({len(task.labels)}) are not the "
-                    f"run's ({len(planned)}); the run must declare them (--types for i2b2)"
-                )
-            sites = corpus.sites
-            if node.site is None and len(sites) != 1:
-                raise ClinfedError(
-                    f"{node.data}: holds sites {', '.join(sites)}; name this node's with "
-                    "--node-config site=NAME"
-                )
-            name = node.site or sites[0]
-            if name not in sites:
-                raise ClinfedError(f"{node.data}: no site {name!r} (found {', '.join(sites)})")
             tokenizer = load_tokenizer(config.model)
-            train_records = _of_site(corpus.train, name)
-            test_records = _of_site(corpus.test, name)
-            train = task.encode(train_records, tokenizer, config.max_length, cache_dir)
-            test = task.encode(test_records, tokenizer, config.max_length, cache_dir)
-            if len(train) == 0:
-                raise ClinfedError(f"{node.data}: no training examples for site {name}")
+            # The data's fingerprint names its ledger and its cached encoding.
+            data_fp = data_fingerprint(node.data, node.state / "ledger" / "fingerprints.json")
+            encoded = _encoded(config, node, task, tokenizer, cache_dir, data_fp)
+            name, train, test = encoded.site, encoded.train, encoded.test
+            test_records = encoded.test_records
             units = count_units(task, train, config.privacy_unit)
             cap = node.max_delta if node.max_delta is not None else 1 / (10 * units)
             if config.dp and config.delta > cap:
@@ -302,8 +337,7 @@ class NodeSite:
                 # called: capped by the node's own max-epsilon over every
                 # run, and this run by its own target.
                 ledgers = node.state / "ledger"
-                fingerprint = data_fingerprint(node.data, ledgers / "fingerprints.json")
-                policy.ledger_paths = {name: ledgers / f"{name}-{fingerprint[:16]}.jsonl"}
+                policy.ledger_paths = {name: ledgers / f"{name}-{data_fp[:16]}.jsonl"}
                 policy.ledger_budget = node.max_epsilon
                 policy.run = run_name
                 privacy = SitePrivacy(policy, name)
