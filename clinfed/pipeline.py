@@ -353,7 +353,12 @@ def make_strategy(config: RunConfig, task: Task, tokenizer: Any, cache_dir: str)
 
 
 def privacy_policy(
-    config: RunConfig, task: Task, train: dict[str, Any], folder: Path, strategy: Strategy
+    config: RunConfig,
+    task: Task,
+    train: dict[str, Any],
+    folder: Path,
+    strategy: Strategy,
+    memo: Path | None = None,
 ) -> PrivacyPolicy:
     """Each site's DP-SGD settings and ledger (``train``: each site's encoded
     training examples). A site calibrates from its own number of privacy
@@ -377,6 +382,7 @@ def privacy_policy(
         strategy.trainings_per_round,
         config.reproducible_noise,
         reference_batch=task.defaults["batch_size"],
+        memo=memo,
     )
     policy.unit, policy.unit_text = unit, task.units[unit]
     if unit == "example":

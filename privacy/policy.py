@@ -9,6 +9,8 @@ noise everywhere and, if a target is also known, only enforces it.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +22,7 @@ from clinfed.privacy.dpsgd import CLIPPINGS, DPSettings, round_mechanism
 from clinfed.privacy.ledger import Ledger
 from clinfed.privacy.randomness import NOT_PRIVATE
 from clinfed.privacy.recipe import dp_batch_size, lr_scale
+from clinfed.runs import atomic_write_json
 
 UNIT = "one training example (an i2b2 sentence, its windows folded; a MIMIC-III admission)"
 RELATION_REASON = (
@@ -61,6 +64,34 @@ def check_settings(
         raise ClinfedError(f"--max-grad-norm must be positive, not {max_grad_norm}")
     if clipping not in CLIPPINGS:
         raise ClinfedError(f"--clipping must be one of {', '.join(CLIPPINGS)}")
+
+
+def _calibrated(
+    target: float, delta: float, per_round: Any, rounds: int, memo: Path | None
+) -> float:
+    """``calibrate_noise``, remembered in ``memo`` by everything it depends
+    on (the mechanisms' structure, target, delta, rounds, accountant)."""
+    if memo is None:
+        return calibrate_noise(target, delta, per_round, rounds)
+    described = {
+        "target": target,
+        "delta": delta,
+        "rounds": rounds,
+        "round_at_sigma_1": [m.as_dict() for m in per_round(1.0)],
+        "accountant": ACCOUNTANT,
+    }
+    key = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
+    try:
+        known = json.loads(memo.read_text()) if memo.is_file() else {}
+    except ValueError:
+        known = {}
+    sigma = known.get(key)
+    if isinstance(sigma, float) and epsilon(list(per_round(sigma)) * rounds, delta) <= target:
+        return sigma
+    sigma = calibrate_noise(target, delta, per_round, rounds)
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(memo, known | {key: sigma})
+    return sigma
 
 
 @dataclass
@@ -129,12 +160,16 @@ class PrivacyPolicy:
         trainings: int = 1,
         reproducible: bool = False,
         reference_batch: int | None = None,
+        memo: Path | None = None,
     ) -> PrivacyPolicy:
         """Calibrate (or take) each site's noise for the planned rounds.
 
         ``batch_size`` ``None`` derives each site's batch from its size and
         scales its rates from ``reference_batch`` (the task's batch), as
-        :mod:`clinfed.privacy.recipe` says.
+        :mod:`clinfed.privacy.recipe` says. ``memo``: a JSON file of noise
+        multipliers calibrated before (a Flower node calibrates for every
+        message, and a calibration takes seconds); a remembered value is
+        used only after checking it still meets the target.
         """
         check_settings(target_epsilon, delta, noise_multiplier, max_grad_norm, clipping)
         if batch_size is None:
@@ -165,7 +200,7 @@ class PrivacyPolicy:
                 return [round_mechanism(n, batch, epochs, sigma)] * trainings + extra
 
             try:
-                noise[site] = calibrate_noise(target_epsilon, delta, per_round, rounds)
+                noise[site] = _calibrated(target_epsilon, delta, per_round, rounds, memo)
             except ValueError as err:
                 raise ClinfedError(f"{site}: {err}") from None
         policy = cls(

@@ -73,3 +73,33 @@ def test_a_changed_note_or_window_is_encoded_again(i2b2_corpus, tmp_path, encode
     assert len(encodes) == 6
     entries = [p for p in (tmp_path / "state" / FOLDER).iterdir()]
     assert len(entries) == 3 <= KEEP and not any(p.name.startswith(".") for p in entries)
+
+
+def test_a_node_remembers_its_calibration_and_checks_it(tmp_path, monkeypatch):
+    import json
+
+    import clinfed.privacy.policy as policy_module
+    from clinfed.privacy.accountant import epsilon
+    from clinfed.privacy.policy import PrivacyPolicy
+
+    calls = []
+    real = policy_module.calibrate_noise
+
+    def counting(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(policy_module, "calibrate_noise", counting)
+    memo = tmp_path / "calibration.json"
+
+    def build():
+        return PrivacyPolicy.build(tmp_path, {"s": 500}, 50, 1, 3, 1e-5, 2.0, None, memo=memo)
+
+    first = build()
+    assert len(calls) == 1
+    assert build().noise == first.noise and len(calls) == 1  # read back, not recalibrated
+    # A remembered value that no longer meets the target is never used.
+    memo.write_text(json.dumps(dict.fromkeys(json.loads(memo.read_text()), 0.3)))
+    third = build()
+    assert len(calls) == 2 and third.noise == first.noise
+    assert epsilon(third.round_mechanisms("s") * 3, 1e-5) <= 2.0

@@ -332,7 +332,11 @@ class NodeSite:
             strategy = make_strategy(config, task, tokenizer, cache_dir)
             privacy = None
             if config.dp:
-                policy = privacy_policy(config, task, {name: train}, folder / "privacy", strategy)
+                # Calibrated once per setting, not per message (checked on reuse).
+                memo = node.state / "calibration.json"
+                policy = privacy_policy(
+                    config, task, {name: train}, folder / "privacy", strategy, memo
+                )
                 # One ledger per dataset at this node, whatever the run is
                 # called: capped by the node's own max-epsilon over every
                 # run, and this run by its own target.
