@@ -252,3 +252,5 @@ class BookKeepingClipping:
         for handle in self.handles:
             handle.remove()
         self.handles, self.records = [], []
+        for p in self.params:  # a forward pass that raised never marked them back
+            p.requires_grad_(True)

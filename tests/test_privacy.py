@@ -275,6 +275,24 @@ def test_dp_step_clips_each_unit_jointly(
     assert not any(hasattr(p, "grad_sample") for p in model.parameters())  # hooks removed
 
 
+def test_bookkeeping_leaves_the_trainable_parameters_trainable_after_a_failed_pass():
+    from clinfed.privacy.bookkeeping import BookKeepingClipping
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+    clipper = BookKeepingClipping(model, 1.0)
+
+    def fail(module, inputs):
+        raise RuntimeError("boom")
+
+    handle = model[2].register_forward_pre_hook(fail)
+    with pytest.raises(RuntimeError, match="boom"):
+        model(torch.randn(3, 4))
+    handle.remove()
+    assert not any(p.requires_grad for p in model.parameters())  # marked off mid-forward
+    clipper.cleanup()
+    assert all(p.requires_grad for p in model.parameters())
+
+
 def test_ghost_clipping_is_refused_for_chunked_examples():
     from clinfed.errors import ClinfedError
 
