@@ -72,21 +72,15 @@ def test_safl_moves_the_selected_layers_adapters_only():
     assert all(_is_adapter_or_head(n) for n in plan.uploaded)
 
 
+def _federated(data, run, **settings) -> dict:
+    """A tiny FedAvg run with ``settings`` (the adapter among them)."""
+    base = {"task": "i2b2", "strategy": "fedavg", "model": "tiny", "max_length": 32}
+    return run_training(RunConfig.of(data=str(data), out=str(run), **base, **settings))
+
+
 def test_a_federated_lora_run_sends_adapters_and_head_only(i2b2_corpus, tmp_path, traffic):
     run = tmp_path / "run"
-    summary = run_training(
-        RunConfig.of(
-            task="i2b2",
-            data=str(i2b2_corpus),
-            out=str(run),
-            strategy="fedavg",
-            model="tiny",
-            rounds=2,
-            max_length=32,
-            adapter="lora",
-            lora_rank=4,
-        )
-    )
+    summary = _federated(i2b2_corpus, run, rounds=2, adapter="lora", lora_rank=4)
     assert all(len(traffic.of(r)) == 3 for r in (1, 2))
     for message in traffic.messages:
         assert bool(message["up"]) == (message["kind"] == "train")
@@ -118,18 +112,7 @@ def test_bias_only_shares_the_encoder_biases_and_the_head():
 
 def test_a_federated_bias_only_run_sends_biases_and_head_only(i2b2_corpus, tmp_path, traffic):
     run = tmp_path / "run"
-    summary = run_training(
-        RunConfig.of(
-            task="i2b2",
-            data=str(i2b2_corpus),
-            out=str(run),
-            strategy="fedavg",
-            model="tiny",
-            rounds=1,
-            max_length=32,
-            adapter="bias",
-        )
-    )
+    summary = _federated(i2b2_corpus, run, rounds=1, adapter="bias")
     uploads = [m["up"] for m in traffic.messages if m["kind"] == "train"]
     assert len(uploads) == 3
     for up in uploads:
