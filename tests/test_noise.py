@@ -18,7 +18,7 @@ from clinfed.privacy.randomness import NOT_PRIVATE, reproducible, secret
 from clinfed.runs import read_jsonl
 
 
-def one_noisy_step(randomness, sigma=1.7, clip=0.5, batch=8) -> torch.Tensor:
+def one_noisy_step(randomness, sigma=1.7, clip=0.5, batch=8, mode="hooks") -> torch.Tensor:
     """One DP-SGD step of plain SGD (lr 1) on a loss with zero gradient: the
     update is minus the noise over the expected batch size."""
     torch.manual_seed(0)
@@ -26,7 +26,7 @@ def one_noisy_step(randomness, sigma=1.7, clip=0.5, batch=8) -> torch.Tensor:
     before = model.weight.detach().clone()
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     step = PrivateStep(
-        model, optimizer, "hooks", DPSettings(sigma, clip, "hooks"), batch, randomness.noise
+        model, optimizer, mode, DPSettings(sigma, clip, mode), batch, randomness.noise
     )
     try:
         step.zero_grad()
@@ -39,8 +39,9 @@ def one_noisy_step(randomness, sigma=1.7, clip=0.5, batch=8) -> torch.Tensor:
     return (before - model.weight.detach()) * batch  # the noise added to the clipped sum
 
 
-def test_the_noise_has_the_calibrated_standard_deviation():
-    noise = one_noisy_step(secret(), sigma=1.7, clip=0.5)
+@pytest.mark.parametrize("mode", ["hooks", "bk"])  # Opacus's optimizer, and clinfed's own noise
+def test_the_noise_has_the_calibrated_standard_deviation(mode):
+    noise = one_noisy_step(secret(), sigma=1.7, clip=0.5, mode=mode)
     assert noise.numel() == 100_000
     assert float(noise.std()) == pytest.approx(1.7 * 0.5, rel=0.05)
     assert abs(float(noise.mean())) < 0.05
