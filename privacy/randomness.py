@@ -8,10 +8,13 @@ with the upload. So at a site under DP:
 * Poisson sampling and SAFL's private-selection noise come from a numpy
   PCG64 generator seeded by ``SeedSequence()`` (128 bits of OS entropy);
 * the DP-SGD noise comes from a torch generator seeded from 64 bits of OS
-  entropy (``secrets``), drawn by Opacus in ``secure_mode``: each noise
-  value is the normalised sum of 2n = 4 Gaussian draws, which defeats the
-  floating-point attacks on Gaussian sampling (Mironov 2012; Holohan and
-  Braghin 2021, the fix Opacus implements).
+  entropy (``secrets``), drawn by Opacus's sampler in ``secure_mode``: each
+  noise value is the normalised sum of 2n = 4 Gaussian draws, which
+  defeats the floating-point attacks on Gaussian sampling (Mironov 2012;
+  Holohan and Braghin 2021, the fix Opacus implements). With book-keeping
+  clipping clinfed draws it itself, in fixed chunks each from a generator
+  seeded by a draw of the site's generator (so the chunks fill every core;
+  :func:`clinfed.privacy.noise.secure_gaussian`).
 
 Neither seed is written to disk, logged or sent; each round draws new ones.
 What this protects against: the server, other sites and readers of the run
