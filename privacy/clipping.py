@@ -24,14 +24,9 @@ unit is one row, else hooks.
 
 from __future__ import annotations
 
+import functools
+
 import torch
-from opacus.grad_sample import (
-    GradSampleHooks,
-    GradSampleHooksFastGradientClipping,
-    register_grad_sampler,
-)
-from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
-from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
 from torch import nn
 
 from clinfed.blocks import EMBEDDINGS, block_of
@@ -43,7 +38,19 @@ from clinfed.tasks.base import Task
 CLIPPINGS = ("auto", "hooks", "ghost", "bk")
 
 
-@register_grad_sampler(LabelwiseLinear)
+# Opacus is imported where hooks or ghost clipping is built, not with this
+# module: it costs about a second and a half of start-up, paid by every
+# Flower message (a fresh process each) that never uses it.
+
+
+@functools.cache
+def _opacus_with_labelwise() -> None:
+    """Import Opacus and register the label-wise head's per-example gradient."""
+    from opacus.grad_sample import register_grad_sampler
+
+    register_grad_sampler(LabelwiseLinear)(_labelwise_grad_sample)
+
+
 def _labelwise_grad_sample(
     layer: LabelwiseLinear, activations: list[torch.Tensor], backprops: torch.Tensor
 ) -> dict[nn.Parameter, torch.Tensor]:
@@ -106,9 +113,13 @@ class HooksClipping:
     """Per-example gradients from layer hooks, clipped by the DP optimizer."""
 
     mode = "hooks"
-    optimizer_class = DPOptimizer
 
     def __init__(self, model: nn.Module, max_grad_norm: float):
+        _opacus_with_labelwise()
+        from opacus.grad_sample import GradSampleHooks
+        from opacus.optimizers import DPOptimizer
+
+        self.optimizer_class = DPOptimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.hooks = GradSampleHooks(model, loss_reduction="sum", strict=False)
 
@@ -125,14 +136,20 @@ class GhostClipping:
     """Per-example norms without per-example gradients (two backward passes)."""
 
     mode = "ghost"
-    optimizer_class = DPOptimizerFastGradientClipping
 
     def __init__(self, model: nn.Module, max_grad_norm: float):
+        _opacus_with_labelwise()
+        from opacus.grad_sample import GradSampleHooksFastGradientClipping
+        from opacus.optimizers import DPOptimizerFastGradientClipping
+
+        self.optimizer_class = DPOptimizerFastGradientClipping
         self.hooks = GradSampleHooksFastGradientClipping(
             model, loss_reduction="sum", strict=False, max_grad_norm=max_grad_norm
         )
 
     def backward(self, losses: torch.Tensor, optimizer, owner: torch.Tensor) -> None:
+        from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
+
         del owner  # one row per unit (choose_clipping)
         DPTensorFastGradientClipping(self.hooks, optimizer, losses, "sum").backward()
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from opacus.optimizers.optimizer import _generate_noise
 from torch import nn
 
 # Noise is drawn in chunks of this many values, each from its own generator
@@ -75,6 +74,9 @@ def secure_gaussian(std: float, size: int, generator: torch.Generator) -> torch.
     Each chunk's generator is seeded from ``generator`` (the site's secret
     one), so the noise is exactly as secret as that generator's state, and
     exactly as reproducible in ``--reproducible-noise`` runs."""
+    # Imported here, not with the module: see clinfed.privacy.clipping.
+    from opacus.optimizers.optimizer import _generate_noise
+
     out = torch.empty(size)
     chunks = out.split(NOISE_CHUNK)
     seeds = torch.randint(2**62, (len(chunks),), generator=generator).tolist()

@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from opacus.accountants.analysis import rdp as rdp_analysis
 
 from clinfed.privacy.accountants.base import Accountant, Mechanism, check_delta, grouped
 
@@ -27,6 +26,10 @@ ORDERS = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)) + [80, 128,
 
 
 def _rdp(sigma: float, q: float, steps: int, orders: Sequence[float]) -> np.ndarray:
+    # Imported here: importing Opacus costs a Flower message (a fresh
+    # process) over a second, and most messages never account by RDP.
+    from opacus.accountants.analysis import rdp as rdp_analysis
+
     return np.asarray(
         rdp_analysis.compute_rdp(q=q, noise_multiplier=sigma, steps=steps, orders=list(orders))
     )
@@ -56,5 +59,7 @@ class RDPAccountant(Accountant):
             twice = sum(_rdp(sigma, q, n, 2 * orders) for sigma, q, n in composition)
             twice_less_one = sum(_rdp(sigma, q, n, 2 * orders - 1) for sigma, q, n in composition)
             rdp = (orders - 0.5) / (orders - 1) * twice + twice_less_one
+        from opacus.accountants.analysis import rdp as rdp_analysis
+
         eps, _ = rdp_analysis.get_privacy_spent(orders=ORDERS, rdp=rdp, delta=delta)
         return float(eps)

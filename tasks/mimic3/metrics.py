@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import numpy as np
-from sklearn.metrics import f1_score, precision_score, recall_score, roc_auc_score
 
 
 def precision_at_k(y_true: np.ndarray, scores: np.ndarray, k: int) -> float:
@@ -38,6 +37,10 @@ def multilabel_metrics(
     ks
         The k of each P@k to report (5 for top-50; 8 and 15 for the full set).
     """
+    # Imported here: scikit-learn adds over half a second to the start of
+    # every process that imports the tasks (each Flower message's).
+    from sklearn.metrics import f1_score, precision_score, recall_score, roc_auc_score
+
     y_true = np.asarray(y_true, dtype=int)
     scores = np.asarray(scores, dtype=float)
     y_pred = (scores >= threshold).astype(int)
