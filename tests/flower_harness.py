@@ -34,6 +34,7 @@ class LocalFederation:
         self.home = root / "flwr-home"
         self.nodes: dict[str, subprocess.Popen] = {}
         self.processes: list[subprocess.Popen] = []
+        self.superlink: subprocess.Popen | None = None
         self.lines: list[str] = []
 
     def _start(self, command: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
@@ -47,11 +48,18 @@ class LocalFederation:
         self.processes.append(process)
         return process
 
-    def start_superlink(self, node_auth: bool = False) -> None:
+    def start_superlink(self, node_auth: bool = False, database: Path | None = None) -> None:
+        """Start the SuperLink (again, on the same port, after :meth:`kill_superlink`)."""
         command = deploy.superlink_command(
-            certs=self.certs, insecure=self.certs is None, port=self.port, node_auth=node_auth
+            certs=self.certs,
+            insecure=self.certs is None,
+            port=self.port,
+            node_auth=node_auth,
+            database=database,
         )
-        self._start(command, self.root / "superlink.log", deploy.environment(self.home))
+        self.superlink = self._start(
+            command, self.root / "superlink.log", deploy.environment(self.home)
+        )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             with socket.socket() as sock:
@@ -99,6 +107,13 @@ class LocalFederation:
         """A ``flwr`` CLI command against this SuperLink."""
         env = deploy.environment(self._cli_home())
         return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+
+    def kill_superlink(self) -> None:
+        """SIGKILL the SuperLink and what it started (its ServerApp processes)."""
+        assert self.superlink is not None
+        os.killpg(self.superlink.pid, signal.SIGKILL)
+        self.superlink.wait(timeout=30)
+        self.superlink = None
 
     def kill_node(self, site: str) -> None:
         """SIGKILL a node and everything it started (a machine going down)."""

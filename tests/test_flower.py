@@ -569,6 +569,69 @@ def test_a_killed_serverapp_resumes_from_its_run_folder(tmp_path):
     assert rounds == [1, 2, 3]  # the interrupted round's records were cut back, not doubled
 
 
+def test_authenticated_training_survives_a_killed_superlink(tmp_path):
+    """Node authentication end to end, and a SuperLink SIGKILLed mid-run.
+
+    Three registered sites train a run; an unregistered node stands beside
+    them. The SuperLink (and the ServerApp it runs) is killed in round 2 and
+    started again on its database, which keeps the registered keys: the same
+    nodes are let back in, the run resumes from its last commit and ends
+    with the weights of an uninterrupted run. The intruder never received a
+    message: it holds no copy of any model, and its node never logged one.
+    """
+    data = _corpus(tmp_path)
+    config = flower_run_config(
+        _settings(strategy="fedfrozen", rounds=3, target_epsilon=None), tmp_path / "flower-run"
+    )
+    reference = config.replace(data=str(data), out=str(tmp_path / "sim"))
+    run_training(reference)
+    certs = tmp_path / "certs"
+    make_certificates(certs, ["127.0.0.1"])
+    keys = {name: make_node_key(tmp_path / "keys", name) for name in (*SITES, "intruder")}
+    root = tmp_path / "deploy"
+    root.mkdir()
+    database = root / "superlink.db"
+    federation = LocalFederation(root, certs=certs)
+    round_two = threading.Event()
+
+    def watch(line: str) -> None:
+        if f"round 2/{config.rounds}: sending" in line:
+            round_two.set()
+
+    try:
+        federation.start_superlink(node_auth=True, database=database)
+        for site in SITES:
+            registered = federation.flwr(register_command(keys[site][1]))
+            assert registered.returncode == 0, registered.stdout + registered.stderr
+            federation.start_node(site, data, key=keys[site][0], **_node_policy(config))
+        federation.start_node("intruder", data, key=keys["intruder"][0], allow_no_dp=True)
+        first = federation.submit(config, min_sites=3, round_timeout=300, wait=False, on_line=watch)
+        assert round_two.wait(timeout=600), "\n".join(federation.lines[-50:])
+        federation.kill_superlink()
+        first.wait(timeout=120)
+        state = json.loads((Path(config.out) / "state.json").read_text())
+        assert state["round"] in (1, 2)  # killed before the run's end
+        federation.start_superlink(node_auth=True, database=database)
+        again = federation.submit(config.replace(resume=True), min_sites=3, round_timeout=300)
+    finally:
+        federation.close()
+    assert again.returncode == 0, "\n".join(federation.lines[-40:])
+    # Without the database the restarted SuperLink knows no registered key:
+    # no site gets back in and the run stops short.
+    assert "stopped" not in json.loads((Path(config.out) / "summary.json").read_text())
+    ours = load_file(str(Path(config.out) / "model" / "model.safetensors"))
+    theirs = load_file(str(tmp_path / "sim" / "model" / "model.safetensors"))
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    for site in SITES:
+        assert list((root / "state" / site / Path(config.out).name).glob("copy.*"))
+        assert b"Received successfully" in (root / f"node-{site}.log").read_bytes()
+    intruder_state = root / "state" / "intruder"
+    assert not intruder_state.exists() or not list(intruder_state.rglob("*.safetensors"))
+    intruder_log = (root / "node-intruder.log").read_bytes()
+    assert b"SuperNode ID" not in intruder_log
+    assert b"Received successfully" not in intruder_log
+
+
 def test_a_node_evaluates_each_round_of_the_run_once(i2b2_corpus, tmp_path):
     site = _site(i2b2_corpus, tmp_path, 8.0, target_epsilon=8.0, rounds=3)
     try:
