@@ -134,6 +134,11 @@ def flower_supernode(
     max_length: int = typer.Option(
         None, "--max-length", help="Longest window in tokens accepted (default: any)."
     ),
+    worker: bool = typer.Option(
+        True,
+        "--worker/--no-worker",
+        help="Keep model and encoded data in one long-lived process between messages.",
+    ),
 ) -> None:
     """Start a SuperNode for one site (trains when the SuperLink asks, within
     this site's own policy)."""
@@ -156,6 +161,7 @@ def flower_supernode(
         privacy_unit,
         max_grad_norm,
         max_length,
+        worker,
     )
     state.mkdir(parents=True, exist_ok=True)
     raise typer.Exit(_exec(command, environment(state / "flwr")))

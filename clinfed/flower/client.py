@@ -1,4 +1,12 @@
-"""The ClientApp: a Flower message in, the site runner's work, a reply out.
+"""The ClientApp: a Flower message in, the site's reply out.
+
+Flower runs this in a fresh process for every message, so it imports
+Flower and nothing heavy: the message goes to the node's worker
+(:mod:`clinfed.flower.worker`), which keeps torch, the site's encoded data
+and its model between messages. When no worker can be started, or the
+node's configuration says ``worker=false``, the message is handled here
+(:mod:`clinfed.flower.handler`): the same work, built for this message
+alone.
 
 Errors a site operator can fix (a bad node config, bad data, a setting its
 policy refuses) are :class:`~clinfed.errors.ClinfedError`: the node logs
@@ -10,29 +18,23 @@ note text.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from collections.abc import Mapping
+from typing import Any
 
-from flwr.app import Context, Error, Message
+from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
 from clinfed.errors import ClinfedError
-from clinfed.flower.node import NodeConfig, NodeSite
-from clinfed.flower.records import read_message, reply_records
-from clinfed.quiet import quiet_libraries
-from clinfed.scratch import private_scratch
-from clinfed.settings import RunConfig
+from clinfed.flower import worker
 
-quiet_libraries()
 app = ClientApp()
 log = logging.getLogger("clinfed.node")
 
 
 def _handle(msg: Message, context: Context) -> Message:
     try:
-        # Tokenized notes live in this message's private scratch folder.
-        with private_scratch():
-            return _reply(msg, context)
+        content = _answer(msg.content, dict(context.node_config))
     except ClinfedError as exc:
         # The site's own policy or data said no: the reason, on one line,
         # in the node's log and in the reply the server logs.
@@ -41,20 +43,25 @@ def _handle(msg: Message, context: Context) -> Message:
             error=Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=f"refused: {exc}"),
             reply_to=msg,
         )
+    return Message(content, reply_to=msg)
 
 
-def _reply(msg: Message, context: Context) -> Message:
-    message, run = read_message(msg.content)
-    config = RunConfig.from_values(run["config"], "the server's run config")
-    node = NodeConfig.parse(dict(context.node_config))
-    site = NodeSite(config, node, run["name"])
-    try:
-        reply = site.runner.handle(message)
-    finally:
-        site.close()
-    if not site.share_ledger:
-        reply = replace(reply, ledger=None)
-    return Message(reply_records(reply), reply_to=msg)
+def _answer(content: RecordDict, node_values: Mapping[str, Any]) -> RecordDict:
+    if str(node_values.get("worker", True)).lower() not in ("false", "0"):
+        try:
+            return worker.ask(node_values, content)
+        except worker.Unavailable as exc:
+            log.warning("no worker (%s): this message is handled in the ClientApp", exc)
+        except worker.Failed as exc:
+            raise RuntimeError(str(exc)) from None
+    from clinfed.flower.handler import answer
+    from clinfed.quiet import quiet_libraries
+    from clinfed.scratch import private_scratch
+
+    quiet_libraries()
+    # Tokenized notes live in this message's private scratch folder.
+    with private_scratch():
+        return answer(content, node_values)
 
 
 @app.train()

@@ -113,9 +113,10 @@ def supernode_command(
     privacy_unit: str = "example",
     max_grad_norm: float | None = None,
     max_length: int | None = None,
+    worker: bool = True,
 ) -> list[str]:
     """``flower-supernode`` for one site; its node config names the site's
-    data and state folders (see ``clinfed.flower.site``)."""
+    data and state folders and its policy (see ``clinfed.flower.node``)."""
     _tls(root_cert, insecure, "flower supernode")
     if not Path(data).is_dir():
         raise ClinfedError(f"--data {data}: not a folder")
@@ -135,6 +136,8 @@ def supernode_command(
         node_config += f" max-grad-norm={float(max_grad_norm)!r}"
     if max_length is not None:
         node_config += f" max-length={int(max_length)}"
+    if not worker:
+        node_config += " worker=false"
     node_config += f" share-ledger={'true' if share_ledger else 'false'} threads={int(threads)}"
     command = [_bin("flower-supernode"), "--superlink", superlink, "--port", str(port)]
     command += ["--node-config", node_config]

@@ -42,6 +42,10 @@ A node is configured by its operator, not by the server (``--node-config``):
     privacy report (default true). The ledger that counts stays at the site.
 ``threads``
     Torch threads for this node's work (default: all cores).
+``worker``
+    Whether the node's messages go to its long-lived worker process
+    (default true; see :mod:`clinfed.flower.worker`), or each is handled in
+    the ClientApp process Flower starts for it.
 
 Nothing here imports Flower: :func:`build_site` returns the same
 :class:`~clinfed.federated.site.SiteRunner` the in-process transport uses.
@@ -97,6 +101,7 @@ class NodeConfig:
     max_grad_norm: float | None = None
     max_length: int | None = None
     privacy_unit: str = "example"
+    worker: bool = True
 
     @classmethod
     def parse(cls, values: Mapping[str, Any]) -> NodeConfig:
@@ -113,6 +118,7 @@ class NodeConfig:
             "max-grad-norm",
             "max-length",
             "privacy-unit",
+            "worker",
         }
         unknown = sorted(set(values) - known)
         if unknown:
@@ -154,6 +160,7 @@ class NodeConfig:
             max_grad_norm=float(max_grad_norm) if max_grad_norm is not None else None,
             max_length=int(max_length) if max_length is not None else None,
             privacy_unit=privacy_unit,
+            worker=str(values.get("worker", True)).lower() not in ("false", "0"),
         )
 
     def check(self, config: RunConfig) -> None:
