@@ -9,9 +9,10 @@ SuperNodes on 127.0.0.1 (TLS) and submits the run with ``flwr run``.
 A round's time is the wall time between the ends of consecutive rounds
 (round 1 is left out: it includes start-up and the full-model download):
 in the simulator from its ``round_end`` events, in the deployment from the
-arrival of the ServerApp's ``round N: averaged`` log lines. Both include
-one evaluation of the global model per round (the deployment's sites
-evaluate it at the start of the next round, on their own test data).
+arrival of the ServerApp's ``round N: f1`` log lines; the one round engine
+emits both at the same point, when round N's evaluation is recorded. Both
+include one evaluation of the global model per round (the sites evaluate it
+at the start of the next round, on their own test data).
 
 The fixed cost per message is the extra wall time of a Flower round over
 the simulator's, divided by the round's messages (one per site).
@@ -104,7 +105,7 @@ def main() -> None:
         (root / "deploy").mkdir()
         federation = LocalFederation(root / "deploy", certs=certs)
         flower_ends: dict[int, float] = {}
-        pattern = re.compile(r"round (\d+): averaged")
+        pattern = re.compile(r"round (\d+): f1 ")
 
         def on_line(line: str) -> None:
             match = pattern.search(line)

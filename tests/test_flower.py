@@ -29,6 +29,7 @@ from clinfed.flower.deploy import (
     register_command,
 )
 from clinfed.flower.node import NodeConfig, NodeSite
+from clinfed.flower.records import PACKED, message_records, read_message, read_reply, to_records
 from clinfed.pipeline import RunConfig, run_training
 from clinfed.privacy.accountant import Mechanism, epsilon
 from clinfed.runs import read_jsonl
@@ -43,6 +44,30 @@ SITES = ("beth", "partners", "site3")
 # ------------------------------------------------------------ reply checks
 GLOBAL = {"a.weight": torch.zeros(2, 3), "b.bias": torch.zeros(3)}
 ALLOWED = frozenset(GLOBAL)
+
+
+def test_records_carry_every_tensor_in_one_packed_array_and_refuse_garbage():
+    tensors = {
+        "w": torch.randn(3, 4),
+        "ids": torch.arange(5),  # int64 buffers travel too
+        "half": torch.ones(2, dtype=torch.float16),
+    }
+    message = Message("train", 2, tensors, full=True, evaluate=True, strategy_state={"k": 1})
+    records = message_records(message, {"name": "run", "config": {}})
+    assert list(records.array_records["tensors"]) == [PACKED]  # one Flower array, not three
+    back, run = read_message(records)
+    assert run == {"name": "run", "config": {}} and back.strategy_state == {"k": 1}
+    assert back.download.keys() == tensors.keys()
+    assert all(
+        torch.equal(back.download[k], v) and back.download[k].dtype == v.dtype
+        for k, v in tensors.items()
+    )
+    garbage = to_records({}, {"site": "beth"})
+    from flwr.app import Array
+
+    garbage.array_records["tensors"][PACKED] = Array(np.frombuffer(b"not tensors", np.uint8))
+    with pytest.raises(ValueError, match="do not parse"):
+        read_reply(garbage)
 
 
 def test_a_good_upload_passes():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -123,7 +124,9 @@ def _gone(pid: int) -> bool:
         return fh.read().split(")")[-1].split()[0] == "Z"
 
 
-def test_the_worker_answers_its_clientapps_only_and_ends_with_its_supernode(i2b2_corpus, tmp_path):
+def test_the_worker_serves_its_clientapps_only_is_replaced_and_ends_with_its_supernode(
+    i2b2_corpus, tmp_path
+):
     config = _config(tmp_path)
     state = tmp_path / "state"
     values = _values(i2b2_corpus, state)
@@ -157,6 +160,13 @@ def test_the_worker_answers_its_clientapps_only_and_ends_with_its_supernode(i2b2
                 raise ClinfedError(header["refused"])
         log = (folder / "worker.log").read_text()
         assert log.count("answered") == 2 and "refused" in log
+        # A worker killed outright is replaced by the next message.
+        os.kill(address["pid"], signal.SIGKILL)
+        third = _upload(worker.ask(values, _records(config, 3), parent=supernode.pid))
+        assert _same(third, _upload(client._answer(_records(config, 3), here)))
+        replaced = json.loads((folder / "address.json").read_text())
+        assert replaced["pid"] != address["pid"]
+        address = replaced
     finally:
         supernode.kill()
         supernode.wait()
