@@ -36,7 +36,8 @@ PREFIX = "clinfed-scratch-"
 _SYSTEM_TMP = tempfile.gettempdir()
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process with this id exists (a zombie counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -56,7 +57,7 @@ def remove_stale(root: Path | None = None) -> list[Path]:
             pid = int(folder.name[len(PREFIX) :].split("-", 1)[0])
         except ValueError:
             continue
-        if pid != os.getpid() and not _alive(pid) and folder.is_dir():
+        if pid != os.getpid() and not process_alive(pid) and folder.is_dir():
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder)
     return removed

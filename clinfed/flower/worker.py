@@ -47,6 +47,7 @@ from typing import Any
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
 from clinfed.errors import ClinfedError
+from clinfed.scratch import process_alive
 
 FOLDER = ".worker"
 IDLE_SECONDS = 3600.0
@@ -139,7 +140,7 @@ def _connect(address: dict[str, Any] | None) -> socket.socket | None:
     try:
         # A SIGKILLed worker leaves its address behind; its port may since
         # be anyone's.
-        if not _alive(int(address["pid"])):
+        if not process_alive(int(address["pid"])):
             return None
         return socket.create_connection(("127.0.0.1", int(address["port"])), timeout=10)
     except (OSError, KeyError, ValueError, TypeError):
@@ -237,16 +238,6 @@ def _start(folder: Path, state: Path, parent: int) -> tuple[socket.socket, dict[
 
 
 # ---------------------------------------------------------------- server
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def serve(state: Path, parent: int, idle: float = IDLE_SECONDS) -> None:
     """Answer this node's messages until ``parent`` is gone or ``idle``
     seconds pass without one."""
@@ -269,7 +260,7 @@ def serve(state: Path, parent: int, idle: float = IDLE_SECONDS) -> None:
     _say(f"serving {state}")
     try:
         with private_scratch():
-            while _alive(parent) and time.monotonic() - last < idle:
+            while process_alive(parent) and time.monotonic() - last < idle:
                 try:
                     conn, _ = server.accept()
                 except TimeoutError:
