@@ -277,10 +277,11 @@ def serve(state: Path, parent: int, idle: float = IDLE_SECONDS) -> None:
     _say(f"stopped after {handled} messages")
 
 
-def _say(text: str) -> None:
-    """One line of the worker's log: time, process id, what happened."""
+def _say(event: str) -> None:
+    """One line of the worker's log: time, process id, what happened (fixed
+    wording and numbers; never anything from a message)."""
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime())
-    print(f"{stamp} worker {os.getpid()}: {text}", file=sys.stderr, flush=True)
+    print(f"{stamp} worker {os.getpid()}: {event}", file=sys.stderr, flush=True)
 
 
 def _serve_one(conn, token: str, state: Path, cache, answer, handled: int) -> int:
