@@ -158,7 +158,17 @@ def test_the_worker_serves_its_clientapps_only_is_replaced_and_ends_with_its_sup
                 worker._send(conn, b"")
                 header = json.loads(worker._receive(conn))
                 raise ClinfedError(header["refused"])
+        # An unexpected error is reported by type and place, never by its
+        # message, which could quote data.
+        bad = _records(config, 1)
+        info = json.loads(bad.config_records["info"]["json"])
+        info["round"] = "quoted note text"  # int() fails and quotes it
+        bad.config_records["info"]["json"] = json.dumps(info)
+        with pytest.raises(worker.Failed, match="ValueError at records.py") as failed:
+            worker.ask(values, bad, parent=supernode.pid)
+        assert "quoted" not in str(failed.value)
         log = (folder / "worker.log").read_text()
+        assert "ValueError" in log and "quoted" not in log
         assert log.count("answered") == 2 and "refused" in log
         # A worker killed outright is replaced by the next message.
         os.kill(address["pid"], signal.SIGKILL)

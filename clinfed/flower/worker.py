@@ -40,6 +40,7 @@ import struct
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -308,9 +309,15 @@ def _serve_one(conn, token: str, state: Path, cache, answer, handled: int) -> in
         except ClinfedError as exc:
             header["refused"] = str(exc)
         except Exception as exc:  # noqa: BLE001 - reported to the client, not hidden
-            header["failed"] = f"{type(exc).__name__} in the node's worker: {exc}"
+            # Where, not what: an unexpected error's message could quote
+            # data, so neither the server nor the log gets it.
+            frame = traceback.extract_tb(exc.__traceback__)[-1]
+            where = f"{Path(frame.filename).name}:{frame.lineno}"
+            header["failed"] = f"{type(exc).__name__} at {where} in the node's worker"
     seconds = time.perf_counter() - started
-    outcome = "refused" if "refused" in header else "failed" if "failed" in header else "answered"
+    outcome = "refused" if "refused" in header else "answered"
+    if "failed" in header:
+        outcome = f"failed ({header['failed']})"
     _say(f"message {handled + 1} {outcome} in {seconds:.1f} s")
     conn.settimeout(None)
     with contextlib.suppress(OSError):
