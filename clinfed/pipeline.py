@@ -506,6 +506,7 @@ def _federated(
         config.seed,
         report=report,
         full_bytes=fedavg_bytes(model),
+        secure=config.secure_threshold if config.secure_aggregation else None,
     )
     if config.resume:
         engine.resume()
@@ -582,6 +583,7 @@ def _serve(
         deployment,
         log=log,
         full_bytes=fedavg_bytes(model),
+        secure=config.secure_threshold if config.secure_aggregation else None,
     )
     if config.resume:
         engine.resume()

@@ -184,6 +184,18 @@ class FederationSettings:
     alpha: float = setting(
         0.5, "Dirichlet concentration (small: skewed).", above=0.0, simulator_only=True
     )
+    secure_aggregation: bool = setting(
+        False,
+        "SecAgg+: the server learns only the sum of the sites' updates, never one site's "
+        "(four exchanges a round instead of one; uploads in 64-bit fixed point).",
+    )
+    secure_threshold: float = setting(
+        0.5,
+        "Secure aggregation: share of a round's training sites needed to finish it (at least "
+        "a majority and two); the rest may drop out.",
+        above=0.0,
+        maximum=1.0,
+    )
 
 
 @dataclass
@@ -371,6 +383,16 @@ class RunConfig(
                 f"--strategy {self.strategy} evaluates each site's own model on its own data: "
                 "use --partition sites"
             )
+        if self.secure_aggregation:
+            if strategy.pooled or not strategy.uploads:
+                raise ClinfedError(
+                    f"--secure-aggregation: --strategy {self.strategy} sends no updates to sum"
+                )
+            if self.audit_holdout:
+                raise ClinfedError(
+                    "--audit-holdout attacks each site's own update, which secure aggregation "
+                    "keeps from everyone: choose one"
+                )
         if self.privacy_unit not in task.units:
             raise ClinfedError(
                 f"--privacy-unit {self.privacy_unit}: --task {self.task} offers "

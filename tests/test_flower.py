@@ -431,6 +431,11 @@ def test_a_node_refuses_a_deleted_or_shortened_ledger(i2b2_corpus, tmp_path):
         ({"target_epsilon": 8.0, "max_length": 64}, {"max_length": 32}, "windows of 64"),
         ({"target_epsilon": 8.0, "lr": float("nan")}, {}, "lr"),
         ({"target_epsilon": 8.0}, {"privacy_unit": "document"}, "at least one document"),
+        (
+            {"target_epsilon": 8.0},
+            {"require_secure_aggregation": True},
+            "only through secure aggregation",
+        ),
     ],
 )
 def test_a_node_validates_every_setting_against_its_policy(
@@ -676,3 +681,78 @@ def test_a_node_evaluates_each_round_of_the_run_once(i2b2_corpus, tmp_path):
         assert evaluate(5, other) is None  # past the run's 3 rounds
     finally:
         site.close()
+
+
+def test_secure_aggregation_on_flower_equals_plain_aggregation(tmp_path, monkeypatch):
+    """SecAgg over Flower (TLS, three SuperNodes, DP at each site): the final
+    weights equal the simulator's plain aggregation, and no site's upload is
+    in the server's run folder or any log."""
+    from clinfed.federated.site import SiteRunner
+
+    data = _corpus(tmp_path)
+    settings = _settings(strategy="fedavg", secure_aggregation=True)
+    config = flower_run_config(settings, tmp_path / "flower-run")
+    # The reference: the same run in the simulator, aggregated in the clear;
+    # its round-1 uploads are the ones the sites keep back on Flower.
+    uploads = []
+    original = SiteRunner.train_round
+
+    def keep(self, round_number, strategy_state):
+        upload, record = original(self, round_number, strategy_state)
+        if round_number == 1:
+            uploads.append(upload)
+        return upload, record
+
+    monkeypatch.setattr(SiteRunner, "train_round", keep)
+    certs = tmp_path / "certs"
+    make_certificates(certs, ["127.0.0.1", "localhost"])
+    plain = config.replace(secure_aggregation=False, data=str(data), out=str(tmp_path / "sim"))
+    run_training(plain)
+    monkeypatch.setattr(SiteRunner, "train_round", original)
+    (tmp_path / "deploy").mkdir()
+    federation = LocalFederation(tmp_path / "deploy", certs=certs)
+    try:
+        federation.start_superlink()
+        for site in SITES:
+            federation.start_node(site, data, **_node_policy(config))
+        process = federation.submit(config, min_sites=3, round_timeout=300)
+    finally:
+        federation.close()
+    assert process.returncode == 0, "\n".join(federation.lines[-40:])
+
+    run = Path(config.out)
+    ours = load_file(str(run / "model" / "model.safetensors"))
+    theirs = load_file(str(tmp_path / "sim" / "model" / "model.safetensors"))
+    worst = max((ours[k].double() - theirs[k].double()).abs().max().item() for k in ours)
+    assert worst <= 1e-5
+    records = [r for r in read_jsonl(run / "metrics.jsonl") if "bytes_up" in r]
+    assert len(records) == 6 and all(r["secure"] for r in records)
+
+    # Each site's round-1 upload, as float32 bytes: in no file of the run
+    # folder and in no log of the server, the SuperLink or a node.
+    assert len(uploads) == 3
+    needles = [value.numpy().tobytes()[:64] for upload in uploads for value in upload.values()]
+    files = [p for p in run.rglob("*") if p.is_file()]
+    files += list((tmp_path / "deploy").glob("*.log"))
+    for path in files:
+        content = path.read_bytes()
+        assert not any(needle in content for needle in needles), path
+
+
+def test_a_node_refuses_a_plain_upload_in_a_run_that_promised_secure_aggregation(
+    i2b2_corpus, tmp_path
+):
+    from clinfed.flower.handler import answer
+
+    config = flower_run_config(
+        {"task": "i2b2", "model": "tiny", "strategy": "fedavg", "max_length": 32}
+        | {"secure_aggregation": True, "target_epsilon": 8.0},
+        tmp_path / "run",
+    )
+    run = {"name": "run", "config": config.to_dict()}
+    node = {"data": str(i2b2_corpus), "state": str(tmp_path / "state"), "site": "beth"}
+    node |= {"max-epsilon": 8.0}
+    plain = Message("train", 1, {}, True, False)
+    with pytest.raises(ClinfedError, match="asks for a plain upload"):
+        answer(message_records(plain, run), node)
+    assert not (tmp_path / "state").exists()

@@ -30,6 +30,12 @@ def test_unset_settings_take_the_task_defaults(tmp_path):
         ({"head_lr": 0.0}, "--head-lr must be positive"),
         ({"lr": float("inf")}, "--lr must be a finite number"),
         ({"data": "/no/such/folder"}, "not a folder"),
+        ({"secure_aggregation": True}, "centralized sends no updates"),
+        ({"secure_aggregation": True, "strategy": "local"}, "local sends no updates"),
+        (
+            {"secure_aggregation": True, "strategy": "fedavg", "audit_holdout": 0.2},
+            "choose one",
+        ),
     ],
 )
 def test_impossible_settings_are_refused(tmp_path, changes, message):

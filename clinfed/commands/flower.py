@@ -139,6 +139,11 @@ def flower_supernode(
         "--worker/--no-worker",
         help="Keep model and encoded data in one long-lived process between messages.",
     ),
+    require_secure_aggregation: bool = typer.Option(
+        False,
+        "--require-secure-aggregation",
+        help="Train only in runs whose updates are summed by secure aggregation.",
+    ),
 ) -> None:
     """Start a SuperNode for one site (trains when the SuperLink asks, within
     this site's own policy)."""
@@ -162,6 +167,7 @@ def flower_supernode(
         max_grad_norm,
         max_length,
         worker,
+        require_secure_aggregation,
     )
     state.mkdir(parents=True, exist_ok=True)
     raise typer.Exit(_exec(command, environment(state / "flwr")))

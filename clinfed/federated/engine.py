@@ -58,6 +58,10 @@ class Message:
         Write predictions of the received model where the site keeps them.
     strategy_state
         The strategy's JSON state (FedFrozen's freeze round).
+    secure
+        Secure aggregation: on a ``train`` message, ``{"stage": "train"}``
+        (keep the upload, reply with keys); on a ``secure`` message, the
+        stage's request (:mod:`clinfed.federated.secure`).
     """
 
     kind: str
@@ -67,17 +71,20 @@ class Message:
     evaluate: bool
     write_predictions: bool = False
     strategy_state: dict[str, Any] = field(default_factory=dict)
+    secure: dict[str, Any] | None = None
 
 
 @dataclass
 class Reply:
-    """What a site sends back."""
+    """What a site sends back (``secure``: its part of a secure
+    aggregation stage; ``upload`` then holds masked input, if any)."""
 
     site: str
     upload: dict[str, torch.Tensor]
     record: dict[str, Any] | None  # training (or refusal) record; None: evaluated only
     evaluation: dict[str, Any] | None  # {"counts": {variant: counts}, "examples", "seconds"}
     ledger: dict[str, Any] | None  # the site's privacy ledger, if it shares it
+    secure: dict[str, Any] | None = None
 
 
 class Transport(Protocol):
@@ -208,12 +215,15 @@ class RoundEngine:
         report: Reporter = _quiet,
         log: Callable[[str], None] = lambda line: None,
         full_bytes: int | None = None,
+        secure: float | None = None,
     ):
         self.task, self.strategy, self.names = task, strategy, names
         self.global_state = {k: v.detach().clone() for k, v in global_state.items()}
         self.out, self.rounds, self.fraction = Path(out), rounds, fraction
         self.deployment = deployment or Deployment()
         self.report, self.log = report, log
+        # Secure aggregation's threshold (a share of a round's sites), or None.
+        self.secure = secure
         self.sampling = np.random.default_rng([seed, 1])
         self.first_round = 1
         self.holds: dict[str, int] = {}  # site -> global round its copy holds
@@ -225,6 +235,7 @@ class RoundEngine:
         self.pending_observed: dict[str, Any] = {}
         self.last_record: dict[str, Any] = {}
         self.stopped: str | None = None
+        self._short = f"fewer than {self.deployment.min_sites} sites replied"
         # FedAvg's payload for this model: the yardstick for every strategy
         # (given when the shared model is not the whole one: adapters).
         self.full_bytes = full_bytes or len(payload.encode(self._params()))
@@ -315,6 +326,7 @@ class RoundEngine:
                 evaluate=round_number > 1,
                 write_predictions=predictions,
                 strategy_state=self.strategy.state_dict(),
+                secure={"stage": "train"} if self.secure is not None and kind == "train" else None,
             )
         return messages, bytes_down
 
@@ -334,9 +346,7 @@ class RoundEngine:
             outcome = self._collect(transport, messages, bytes_down, round_number)
             if outcome is not None:
                 return outcome
-        self.stopped = (
-            f"stopped in round {round_number}: fewer than {self.deployment.min_sites} sites replied"
-        )
+        self.stopped = f"stopped in round {round_number}: {self._short}"
         return False
 
     def _collect(
@@ -349,6 +359,12 @@ class RoundEngine:
         """Send, fold replies in, write records; ``None``: too few replies (retry)."""
         allowed = self.strategy.envelope(round_number, self.names).uploaded
         aggregator = self.strategy.aggregator(round_number)
+        session = None
+        if self.secure is not None:
+            from clinfed.federated.secure import SecureRound
+
+            shapes = {n: tuple(self.global_state[n].shape) for n in allowed}
+            session = SecureRound(shapes, allowed, self.secure)
         evaluations: list[tuple[str, dict[str, Any]]] = []
         records: list[dict[str, Any]] = []
         holds: dict[str, int] = {}
@@ -384,23 +400,42 @@ class RoundEngine:
                 self.report("site_refused", record)
                 continue
             record["bytes_down"] = bytes_down[address]
-            if reply.upload:
+            if session is not None and reply.secure is not None:
+                reason = session.join(address, reply.secure)
+                if reason is not None:
+                    record = {"round": round_number, "client": site, "rejected": reason}
+                    records.append(record)
+                    self.log(f"round {round_number}: {site}: update rejected ({reason})")
+                    continue
+            elif reply.upload:
                 aggregator.add(reply.upload, record["examples"])
                 sent |= set(reply.upload)
             trained += 1
             records.append(record)
+        secured = True
+        if session is not None and session.members:
+            in_sum = self._secure_sum(transport, session, round_number, records)
+            secured = bool(in_sum)
+            trained -= len(session.members) - len(in_sum)
         releasing = getattr(transport, "releasing", None)
         if releasing is not None:
             # Write-ahead: the sites mark their charges released before any
             # of this round's results are written.
             trainers = [r["client"] for r in records if "bytes_up" in r]
             self.ledger_digests |= releasing(round_number, trainers)
-        if trained + refused < self.deployment.min_sites:
+        if trained + refused < self.deployment.min_sites or not secured:
             for record in records:
                 self._metrics(record)
+            self._short = (
+                f"fewer than {self.deployment.min_sites} sites replied"
+                if secured
+                else "too few sites stayed to the end of secure aggregation"
+            )
             self.log(
                 f"round {round_number}: {trained + refused} of the "
                 f"{self.deployment.min_sites} sites needed replied"
+                if secured
+                else f"round {round_number}: {self._short}"
             )
             return None
         if round_number > 1:
@@ -416,13 +451,93 @@ class RoundEngine:
             )
             self.report("stopped", {"round": round_number, "reason": self.stopped})
             return False
-        mean = aggregator.result(self.global_state)
+        if session is not None and session.members:
+            mean, sent = session.mean, set(session.sent)
+        else:
+            mean = aggregator.result(self.global_state)
         self.global_state = self.strategy.apply(
             round_number, self.global_state, mean, frozenset(sent)
         )
         self.pending_observed = self.strategy.observe(round_number, self.global_state)
         self._commit(round_number)
         return True
+
+    def _secure_sum(
+        self,
+        transport: Transport,
+        session: Any,
+        round_number: int,
+        records: list[dict[str, Any]],
+    ) -> set[str]:
+        """Secure aggregation's stages 2-4 with the sites that joined; the
+        addresses whose input is in the sum (empty: the round's updates are
+        lost, too few sites stayed). A site that drops out is marked in its
+        record; every byte of the stages is counted in ``bytes_up``."""
+        by_site = {r["client"]: r for r in records if "bytes_up" in r}
+        extra: dict[str, int] = {}
+
+        def stage(requests: dict[str, dict[str, Any]], take: Callable) -> set[str]:
+            messages = {
+                a: Message("secure", round_number, {}, False, False, secure=request)
+                for a, request in requests.items()
+            }
+            done = set()
+            for address, reply in transport.exchange(messages, self.deployment.round_timeout):
+                site = self.site_of.get(address, f"node {address}")
+                why = reply if isinstance(reply, str) else take(address, reply)
+                if why is not None:
+                    step = requests[address]["stage"]
+                    self.log(f"round {round_number}: {site}: dropped out at {step} ({why})")
+                    if site in by_site:
+                        by_site[site]["secure_dropped"] = f"{step}: {why}"
+                    continue
+                extra[address] = (
+                    extra.get(address, 0)
+                    + len(json.dumps(reply.secure or {}).encode())
+                    + (len(payload.encode(reply.upload)) if reply.upload else 0)
+                )
+                done.add(address)
+            return done
+
+        def shares(address: str, reply: Reply) -> str | None:
+            return session.take_shares(address, reply.secure)
+
+        def masked(address: str, reply: Reply) -> str | None:
+            return session.add_masked(address, reply.upload)
+
+        def unmasked(address: str, reply: Reply) -> str | None:
+            return session.take_unmask(address, reply.secure)
+
+        joined = set(session.members)
+        shared = stage(session.share_requests(), shares) if len(joined) >= 2 else set()
+        in_sum: set[str] = set()
+        if len(shared) >= session.t:
+            in_sum = stage(session.mask_requests(), masked)
+        if len(in_sum) >= session.t:
+            answers = stage(session.unmask_requests(), unmasked)
+            try:
+                session.mean = session.result(self.global_state)
+            except ValueError as exc:  # too few answers, or shares that do not combine
+                self.log(f"round {round_number}: secure aggregation: {exc}")
+                in_sum = set()
+            del answers
+        else:
+            in_sum = set()
+        if not in_sum:
+            self.log(
+                f"round {round_number}: secure aggregation needs {max(session.t, 2)} of the "
+                f"{len(joined)} sites that trained; too few stayed: no update this round"
+            )
+        for address, member in session.members.items():
+            site = self.site_of.get(address, f"node {address}")
+            record = by_site.get(site)
+            if record is not None:
+                # What left the site: its keys and names, then the stages
+                # (the plain upload never did).
+                keys = json.dumps(member.keys | {"names": member.names}).encode()
+                record["bytes_up"] = len(keys) + extra.get(address, 0)
+                record["secure"] = address in in_sum
+        return in_sum
 
     def _evaluation_record(
         self, round_number: int, evaluations: list[tuple[str, dict[str, Any]]]

@@ -44,7 +44,7 @@ from torch import nn
 
 from clinfed.adapters import shared_names, shared_state
 from clinfed.errors import ClinfedError
-from clinfed.federated import payload
+from clinfed.federated import payload, secure
 from clinfed.federated.client import LocalSettings, LocalWork, site_generator
 from clinfed.federated.state import load_tensors, save_tensors
 from clinfed.federated.strategies import Strategy
@@ -138,12 +138,15 @@ class SiteRunner:
         round's results are about to be written."""
         from clinfed.federated.engine import Reply
 
+        if message.kind == "secure":
+            return secure_reply(self.state_dir, message)
         self._start_from(message.round, message.download, message.full)
         evaluation = None
         if message.evaluate and self._meter(message.round - 1):
             evaluation = self.evaluate(message.write_predictions)
         upload: dict[str, torch.Tensor] = {}
         record = None
+        secure_part = None
         if message.kind == "train":
             self.report("site_start", {"round": message.round, "client": self.name})
             received = (
@@ -152,7 +155,14 @@ class SiteRunner:
                 else None
             )
             upload, record = self.train_round(message.round, message.strategy_state)
-            if received is not None and upload:
+            if message.secure is not None and upload and "refused" not in record:
+                # Secure aggregation: the upload stays here; it leaves only
+                # masked, in a later stage. Nobody keeps it for an audit.
+                secure_part = secure.hold_upload(
+                    self.state_dir, self.name, message.round, upload, record["examples"]
+                )
+                upload = {}
+            elif received is not None and upload:
                 save_tensors(self.audit_dir / f"{self.name}.safetensors", received | upload)
         # The copy is on disk before anything leaves the site: the next
         # round's partial download overlays it.
@@ -160,7 +170,7 @@ class SiteRunner:
         if release and message.kind == "train":
             self.release(message.round)
         ledger = self.privacy.report() if self.privacy is not None else None
-        return Reply(self.name, upload, record, evaluation, ledger)
+        return Reply(self.name, upload, record, evaluation, ledger, secure_part)
 
     def release(self, round_number: int) -> dict[str, Any] | None:
         """Write-ahead: the round's charge is marked released (fsynced)
@@ -278,6 +288,7 @@ class SiteRunner:
         """After the run's last exchange: a copy that only repeats the global
         model (a shared model, no tensors of the site's own) is dropped; a
         site with a model or tensors of its own keeps its latest copy."""
+        secure.forget(self.state_dir)
         copies = self._copies()
         if not copies:
             return
@@ -355,3 +366,13 @@ class SiteRunner:
         if self.privacy is None:
             return update(None)
         return self.privacy.run(round_number, update)
+
+
+def secure_reply(state_dir: Path, message: Any) -> Any:
+    """A secure aggregation stage at a site (:mod:`clinfed.federated.secure`):
+    needs only the site's state folder, not its data or model."""
+    from clinfed.federated.engine import Reply
+
+    name = secure.site_name(state_dir, message.round)
+    tensors, part = secure.site_stage(state_dir, message.round, message.secure or {})
+    return Reply(name, tensors, None, None, None, part)

@@ -72,3 +72,9 @@ def train(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     return _handle(msg, context)
+
+
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    """Secure aggregation's stages (:mod:`clinfed.federated.secure`)."""
+    return _handle(msg, context)

@@ -114,6 +114,7 @@ def supernode_command(
     max_grad_norm: float | None = None,
     max_length: int | None = None,
     worker: bool = True,
+    require_secure_aggregation: bool = False,
 ) -> list[str]:
     """``flower-supernode`` for one site; its node config names the site's
     data and state folders and its policy (see ``clinfed.flower.node``)."""
@@ -138,6 +139,8 @@ def supernode_command(
         node_config += f" max-length={int(max_length)}"
     if not worker:
         node_config += " worker=false"
+    if require_secure_aggregation:
+        node_config += " require-secure-aggregation=true"
     node_config += f" share-ledger={'true' if share_ledger else 'false'} threads={int(threads)}"
     command = [_bin("flower-supernode"), "--superlink", superlink, "--port", str(port)]
     command += ["--node-config", node_config]

@@ -17,7 +17,9 @@ from typing import Any
 
 from flwr.app import RecordDict
 
-from clinfed.flower.node import NodeConfig, NodeSite, data_fingerprint
+from clinfed.errors import ClinfedError
+from clinfed.federated.site import secure_reply
+from clinfed.flower.node import NodeConfig, NodeSite, data_fingerprint, safe_run_name
 from clinfed.flower.records import read_message, reply_records
 from clinfed.settings import RunConfig
 
@@ -68,6 +70,17 @@ def answer(
     message, run = read_message(content)
     config = RunConfig.from_values(run["config"], "the server's run config")
     node = NodeConfig.parse(dict(node_values))
+    if message.kind == "train" and config.secure_aggregation and message.secure is None:
+        # The run promised secure aggregation: a plain upload is not sent.
+        raise ClinfedError(
+            "the run uses secure aggregation but this training message asks for a plain "
+            "upload: refused"
+        )
+    if message.kind == "secure":
+        # Secure aggregation's later stages need the round's secrets only.
+        node.check(config)
+        folder = node.state / safe_run_name(str(run["name"]))
+        return reply_records(secure_reply(folder, message))
     if cache is None:
         site = NodeSite(config, node, run["name"])
         try:

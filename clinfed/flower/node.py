@@ -42,6 +42,10 @@ A node is configured by its operator, not by the server (``--node-config``):
     privacy report (default true). The ledger that counts stays at the site.
 ``threads``
     Torch threads for this node's work (default: all cores).
+``require-secure-aggregation``
+    Whether the site trains only in runs with secure aggregation (default
+    false): its update then never reaches the server alone. A training
+    message of such a run that asks for a plain upload is refused too.
 ``worker``
     Whether the node's messages go to its long-lived worker process
     (default true; see :mod:`clinfed.flower.worker`), or each is handled in
@@ -102,6 +106,7 @@ class NodeConfig:
     max_length: int | None = None
     privacy_unit: str = "example"
     worker: bool = True
+    require_secure_aggregation: bool = False
 
     @classmethod
     def parse(cls, values: Mapping[str, Any]) -> NodeConfig:
@@ -119,6 +124,7 @@ class NodeConfig:
             "max-length",
             "privacy-unit",
             "worker",
+            "require-secure-aggregation",
         }
         unknown = sorted(set(values) - known)
         if unknown:
@@ -161,6 +167,8 @@ class NodeConfig:
             max_length=int(max_length) if max_length is not None else None,
             privacy_unit=privacy_unit,
             worker=str(values.get("worker", True)).lower() not in ("false", "0"),
+            require_secure_aggregation=str(values.get("require-secure-aggregation", False)).lower()
+            in ("true", "1"),
         )
 
     def check(self, config: RunConfig) -> None:
@@ -187,6 +195,11 @@ class NodeConfig:
             raise ClinfedError(
                 f"the run protects one {config.privacy_unit}; this site requires at least one "
                 f"{self.privacy_unit} (node config privacy-unit): refused"
+            )
+        if self.require_secure_aggregation and not config.secure_aggregation:
+            raise ClinfedError(
+                "this site sends its updates only through secure aggregation (node config "
+                "require-secure-aggregation); the run does not use it: refused"
             )
         if self.max_grad_norm is not None and config.max_grad_norm > self.max_grad_norm:
             raise ClinfedError(

@@ -57,6 +57,7 @@ def message_records(message: Message, run: Mapping[str, Any]) -> RecordDict:
         "evaluate": message.evaluate,
         "write_predictions": message.write_predictions,
         "strategy_state": message.strategy_state,
+        "secure": message.secure,
         "run": dict(run),
     }
     return to_records(message.download, info)
@@ -72,6 +73,7 @@ def read_message(content: RecordDict) -> tuple[Message, dict[str, Any]]:
         bool(info["evaluate"]),
         bool(info["write_predictions"]),
         dict(info["strategy_state"]),
+        info.get("secure"),
     )
     return message, dict(info["run"])
 
@@ -82,6 +84,7 @@ def reply_records(reply: Reply) -> RecordDict:
         "record": reply.record,
         "evaluation": reply.evaluation,
         "ledger": reply.ledger,
+        "secure": reply.secure,
     }
     return to_records(reply.upload, info)
 
@@ -91,5 +94,10 @@ def read_reply(content: RecordDict) -> Reply:
     if not isinstance(info.get("site"), str):
         raise ValueError("reply without a site name")
     return Reply(
-        info["site"], tensors, info.get("record"), info.get("evaluation"), info.get("ledger")
+        info["site"],
+        tensors,
+        info.get("record"),
+        info.get("evaluation"),
+        info.get("ledger"),
+        info.get("secure"),
     )

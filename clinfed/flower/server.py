@@ -20,6 +20,9 @@ from clinfed.scratch import private_scratch
 from clinfed.settings import RunConfig
 
 POLL_SECONDS = 0.5
+# Flower's message types for the engine's kinds (secure aggregation's
+# stages are queries: no model comes down with them).
+MESSAGE_TYPES = {"train": "train", "evaluate": "evaluate", "secure": "query"}
 
 
 class GridTransport:
@@ -42,7 +45,7 @@ class GridTransport:
             FlowerMessage(
                 message_records(message, self.run),
                 dst_node_id=int(address),
-                message_type=message.kind,
+                message_type=MESSAGE_TYPES[message.kind],
                 group_id=str(message.round),
                 ttl=timeout,
             )

@@ -117,6 +117,9 @@ class Strategy(ABC):
     trainings_per_round
         How many DP-SGD trainings one round of local work runs (each is
         charged to the ledger).
+    uploads
+        False when sites never send anything (local): nothing to aggregate,
+        securely or not.
     """
 
     name: ClassVar[str]
@@ -125,6 +128,7 @@ class Strategy(ABC):
     pooled: ClassVar[bool] = False
     training_defaults: ClassVar[Mapping[str, Any]] = {}
     trainings_per_round: ClassVar[int] = 1
+    uploads: ClassVar[bool] = True
 
     # ------------------------------------------------------------- building
     @classmethod

@@ -10,6 +10,7 @@ from clinfed.federated.strategies.base import Strategy
 class Local(Strategy):
     name = "local"
     shares_model = False
+    uploads = False
 
     def plan(self, round_number: int, site: str, names: list[str]) -> Plan:
         return Plan(frozenset(names), frozenset(), frozenset())
