@@ -23,6 +23,11 @@ Writes ``RESULTS/NAME.json`` and ``.md`` (``--name``, default
     .venv/bin/python benchmarks/flower_overhead.py          # about 8 minutes on 2 cores
     .venv/bin/python benchmarks/flower_overhead.py --docs 100 --rounds 3 \
         --name flower_overhead_2k                           # about 2,000 sentences per site
+    .venv/bin/python benchmarks/flower_overhead.py --secure --name flower_overhead_secure
+
+With ``--secure`` both runs use secure aggregation: a round is then four
+exchanges (train, share, mask, unmask), and the fixed cost is still
+divided by the three training messages.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=64)
     parser.add_argument("--results", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--name", default="flower_overhead", help="results file name")
+    parser.add_argument("--secure", action="store_true", help="both runs with --secure-aggregation")
     args = parser.parse_args()
     quiet_libraries()
     cores = os.cpu_count() or 1
@@ -75,6 +81,7 @@ def main() -> None:
         "rounds": args.rounds,
         "max_length": args.max_length,
         "batch_size": 16,
+        "secure_aggregation": args.secure,
     }
     with tempfile.TemporaryDirectory(prefix="clinfed-flower-bench-") as tmp:
         root = Path(tmp)
@@ -156,7 +163,8 @@ def main() -> None:
     lines = [
         "# Flower deployment vs in-process simulator (one run)",
         "",
-        f"{args.strategy}, {args.model}, synthetic i2b2 {len(SITES)} sites x {args.docs} docs "
+        f"{args.strategy}{' with secure aggregation' if args.secure else ''}, {args.model}, "
+        f"synthetic i2b2 {len(SITES)} sites x {args.docs} docs "
         f"({min(sentences.values())}-{max(sentences.values())} training sentences each), "
         f"max length {args.max_length}, {args.rounds} rounds, {cores} cores; Flower over TLS on "
         "127.0.0.1, sites concurrent (threads split), simulator sequential (all threads).",

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from clinfed.adapters import shared_names, shared_state
+from clinfed.blocks import block_of, num_layers, parameter_blocks
 from clinfed.errors import ClinfedError
 from clinfed.federated import payload, secure
 from clinfed.federated.client import LocalSettings, LocalWork, site_generator
@@ -359,6 +360,11 @@ class SiteRunner:
             result = self.strategy.local_update(work)
             bytes_up = len(payload.encode(result.upload)) if plan.uploaded else 0
             record = result.record(round_number, self.name, bytes_up) | chosen
+            # What the upload holds, by block (the report's "what each site
+            # sent" over every layer): public, it follows from the plan.
+            blocks = {block_of(n) for n in plan.uploaded}
+            record["sent_blocks"] = sorted(str(b) for b in blocks)
+            record["num_layers"] = num_layers(parameter_blocks(self.names))
             if result.clipping is not None:
                 record["clipping"] = result.clipping
             return result.upload, record
