@@ -31,11 +31,10 @@ PLANS = {
 
 
 def main() -> None:
-    import datasets
-    import transformers
     from safetensors.torch import load_file
 
     from clinfed.pipeline import RunConfig, run_training
+    from clinfed.quiet import quiet_libraries
     from clinfed.runs import atomic_write_json, atomic_write_text, read_jsonl
     from clinfed.tasks.i2b2.synth import generate
 
@@ -48,8 +47,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--name", default="secure_cost")
     args = parser.parse_args()
-    datasets.disable_progress_bars()
-    transformers.logging.set_verbosity_error()
+    quiet_libraries()
     model = "tiny" if args.quick else "minilm"
     results: dict = {
         "model": model,

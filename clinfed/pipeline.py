@@ -81,7 +81,9 @@ def _quiet(event: str, info: dict[str, Any]) -> None:
 def config_record(config: RunConfig, runner: str) -> dict[str, Any]:
     """What ``RUN/config.json`` holds: the settings by concern (accepted back
     by ``--config``) and, beside them, how the run was made."""
-    return config.to_dict() | {"clinfed_version": __version__, "runner": runner}
+    from clinfed.provenance import provenance
+
+    return config.to_dict() | {"clinfed_version": __version__, "runner": runner} | provenance()
 
 
 def _check_resume(config: RunConfig) -> None:
@@ -136,7 +138,9 @@ def _finish(
     meta = prep.task.meta() | {"max_length": config.max_length, "encoder": config.model}
     save_model(prep.model, prep.out / "model", meta, prep.tokenizer)
     prep.task.write_predictions(prep.corpus.test, test, outputs, prep.out / "predictions")
-    summary = record | (extra or {})
+    from clinfed.provenance import provenance
+
+    summary = record | (extra or {}) | provenance()
     atomic_write_json(prep.out / "summary.json", summary)
     return summary
 
@@ -165,7 +169,13 @@ def run_training(config: RunConfig, report: Reporter = _quiet) -> dict[str, Any]
     with claimed_run_folder(config.out, config.resume):
         if config.resume:
             _check_resume(config)
-        return _train(config, report)
+        from clinfed.tracking import Tracked
+
+        reporter = Tracked(report, config.report_to, Path(config.out), asdict(config))
+        try:
+            return _train(config, reporter)
+        finally:
+            reporter.close()
 
 
 def _train(config: RunConfig, report: Reporter) -> dict[str, Any]:
@@ -210,6 +220,8 @@ def _train(config: RunConfig, report: Reporter) -> dict[str, Any]:
                     strategy,
                 )
                 problems.problems.extend(policies[client].warnings)
+            if not config.resume:
+                _check_round_one(policies)
         if not config.resume:
             out = create_run_folder(config.out)
             _write_start(out, config, task, corpus, "in-process")
@@ -256,13 +268,38 @@ def _audit_holdout(
     return parts
 
 
+def _check_round_one(policies: dict[str, PrivacyPolicy]) -> None:
+    """Refuse, before anything is written, a run in which no site can afford
+    its first round (it would train nothing and report a random model)."""
+    costs = {}
+    for client, policy in policies.items():
+        mechanisms = policy.round_mechanisms(client)
+        ledger = policy.ledger(client)
+        if ledger.affords(mechanisms):
+            return
+        costs[client] = ledger.after(mechanisms)
+    client = min(costs, key=costs.get)
+    budget = policies[client].budget
+    raise ClinfedError(
+        f"no site can train round 1 within its privacy budget: one round costs epsilon "
+        f"{costs[client]:.3g} at {client}, the cheapest site, against a budget of {budget:g}; "
+        "raise --target-epsilon or --noise-multiplier, or lower --local-epochs"
+    )
+
+
 def _site_dir(config: RunConfig, client: str) -> Path:
     """An in-process site's state folder (its model copies and ledger)."""
     return Path(config.out) / "sites" / client
 
 
 def _write_start(out: Path, config: RunConfig, task: Task, corpus: Corpus, runner: str) -> None:
-    atomic_write_json(out / "config.json", config_record(config, runner))
+    from clinfed.provenance import data_fingerprint
+
+    record = config_record(config, runner)
+    if config.data and Path(config.data).is_dir():
+        # Which data the run read, without naming a note: SHA-256 over its files.
+        record["data_fingerprint"] = data_fingerprint(Path(config.data))
+    atomic_write_json(out / "config.json", record)
     atomic_write_json(
         out / "labels.json",
         {"labels": task.labels, "sites": corpus.sites, "source": task.label_source},
@@ -587,7 +624,13 @@ def _serve(
     )
     if config.resume:
         engine.resume()
-    summary = engine.run(transport)
+    from clinfed.tracking import Tracked
+
+    engine.report = Tracked(engine.report, config.report_to, out, asdict(config))
+    try:
+        summary = engine.run(transport)
+    finally:
+        engine.report.close()
     load_shared(model, engine.global_state)
     meta = task.meta() | {"max_length": config.max_length, "encoder": config.model}
     save_model(model, out / "model", meta, tokenizer)

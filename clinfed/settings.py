@@ -259,6 +259,13 @@ class MachineSettings:
         resumable=True,
     )
     eval_batch_size: int = setting(64, "Examples per evaluation step.", minimum=1, resumable=True)
+    report_to: str = setting(
+        "none",
+        "Experiment tracking: tensorboard (event files in RUN/tensorboard/), mlflow (its "
+        "tracking URI, RUN/mlruns by default) or none. Per round: F1, MB sent, epsilon.",
+        choices=("none", "tensorboard", "mlflow"),
+        resumable=True,
+    )
 
 
 CONCERNS: dict[str, type] = {
@@ -281,7 +288,15 @@ PANELS = {
     "machine": "Machine",
 }
 # Keys a run's config.json carries beside the settings (ignored on reading).
-METADATA_KEYS = {"clinfed_version", "runner", "deployment", "versions", "command"}
+METADATA_KEYS = {
+    "clinfed_version",
+    "runner",
+    "deployment",
+    "versions",
+    "command",
+    "written",
+    "data_fingerprint",
+}
 
 
 @dataclass

@@ -92,6 +92,9 @@ def run_sweep(
             marker,
             {"strategies": strategies, "epsilons": [str(e) for e in epsilons], "seeds": seeds},
         )
+    planned = [(s, e, seed) for s in strategies for e in epsilons for seed in range(seeds)]
+    finished = sum((out / cell_name(*cell) / "summary.json").is_file() for cell in planned)
+    report("sweep_start", {"cells": len(planned), "finished": finished})
     for strategy in strategies:
         for eps in epsilons:
             for seed in range(seeds):
@@ -120,7 +123,7 @@ def run_sweep(
                 seconds = round(time.perf_counter() - started, 1)
                 append_jsonl(out / TIMES, {"cell": folder.name, "seconds": seconds})
                 write_table(out, collect(out))
-                report("cell_end", {"cell": folder.name})
+                report("cell_end", {"cell": folder.name, "seconds": seconds})
     rows = collect(out)
     write_table(out, rows)
     return rows

@@ -268,6 +268,7 @@ def train_private(
     randomness: SiteRandomness,
     extra_grad: Callable[[], None] | None = None,
     microbatch_overhead: int = MICROBATCH_OVERHEAD_TOKENS,
+    on_step: Callable[[int, int], None] | None = None,
 ) -> tuple[list[EpochStats], str]:
     """DP-SGD over the trainable parameters of ``model``.
 
@@ -284,6 +285,9 @@ def train_private(
     microbatch_overhead
         Per-pass cost in tokens used to cut each sampled batch into
         length-grouped passes (see ``microbatches``); the step is the same.
+    on_step
+        Called after each step with (units in the batch, units expected over
+        every epoch): a local progress bar, never released.
 
     Returns
     -------
@@ -312,6 +316,8 @@ def train_private(
                 idx = sampler.draw()
                 if len(idx) == 0:
                     private.noise_only()
+                    if on_step is not None:
+                        on_step(0, len(units) * epochs)
                     continue
                 groups = microbatches(lengths[idx], microbatch_overhead)
                 batch_loss = 0.0
@@ -328,6 +334,8 @@ def train_private(
                     batch_loss += float(losses.detach().sum())
                     tokens += int(batch["attention_mask"].sum())
                 total_loss += batch_loss / len(idx)
+                if on_step is not None:
+                    on_step(len(idx), len(units) * epochs)
                 steps += 1
             stats.append(
                 EpochStats(total_loss / max(steps, 1), n, tokens, time.perf_counter() - started)

@@ -10,9 +10,10 @@ Writes ``RUN/report/report.html`` (one self-contained page, plots inlined),
 from __future__ import annotations
 
 import base64
-import html
 import io
 import json
+import math
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +26,17 @@ from clinfed.privacy.accountant import (
     Mechanism,
     reference_epsilon,
 )
-from clinfed.privacy.policy import PATIENT_CAVEAT, UNIT
+from clinfed.privacy.policy import PATIENT_CAVEAT, UNIT, group_bound
 from clinfed.runs import atomic_write_json, atomic_write_text, read_jsonl
 from clinfed.settings import read_run_config
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+TASK_WORDS = {
+    "i2b2": "i2b2 2010 concept extraction",
+    "mimic3": "MIMIC-III ICD-9 coding",
+}
 
 
 def _load(run: Path) -> dict[str, Any]:
@@ -60,48 +66,102 @@ def _png(fig) -> bytes:
     return buffer.getvalue()
 
 
-def _plots(run_data: dict[str, Any]) -> dict[str, bytes]:
+def _integer_rounds(ax, rounds: list[int]) -> None:
+    """Round axes show whole rounds only."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if rounds:
+        ax.set_xlim(min(rounds) - 0.3, max(rounds) + 0.3)
+
+
+def _epsilon_curves(lines: list[dict[str, Any]]) -> tuple[list[int], list[float], list[float]]:
+    """Per round: the ledger's epsilon (PLD) and the RDP bound of the same
+    mechanisms, cumulative."""
+    rounds, pld, rdp, mechanisms = [], [], [], []
+    by_round: dict[int, list[dict[str, Any]]] = {}
+    for line in lines:
+        by_round.setdefault(line["round"], []).append(line)
+    for rnd in sorted(by_round):
+        for line in by_round[rnd]:
+            mechanisms.append(
+                Mechanism(
+                    line["mechanism"], line["noise_multiplier"], line["sample_rate"], line["steps"]
+                )
+            )
+        delta = by_round[rnd][-1].get("delta", 1e-5)
+        rounds.append(rnd)
+        pld.append(by_round[rnd][-1]["epsilon"])
+        rdp.append(reference_epsilon(mechanisms, delta))
+    return rounds, pld, rdp
+
+
+def _sent_grid(run_data: dict[str, Any]) -> dict[str, Any] | None:
+    """What each site sent, by round, over every block of the model:
+    embeddings, each encoder layer (whole, or without its frozen Q/K), head.
+    Cells: 2 whole layer (or block) sent, 1 sent without Q/K, 0 not sent."""
+    sent = [r for r in run_data["records"] if "sent_blocks" in r]
+    if not sent:
+        return None
+    layers = max(int(r.get("num_layers", 0)) for r in sent)
+    columns = ["embeddings"] + [f"layer {i}" for i in range(layers)] + ["head"]
+    rows = []
+    for record in sorted(sent, key=lambda r: (r["round"], r["client"])):
+        blocks = set(record["sent_blocks"])
+        cells = [2 if "embeddings" in blocks else 0]
+        for i in range(layers):
+            parts = {k for k in ("query_key", "value", "rest") if f"layer{i}.{k}" in blocks}
+            cells.append(2 if len(parts) == 3 else 1 if parts else 0)
+        cells.append(2 if "head" in blocks else 0)
+        rows.append({"label": f"round {record['round']}, {record['client']}", "cells": cells})
+    return {"columns": columns, "rows": rows}
+
+
+def _plots(run_data: dict[str, Any], reference_f1: float | None) -> dict[str, bytes]:
     records = run_data["records"]
     plots: dict[str, bytes] = {}
     if run_data["ledgers"]:
-        fig, ax = plt.subplots(figsize=(6, 3.2))
-        for site, lines in run_data["ledgers"].items():
-            by_round: dict[int, float] = {}
-            for line in lines:
-                by_round[line["round"]] = line["epsilon"]
-            ax.plot(list(by_round), list(by_round.values()), marker="o", label=site)
+        fig, ax = plt.subplots(figsize=(6.4, 3.4))
+        all_rounds: list[int] = []
+        for index, (site, lines) in enumerate(run_data["ledgers"].items()):
+            rounds, pld, rdp = _epsilon_curves(lines)
+            all_rounds += rounds
+            color = f"C{index}"
+            ax.plot(rounds, pld, marker="o", color=color, label=f"{site} (PLD, the budget's)")
+            ax.plot(rounds, rdp, linestyle=":", color=color, label=f"{site} (RDP bound)")
         target = (run_data["policy"] or {}).get("target_epsilon")
         if target:
             ax.axhline(target, color="red", linestyle="--", label=f"budget {target:g}")
-        ax.set(xlabel="round", ylabel="epsilon spent", title="Privacy spent per site")
-        ax.legend(fontsize=8)
+        ax.set_ylim(bottom=0)
+        _integer_rounds(ax, all_rounds)
+        ax.set(xlabel="round", ylabel="epsilon spent (cumulative)", title="Privacy spent per site")
+        ax.legend(fontsize=7, loc="lower right")
         plots["epsilon"] = _png(fig)
     global_records = [r for r in records if "client" not in r and "f1" in r]
     key = "round" if any("round" in r for r in global_records) else "epoch"
     if global_records:
-        fig, ax = plt.subplots(figsize=(6, 3.2))
-        ax.plot([r[key] for r in global_records], [r["f1"] for r in global_records], marker="o")
+        fig, ax = plt.subplots(figsize=(6.4, 3.2))
+        xs = [r[key] for r in global_records]
+        ax.plot(xs, [r["f1"] for r in global_records], marker="o", label="this run")
+        if reference_f1 is not None:
+            ax.axhline(reference_f1, color="grey", linestyle="--", label="same run without DP")
+            ax.legend(fontsize=8)
+        _integer_rounds(ax, xs)
         ax.set(xlabel=key, ylabel="held-out F1", title="Model quality", ylim=(0, 1))
         plots["f1"] = _png(fig)
-    sent = [r for r in records if "bytes_up" in r]
-    layered = [r for r in sent if "layers" in r]
-    if layered:
-        sites = sorted({r["client"] for r in layered})
-        rounds = sorted({r["round"] for r in layered})
-        width = 1 + max(max(r["layers"]) for r in layered)
-        grid = [[0.0] * width for _ in range(len(sites) * len(rounds))]
-        labels = []
-        for i, (rnd, site) in enumerate((rnd, site) for rnd in rounds for site in sites):
-            labels.append(f"r{rnd} {site}")
-            for r in layered:
-                if r["round"] == rnd and r["client"] == site:
-                    for layer in r["layers"]:
-                        grid[i][layer] = 1.0
-        fig, ax = plt.subplots(figsize=(max(4, width * 0.6), max(2.5, len(labels) * 0.22)))
-        ax.imshow(grid, aspect="auto", cmap="Blues", vmin=0, vmax=1)
-        ax.set_yticks(range(len(labels)), labels, fontsize=7)
-        ax.set_xticks(range(width), [f"layer {i}" for i in range(width)], fontsize=7)
-        ax.set_title("Encoder layers each site sent (dark: sent)")
+    grid = _sent_grid(run_data)
+    if grid:
+        from matplotlib.colors import ListedColormap
+
+        values = [row["cells"] for row in grid["rows"]]
+        fig, ax = plt.subplots(
+            figsize=(max(4.5, len(grid["columns"]) * 0.7), max(2.2, len(values) * 0.24))
+        )
+        cmap = ListedColormap(["#f0f0f0", "#9ecae1", "#08519c"])
+        ax.imshow(values, aspect="auto", cmap=cmap, vmin=0, vmax=2)
+        ax.set_yticks(range(len(values)), [row["label"] for row in grid["rows"]], fontsize=7)
+        ax.set_xticks(range(len(grid["columns"])), grid["columns"], fontsize=7, rotation=45)
+        ax.set_title("What each site sent (dark: sent; light: sent without Q/K; grey: not)")
         plots["layers"] = _png(fig)
     return plots
 
@@ -162,10 +222,180 @@ def _selection_text(config: dict[str, Any], policy: dict[str, Any] | None) -> st
     )
 
 
-def build(run: Path) -> dict[str, Any]:
+def _reference_f1(run: Path, config: dict[str, Any], reference: Path | None) -> float | None:
+    """The F1 of the same run without DP: ``reference`` (a run folder), or
+    the sweep cell beside ``run`` with epsilon inf and the same seed."""
+    if reference is None:
+        from clinfed.sweep import cell_name
+
+        guess = run.parent / cell_name(str(config.get("strategy")), math.inf, int(config["seed"]))
+        if guess.resolve() == run.resolve() or not (guess / "summary.json").is_file():
+            return None
+        reference = guess
+    path = Path(reference) / "summary.json"
+    if not path.is_file():
+        raise ClinfedError(f"{reference}: no summary.json (not a finished run folder?)")
+    value = json.loads(path.read_text()).get("f1")
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def _header(run: Path, run_data: dict[str, Any], raw: dict[str, Any]) -> list[tuple[str, str]]:
+    config, summary = run_data["config"], run_data["summary"]
+    pooled = config.get("strategy") == "centralized"
+    records = run_data["records"]
+    done = max((r["round"] for r in records if "client" not in r and "round" in r), default=0)
+    recorded = raw.get("versions") or {}
+    versions = ", ".join(
+        f"{name} {recorded.get(name, '?')}" for name in ("clinfed", "torch", "opacus", "flwr")
+    )
+    fingerprint = raw.get("data_fingerprint") or summary.get("data_fingerprint")
+    rows = [
+        ("Run folder", str(run.resolve())),
+        ("Report written", datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")),
+        ("Run started", str(raw.get("written", "not recorded"))),
+        ("Task", TASK_WORDS.get(str(config.get("task")), str(config.get("task")))),
+        ("Strategy", str(config.get("strategy"))),
+        ("Model", f"{config.get('model')} (adapter: {config.get('adapter', 'none')})"),
+    ]
+    if pooled:
+        rows.append(("Epochs", str(config.get("epochs"))))
+    else:
+        rows.append(("Rounds", f"{done} of {config.get('rounds')} planned"))
+        sites = sorted({r["client"] for r in records if "client" in r})
+        rows.append(("Sites", f"{len(sites)}: {', '.join(sites)}"))
+        rows.append(("Transport", "Flower" if raw.get("runner") == "flower" else "in-process"))
+        rows.append(("Secure aggregation", "on" if config.get("secure_aggregation") else "off"))
+    rows.append(("Versions (at training)", versions if recorded else "not recorded"))
+    rows.append(("Command", f"`{raw['command']}`" if raw.get("command") else "not recorded"))
+    if fingerprint:
+        rows.append(("Data fingerprint", str(fingerprint)))
+    return rows
+
+
+def _verdicts(content: dict[str, Any], pooled: bool) -> list[str]:
+    if pooled:
+        return [
+            "**No privacy guarantee.** This run pooled all data in one place (centralized "
+            "training): nothing was federated, and no differential privacy was used."
+        ]
+    if not content["differential_privacy"]:
+        return [
+            "**No formal privacy guarantee.** The sites trained without differential privacy: "
+            "each update they sent can reveal their training data (epsilon is infinite)."
+        ]
+    lines = []
+    target = content["target_epsilon"]
+    for row in content["sites"]:
+        within = target is None or row["epsilon"] <= target + 1e-9
+        budget = f"of {target:g}" if target is not None else "(no target: fixed noise)"
+        refused = (
+            f"; refused rounds {', '.join(map(str, row['refused_rounds']))} to stay within it"
+            if row["refused_rounds"]
+            else ""
+        )
+        word = "within budget" if within else "OVER BUDGET"
+        lines.append(
+            f"**{row['site']}: {word}.** Epsilon {row['epsilon']:.3f} {budget} at delta "
+            f"{row['delta']:g}, over {row['rounds_accounted']} rounds{refused}."
+        )
+    if content.get("not_private"):
+        lines.insert(0, f"**NOT PRIVATE.** {content['not_private']}.")
+    return lines
+
+
+def _meaning(content: dict[str, Any]) -> list[str]:
+    """Epsilon and delta in plain words, with the unit and the per-document
+    (or per-patient) bound."""
+    if not content["differential_privacy"] or not content["sites"]:
+        return []
+    worst = max(row["epsilon"] for row in content["sites"])
+    delta = content["delta"]
+    odds = math.exp(worst)
+    paragraphs = [
+        f"The unit of privacy is {content['unit']}. For any one such unit at a site, "
+        "everything the run released is at most e^epsilon times as likely with that unit in "
+        "the data as with it replaced by another, except with probability delta. At the "
+        f"largest epsilon spent here ({worst:.2f}), e^epsilon is {odds:,.1f}; delta is "
+        f"{delta:g}, about one chance in {1 / delta:,.0f}.",
+        "Smaller is stronger. Epsilon 1 or less is strong protection; up to 8 is common in "
+        "published private deep learning and protects against realistic attacks far better "
+        "than its worst-case meaning suggests; above 10 the worst-case guarantee is weak.",
+    ]
+    for row in content["sites"]:
+        group = row.get("group")
+        if not group:
+            continue
+        k_med, k_max = group["k_median"], group["k_max"]
+        eps_k, delta_k = group_bound(row["epsilon"], row["delta"], int(k_max))
+        whole = group["of"]
+        if delta_k >= 1.0:
+            bound = f"group privacy gives no useful bound for a whole {whole} (delta reaches 1)"
+        else:
+            bound = f"a whole {whole} is protected at epsilon {eps_k:.3g}, delta {delta_k:.3g}"
+        paragraphs.append(
+            f"At {row['site']}, one {whole} holds {k_med:g} units (median; at most {k_max}): "
+            f"{bound}. `--privacy-unit {whole}` protects whole {whole}s instead."
+        )
+    return paragraphs
+
+
+def _released(content: dict[str, Any], config: dict[str, Any], pooled: bool) -> list[list[str]]:
+    """What left each hospital: one row per kind of quantity."""
+    if pooled:
+        return []
+    dp = content["differential_privacy"]
+    secure = bool(config.get("secure_aggregation"))
+    update_cover = "DP-SGD, accounted in the ledger" if dp else "nothing (no DP)"
+    if secure:
+        update_cover += "; secure aggregation: the server saw only the sum over sites"
+    rows = [
+        [
+            "model update: the planned parameters (see the grid below)",
+            "each round it trained",
+            update_cover,
+        ],
+        [
+            "number of training units",
+            "each round it trained",
+            "declared: released exactly (the update's weight); the accounting "
+            "assumes it public (replace-one)"
+            if dp
+            else "declared, not protected",
+        ],
+        [
+            "evaluation counts (true/false positives on held-out examples)",
+            "once per round, metered at the site",
+            "declared, not accounted: held-out examples are not training data",
+        ],
+        ["layer choice (SAFL)", "each round", content["selection"]],
+    ]
+    if dp:
+        rows.append(
+            [
+                "ledger lines (epsilon, noise, sample rate, steps)",
+                "each round",
+                "declared: they follow from public settings and the unit count",
+            ]
+        )
+        rows.append(
+            [
+                "training loss, tokens, wall time",
+                "never",
+                "kept at the site under DP",
+            ]
+        )
+    else:
+        rows.append(["training loss", "each round it trained", "nothing (no DP)"])
+    rows.append(["the label set", "once", content["label_source"]])
+    return rows
+
+
+def build(run: Path, reference: Path | None = None) -> dict[str, Any]:
     """The report's content as plain data (also ``privacy.json``)."""
     run_data = _load(run)
     config, policy, summary = run_data["config"], run_data["policy"], run_data["summary"]
+    raw = json.loads((run / "config.json").read_text())
+    pooled = config.get("strategy") == "centralized"
     private = policy is not None
     not_private = summary.get("not_private") or next(
         (
@@ -176,33 +406,13 @@ def build(run: Path) -> dict[str, Any]:
         ),
         None,
     )
-    label_source = run_data["labels"].get("source", "fixed by the task")
-    releases = [
-        "the model updates listed per round (parameters of the planned layers only)",
-        "each site's number of training examples (the weight of its update in the average)",
-        "evaluation counts, once per round per site (metered at the site: each round's global "
-        "model once, never an older round, never other weights for the same round): summed "
-        "true/false positive counts on the site's held-out examples. Those examples are not "
-        "training examples and are not covered by the DP guarantee; the counts are not "
-        "accounted",
-        f"the label set: {label_source}",
-    ]
-    if private:
-        releases.append(
-            "the number of training examples per site is released exactly (the weight of its "
-            "update, and implied by the ledger's sampling rate); the accounting is therefore "
-            "under the replace-one relation, where the count is public"
-        )
-        releases.append(
-            "not released under DP: the training loss, the number of tokens trained on and "
-            "the site's wall time (kept out of the records)"
-        )
-    else:
-        releases.append("per-site training loss (computed on private training data, no DP)")
-    return {
+    reference_f1 = _reference_f1(run, config, reference)
+    content: dict[str, Any] = {
         "run": str(run),
+        "header": _header(run, run_data, raw),
         "strategy": config.get("strategy"),
         "task": config.get("task"),
+        "pooled": pooled,
         "differential_privacy": private,
         "not_private": not_private,
         "unit": (policy or {}).get("unit", UNIT),
@@ -211,20 +421,31 @@ def build(run: Path) -> dict[str, Any]:
         "target_epsilon": (policy or {}).get("target_epsilon"),
         "delta": (policy or {}).get("delta"),
         "max_grad_norm": (policy or {}).get("max_grad_norm"),
+        "secure_aggregation": bool(config.get("secure_aggregation")),
         "sites": _site_rows(run_data),
         "ledger_source": (
             "Ledgers as reported by the sites over Flower (the ledgers that bind, and the "
             "budgets they enforce, stay at the sites)."
-            if (policy or {}).get("reported_by_sites")
+            if raw.get("runner") == "flower"
             else "Ledgers as written by the sites during the run (in-process simulation)."
         ),
         "selection": _selection_text(config, policy),
-        "releases": releases,
+        "label_source": run_data["labels"].get("source", "fixed by the task"),
         "final_f1": summary.get("f1"),
+        "reference_f1": reference_f1,
         "stopped": summary.get("stopped"),
         "audit": run_data["audit"],
-        "_plots": _plots(run_data),
+        "sent": _sent_grid(run_data),
     }
+    for row in content["sites"]:
+        group = (policy or {}).get("sites", {}).get(row["site"], {}).get("group")
+        if group:
+            row["group"] = group
+    content["verdicts"] = _verdicts(content, pooled)
+    content["meaning"] = _meaning(content)
+    content["released"] = _released(content, config, pooled)
+    content["_plots"] = _plots(run_data, reference_f1)
+    return content
 
 
 def _fmt(value: Any, spec: str = ".3f") -> str:
@@ -235,46 +456,45 @@ def _fmt(value: Any, spec: str = ".3f") -> str:
     return str(value)
 
 
+def _cell(text: Any) -> str:
+    """A Markdown table cell: pipes escaped, one line."""
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+SENT_SYMBOLS = {2: "■", 1: "◧", 0: "·"}
+
+
 def _markdown(content: dict[str, Any], images: dict[str, str]) -> str:
-    lines = [f"# Privacy report: {content['run']}", ""]
-    if content.get("not_private"):
-        lines += [f"**NOT PRIVATE.** {content['not_private']}.", ""]
-    if content["differential_privacy"]:
-        lines += [
-            f"Every site trained with DP-SGD. Privacy unit: {content['unit']}.",
-            "",
-        ]
-        if content["patient_caveat"]:
-            lines += [f"**Caveat.** {content['patient_caveat']}", ""]
-            groups = [row for row in content["sites"] if row.get("group")]
-            if groups:
-                lines += [
-                    "| site | units per | k max | k median | planned epsilon for k max "
-                    "| delta for k max |",
-                    "|---|---|---|---|---|---|",
-                ]
-                for row in groups:
-                    group = row["group"]
-                    lines.append(
-                        f"| {row['site']} | {group['of']} | {group['k_max']} "
-                        f"| {group['k_median']:g} | {group['planned_epsilon_for_k_max']:.3g} "
-                        f"| {group['delta_for_k_max']:.3g} |"
-                    )
-                lines.append("")
+    lines = ["# Privacy report", "", "| run | |", "|---|---|"]
+    lines += [f"| {label} | {_cell(value)} |" for label, value in content["header"]]
+    lines += ["", "## Verdict", ""]
+    lines += [f"- {line}" for line in content["verdicts"]]
+    if content["meaning"]:
+        lines += ["", "## What epsilon means here", ""]
+        for paragraph in content["meaning"]:
+            lines += [paragraph, ""]
         lines += [
             f"Budget: epsilon {_fmt(content['target_epsilon'], 'g')} at delta "
             f"{_fmt(content['delta'], 'g')}; per-unit clipping norm "
             f"{_fmt(content['max_grad_norm'], 'g')}. Accountant: {content['accountant']} "
             "(budget checks use it). Neighbouring relation: replace-one (each site's unit "
             "count is released, so the guarantee is stated for datasets of the same size that "
-            "differ in one unit). The RDP column is a looser bound by another analysis "
+            "differ in one unit). The RDP figures are a looser bound by another analysis "
             f"({REFERENCE_ACCOUNTANT}), for comparison.",
         ]
-    else:
+    if content["pooled"]:
         lines += [
-            "**This run did not use differential privacy**: the updates carry no formal "
-            "guarantee (epsilon is infinite)."
+            "",
+            "## Result",
+            "",
+            f"Final held-out F1: {_fmt(content['final_f1'], '.4f')}.",
         ]
+        if "f1" in images:
+            lines += ["", images["f1"]]
+        return "\n".join(lines) + "\n"
+    lines += ["", "## What left each hospital", ""]
+    lines += ["| what | when | protected by |", "|---|---|---|"]
+    lines += [f"| {' | '.join(_cell(c) for c in row)} |" for row in content["released"]]
     lines += ["", "## Per site", "", content["ledger_source"], ""]
     if content["sites"]:
         lines += [
@@ -291,18 +511,32 @@ def _markdown(content: dict[str, Any], images: dict[str, str]) -> str:
             )
     else:
         lines.append("No privacy ledger: nothing was accounted.")
-    for key, title in (
-        ("epsilon", "Epsilon per round"),
-        ("layers", "What each site sent"),
-        ("f1", "Model quality"),
-    ):
-        if key in images:
-            lines += ["", f"### {title}", "", images[key]]
-    lines += ["", "## Layer choice", "", content["selection"], "", "## Everything released", ""]
-    lines += [f"- {item}" for item in content["releases"]]
+    if "epsilon" in images:
+        lines += ["", "### Epsilon per round", "", images["epsilon"]]
+    sent = content["sent"]
+    if sent:
+        lines += [
+            "",
+            "### What each site sent",
+            "",
+            "■ the whole block sent, ◧ the layer sent without its frozen attention "
+            "query/key, · not sent.",
+            "",
+            "| | " + " | ".join(sent["columns"]) + " |",
+            "|---|" + "---|" * len(sent["columns"]),
+        ]
+        for row in sent["rows"]:
+            cells = " | ".join(SENT_SYMBOLS[c] for c in row["cells"])
+            lines.append(f"| {row['label']} | {cells} |")
+        if "layers" in images:
+            lines += ["", images["layers"]]
     lines += ["", "## Result", "", f"Final held-out F1: {_fmt(content['final_f1'], '.4f')}."]
+    if content["reference_f1"] is not None:
+        lines.append(f"The same run without DP: {content['reference_f1']:.4f}.")
     if content["stopped"]:
         lines.append(f"The run {content['stopped']}.")
+    if "f1" in images:
+        lines += ["", images["f1"]]
     audit = content["audit"]
     lines += ["", "## Empirical check (membership inference)", ""]
     if audit and "final_model" in audit:
@@ -330,19 +564,19 @@ def _markdown(content: dict[str, Any], images: dict[str, str]) -> str:
                     f"| {name} | {label} | {result['auc']:.3f} "
                     f"| {result['ci_low']:.3f}-{result['ci_high']:.3f} |"
                 )
-        lines += [
-            "",
-            f"In plain words: {final['loss_threshold']['reading']}.",
-        ]
+        lines += ["", f"In plain words: {final['loss_threshold']['reading']}."]
     else:
         lines.append("Not run. Train with `--audit-holdout 0.1`, then `clinfed audit RUN` adds it.")
     return "\n".join(lines) + "\n"
 
 
-def write_report(run: Path) -> Path:
-    """Write ``RUN/report/``; return that folder."""
+def write_report(run: Path, reference: Path | None = None) -> Path:
+    """Write ``RUN/report/`` (``report.html``, ``report.md`` with its PNGs,
+    ``privacy.json``); return that folder. ``reference``: a run folder of
+    the same run without DP, for the F1 plot (found beside ``run`` in a
+    sweep otherwise)."""
     run = Path(run)
-    content = build(run)
+    content = build(run, reference)
     plots = content.pop("_plots")
     folder = run / "report"
     folder.mkdir(exist_ok=True)
@@ -351,53 +585,107 @@ def write_report(run: Path) -> Path:
     md = _markdown(content, {k: f"![{k}]({k}.png)" for k in plots})
     atomic_write_text(folder / "report.md", md)
     inline = {
-        k: f'<img alt="{k}" src="data:image/png;base64,{base64.b64encode(v).decode()}">'
+        k: f"![{ALT[k]}](data:image/png;base64,{base64.b64encode(v).decode()})"
         for k, v in plots.items()
     }
-    body = _markdown(content, {k: f"@@{k}@@" for k in plots})
-    page = _html(body, inline)
+    page = _html(_markdown(content, inline))
     atomic_write_text(folder / "report.html", page)
     atomic_write_json(folder / "privacy.json", content)
     return folder
 
 
-def _html(markdown: str, images: dict[str, str]) -> str:
-    """A minimal Markdown-to-HTML rendering of the report's own text."""
-    out, table = [], []
+ALT = {
+    "epsilon": "Epsilon spent per site by round, PLD and RDP",
+    "layers": "What each site sent, by round and block",
+    "f1": "Held-out F1 by round",
+}
 
-    def flush_table() -> None:
-        if table:
-            rows = [r for r in table if not set(r.replace("|", "").strip()) <= {"-"}]
-            cells = [[html.escape(c.strip()) for c in r.strip("|").split("|")] for r in rows]
-            head = "".join(f"<th>{c}</th>" for c in cells[0])
-            body = "".join(
-                "<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in cells[1:]
-            )
-            out.append(f"<table><tr>{head}</tr>{body}</table>")
-            table.clear()
+STYLE = """
+body{font-family:system-ui,sans-serif;max-width:62em;margin:2em auto;padding:0 1em;
+line-height:1.45;color:#222}
+h1{border-bottom:2px solid #08519c;padding-bottom:.2em}
+table{border-collapse:collapse;margin:.6em 0}
+td,th{border:1px solid #ccc;padding:.25em .6em;text-align:left;vertical-align:top}
+th{background:#f3f6fa}
+img{max-width:100%}
+code{background:#f4f4f4;padding:0 .2em}
+"""
 
-    for line in markdown.splitlines():
-        if line.startswith("|"):
-            table.append(line)
-            continue
-        flush_table()
-        if line.startswith("@@") and line.endswith("@@"):
-            out.append(images[line.strip("@")])
-        elif line.startswith("#"):
-            level = len(line) - len(line.lstrip("#"))
-            out.append(f"<h{level}>{html.escape(line.lstrip('#').strip())}</h{level}>")
-        elif line.startswith("- "):
-            out.append(f"<li>{html.escape(line[2:])}</li>")
-        elif line:
-            text = html.escape(line).replace("**", "")
-            out.append(f"<p>{text}</p>")
-    flush_table()
-    style = (
-        "body{font-family:sans-serif;max-width:60em;margin:2em auto;line-height:1.4}"
-        "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:.2em .5em}"
-        "img{max-width:100%}"
-    )
+
+def _html(markdown: str) -> str:
+    """The report's Markdown as one HTML page (markdown-it-py, CommonMark
+    with tables; raw HTML in the text is not passed through)."""
+    from markdown_it import MarkdownIt
+
+    body = MarkdownIt("commonmark", {"html": False}).enable("table").render(markdown)
     return (
-        "<!doctype html><html><head><meta charset='utf-8'><title>clinfed privacy report</title>"
-        f"<style>{style}</style></head><body>{''.join(out)}</body></html>\n"
+        "<!doctype html>\n<html lang='en'><head><meta charset='utf-8'>"
+        "<meta name='viewport' content='width=device-width, initial-scale=1'>"
+        f"<title>clinfed privacy report</title><style>{STYLE}</style></head>"
+        f"<body>\n{body}</body></html>\n"
     )
+
+
+def page_outline(page: str) -> dict[str, Any]:
+    """The structure of a report page, read back from its HTML (or a
+    browser's rendered DOM): title, header rows, verdict lines, the columns
+    of the "what each site sent" grid, section headings and image texts.
+    Used to check the page a browser renders."""
+    from html.parser import HTMLParser
+
+    class Outline(HTMLParser):
+        def __init__(self) -> None:
+            super().__init__()
+            self.headings: list[str] = []
+            self.tables: list[dict[str, Any]] = []
+            self.items: dict[str, list[str]] = {}
+            self.images: list[str] = []
+            self._tag: str | None = None
+            self._text = ""
+            self._row: list[str] | None = None
+
+        def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+            if tag in ("h1", "h2", "h3", "li", "td", "th"):
+                self._tag, self._text = tag, ""
+            elif tag == "table":
+                self.tables.append(
+                    {"after": self.headings[-1] if self.headings else "", "rows": []}
+                )
+            elif tag == "tr":
+                self._row = []
+            elif tag == "img":
+                self.images.append(dict(attrs).get("alt") or "")
+
+        def handle_endtag(self, tag: str) -> None:
+            text = " ".join(self._text.split())
+            if tag in ("h1", "h2", "h3") and self._tag == tag:
+                self.headings.append(text)
+            elif tag == "li" and self._tag == "li":
+                self.items.setdefault(self.headings[-1] if self.headings else "", []).append(text)
+            elif tag in ("td", "th") and self._row is not None:
+                self._row.append(text)
+            elif tag == "tr" and self._row is not None and self.tables:
+                self.tables[-1]["rows"].append(self._row)
+                self._row = None
+            if tag == self._tag:
+                self._tag = None
+
+        def handle_data(self, data: str) -> None:
+            if self._tag is not None:
+                self._text += data
+
+    parser = Outline()
+    parser.feed(page)
+    header = next((t for t in parser.tables if t["after"] == "Privacy report"), None)
+    sent = next((t for t in parser.tables if t["after"] == "What each site sent"), None)
+    return {
+        "title": parser.headings[0] if parser.headings else "",
+        "headings": parser.headings,
+        "header": {
+            row[0]: row[1] for row in (header["rows"][1:] if header else []) if len(row) > 1
+        },
+        "verdicts": parser.items.get("Verdict", []),
+        "sent_columns": sent["rows"][0][1:] if sent else [],
+        "sent_rows": len(sent["rows"]) - 1 if sent else 0,
+        "images": parser.images,
+    }

@@ -330,3 +330,138 @@ def test_config_file_evaluate_and_predict(i2b2_corpus, tmp_path):
     second = load_file(str(again / "model" / "model.safetensors"))
     assert all(torch.equal(first[k], second[k]) for k in first)
     assert json.loads((again / "summary.json").read_text())["f1"] == pytest.approx(final["f1"])
+
+
+# ------------------------------------------------------ conventions, exit codes
+TINY_FEDERATED = ("--task", "i2b2", "--model", "tiny", "--max-length", "32", "--threads", "1")
+
+
+def test_version_names_clinfed_and_its_libraries():
+    from clinfed import __version__
+
+    result = run_cli("--version")
+    assert result.returncode == 0
+    assert result.stdout.startswith(f"clinfed {__version__} (torch ")
+
+
+def test_shell_completion_script_is_offered():
+    result = run_installed("--show-completion", "bash")
+    assert result.returncode == 0 and "_CLINFED_COMPLETE" in result.stdout
+
+
+def test_a_run_no_site_can_afford_is_refused_before_anything_is_written(i2b2_corpus, tmp_path):
+    out = tmp_path / "run"
+    result = run_cli(
+        "train", *TINY_FEDERATED, "--strategy", "fedavg", "--rounds", "2",
+        "--target-epsilon", "0.5", "--noise-multiplier", "0.5",
+        "--data", str(i2b2_corpus), "--out", str(out),
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "no site can train round 1 within its privacy budget" in result.stderr
+    assert not out.exists()
+
+
+def test_a_run_that_stops_early_exits_1(i2b2_corpus, tmp_path, monkeypatch):
+    from clinfed.federated.engine import RoundEngine
+
+    original = RoundEngine.run_round
+
+    def stop_in_round_2(self, transport, round_number):
+        if round_number == 2:
+            self.stopped = "stopped in round 2: fewer than 1 sites replied"
+            return False
+        return original(self, transport, round_number)
+
+    monkeypatch.setattr(RoundEngine, "run_round", stop_in_round_2)
+    out = tmp_path / "run"
+    args = ("train", *TINY_FEDERATED, "--strategy", "fedavg", "--rounds", "3")
+    result = run_cli(*args, "--data", str(i2b2_corpus), "--out", str(out), "--json")
+    assert result.returncode == 1
+    summary = json.loads(result.stdout)
+    assert summary["stopped"].startswith("stopped in round 2") and summary["wall_s"] > 0
+    assert json.loads((out / "summary.json").read_text())["stopped"] == summary["stopped"]
+
+
+def test_ctrl_c_says_how_to_resume(i2b2_corpus, tmp_path, monkeypatch):
+    from clinfed.federated.engine import RoundEngine
+
+    def interrupted(self, transport, round_number):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(RoundEngine, "run_round", interrupted)
+    out = tmp_path / "run"
+    args = ("train", *TINY_FEDERATED, "--strategy", "fedavg", "--rounds", "2")
+    result = run_cli(*args, "--data", str(i2b2_corpus), "--out", str(out))
+    assert result.returncode == 130
+    assert f"clinfed train --config {out / 'config.json'} --out {out} --resume" in result.stderr
+
+
+def test_logs_outside_a_terminal_are_one_timestamped_line_per_event(i2b2_corpus, tmp_path):
+    import re
+
+    out = tmp_path / "run"
+    args = ("train", *TINY_FEDERATED, "--strategy", "fedavg", "--rounds", "1")
+    result = run_cli(*args, "--data", str(i2b2_corpus), "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.strip().splitlines()
+    stamp = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d ")
+    assert lines and all(stamp.match(line) for line in lines)
+    assert any("round 1 beth:" in line for line in lines)
+    assert "wall time" in result.stdout
+    quiet = run_cli("--quiet", *args, "--data", str(i2b2_corpus), "--out", str(tmp_path / "q"))
+    assert quiet.returncode == 0 and quiet.stderr == ""
+
+
+def test_report_and_sweep_print_json(i2b2_corpus, tmp_path):
+    sweep = tmp_path / "sweep"
+    result = run_cli(
+        "sweep", *TINY_FEDERATED, "--strategies", "fedavg", "--epsilons", "inf",
+        "--rounds", "1", "--data", str(i2b2_corpus), "--out", str(sweep), "--json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert len(rows) == 1 and rows[0]["target_epsilon"] == "inf"
+    report = run_cli("report", str(sweep / "fedavg-epsinf-seed0"), "--json")
+    assert report.returncode == 0, report.stderr
+    assert json.loads(report.stdout)["differential_privacy"] is False
+
+
+def test_the_readme_python_api_example_runs_as_written(tmp_path):
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Python API", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    previous = Path.cwd()
+    os.chdir(tmp_path)
+    try:
+        namespace: dict = {}
+        exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102
+    finally:
+        os.chdir(previous)
+    summary = namespace["summary"]
+    assert set(summary["epsilon"]) == {"beth", "partners", "site3"}
+    assert all(0 < e <= 8.0 for e in summary["epsilon"].values())
+    assert (tmp_path / namespace["page"]).is_file()
+    import clinfed
+    from clinfed.errors import ClinfedError
+
+    with pytest.raises(ClinfedError, match="^rounds must be at least 1"):
+        clinfed.train(tmp_path / "data", tmp_path / "again", rounds=0)
+
+
+def test_report_to_tensorboard_writes_event_files_with_each_rounds_figures(i2b2_corpus, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    args = ("train", *TINY_FEDERATED, "--strategy", "fedavg", "--rounds", "2")
+    result = run_cli(
+        *args, "--target-epsilon", "8", "--report-to", "tensorboard",
+        "--data", str(i2b2_corpus), "--out", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"global/f1", "beth/mb_up", "beth/epsilon"} <= tags
+    assert [e.step for e in events.Scalars("beth/epsilon")] == [1, 2]
+    assert [e.step for e in events.Scalars("global/f1")] == [1, 2]

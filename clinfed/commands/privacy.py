@@ -66,12 +66,26 @@ def privacy_noise(
 @app.command("report")
 def report_cmd(
     run: Path = typer.Argument(..., help="A run folder.", exists=True, file_okay=False),
+    reference: Path = typer.Option(
+        None,
+        "--reference",
+        help="The same run without DP (a run folder), for the F1 plot; found beside RUN in "
+        "a sweep otherwise.",
+        exists=True,
+        file_okay=False,
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print privacy.json."),
 ) -> None:
-    """Write RUN/report/ (report.html, report.md, privacy.json): what the run
-    released, what it cost in epsilon per site, layers sent, F1."""
+    """Write RUN/report/ (report.html, report.md, privacy.json): a verdict per
+    site, epsilon in plain words, what left each hospital, layers sent, F1."""
+    import json
+
     from clinfed.privacy.report import write_report
 
-    folder = write_report(run)
+    folder = write_report(run, reference)
+    if as_json:
+        _print_json(json.loads((folder / "privacy.json").read_text()))
+        return
     out.print(f"[bold]report[/]: {folder / 'report.html'}")
 
 

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 from clinfed.commands.common import (
@@ -17,7 +25,9 @@ from clinfed.commands.common import (
     _warn,
     app,
     err,
+    log,
     out,
+    progress_disabled,
 )
 from clinfed.commands.options import settings_parameters, with_parameters
 from clinfed.errors import ClinfedError
@@ -25,37 +35,48 @@ from clinfed.errors import ClinfedError
 
 # ---------------------------------------------------------------- train
 class _ProgressReporter:
-    """Draws rich progress bars from the pipeline's events."""
+    """Turns the pipeline's events into log lines (``logging``: one
+    timestamped line per event outside a terminal) and rich progress bars
+    with ETA: rounds, the site at work (training, then evaluation), or a
+    centralized epoch."""
 
-    def __init__(self, progress: Progress, epochs: int):
-        self.progress, self.epochs, self.bar = progress, epochs, None
+    def __init__(self, progress: Progress, epochs: int, rounds: int):
+        self.progress, self.epochs, self.rounds = progress, epochs, rounds
+        self.bar: Any = None
+        self.round_bar: Any = None
+
+    def _work(self, description: str, total: float | None) -> None:
+        if self.bar is not None:
+            self.progress.remove_task(self.bar)
+        self.bar = self.progress.add_task(description, total=total)
 
     def __call__(self, event: str, info: dict[str, Any]) -> None:
         p = self.progress
         if event == "loaded":
             _warn(info["warnings"])
-            p.console.print(
+            log.info(
                 f"{info['train']} training and {info['test']} held-out examples "
                 f"from sites {', '.join(info['sites'])}"
             )
         elif event in ("epoch_start", "eval_start"):
-            if self.bar is not None:
-                p.remove_task(self.bar)
             label = "train" if event == "epoch_start" else "evaluate"
-            self.bar = p.add_task(
-                f"epoch {info['epoch']}/{self.epochs} {label}", total=info["examples"]
-            )
+            self._work(f"epoch {info['epoch']}/{self.epochs} {label}", info["examples"])
         elif event in ("step", "eval_step"):
             p.advance(self.bar, info["examples"])
         elif event == "epoch_end":
-            p.console.print(
+            log.info(
                 f"epoch {info['epoch']}: f1 {info['f1']:.4f}  loss {info['train_loss']:.4f}  "
                 f"{info['tokens_per_s']:.0f} tokens/s"
             )
         elif event == "site_start":
-            if self.bar is not None:
-                p.remove_task(self.bar)
-            self.bar = p.add_task(f"round {info['round']} {info['client']}", total=None)
+            if self.round_bar is None:
+                self.round_bar = p.add_task("rounds", total=self.rounds)
+                p.update(self.round_bar, completed=info["round"] - 1)
+            self._work(f"round {info['round']} {info['client']} train", None)
+        elif event in ("site_step", "site_eval_step"):
+            p.update(self.bar, total=info["total"], advance=info["done"])
+        elif event == "site_eval_start":
+            self._work(f"{info['client']} evaluate", info["total"])
         elif event == "site_end":
             # Under DP the training loss is not released; epsilon is shown instead.
             detail = (
@@ -63,20 +84,33 @@ class _ProgressReporter:
                 if "epsilon" in info
                 else f"loss {info['train_loss']:.4f}"
             )
-            p.console.print(
+            log.info(
                 f"round {info['round']} {info['client']}: {detail}  "
                 f"up {info['bytes_up'] / 1e6:.1f} MB"
                 + (f"  {info['wall_s']:.0f} s" if "wall_s" in info else "")
             )
         elif event == "site_refused":
-            p.console.print(
-                f"[yellow]round {info['round']} {info['client']}: refused, epsilon would reach "
-                f"{info['epsilon_if_trained']:.3f} (spent {info['epsilon']:.3f})[/]"
+            log.warning(
+                f"round {info['round']} {info['client']}: refused, epsilon would reach "
+                f"{info['epsilon_if_trained']:.3f} (spent {info['epsilon']:.3f})"
             )
         elif event == "stopped":
-            p.console.print(f"[yellow]{info['reason']}[/]")
+            log.warning(info["reason"])
         elif event == "round_end":
-            p.console.print(f"[bold]round {info['round']}[/]: f1 {info['f1']:.4f}")
+            log.info(f"round {info['round']}: f1 {info['f1']:.4f}")
+            if self.round_bar is not None:
+                p.update(self.round_bar, completed=info["round"])
+
+
+def _columns() -> list:
+    return [
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+    ]
 
 
 def _round_table(run: Path) -> None:
@@ -113,9 +147,16 @@ def train(
         exists=True,
         dir_okay=False,
     ),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print the run's summary as JSON (progress stays on stderr)."
+    ),
     **settings: Any,
 ) -> None:
-    """Train a model and write a run folder (config, metrics.jsonl, model, predictions)."""
+    """Train a model and write a run folder (config, metrics.jsonl, model, predictions).
+
+    Exit status: 0 done; 1 the run stopped early (too few sites, budgets
+    spent); 2 bad settings or data (nothing trained); 130 interrupted (the
+    command to resume is printed)."""
     from clinfed.commands.options import given, merge
     from clinfed.pipeline import RunConfig, run_training
 
@@ -127,15 +168,20 @@ def train(
         if not values.get(required):
             raise ClinfedError(f"--{required} is required (a flag or a key of --config)")
     out_dir = Path(config.out)
-    epochs = config.epochs
-    columns = [
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-    ]
-    with Progress(*columns, console=err, transient=True) as progress:
-        summary = run_training(config, _ProgressReporter(progress, epochs))
+    started = time.perf_counter()
+    try:
+        with Progress(
+            *_columns(), console=err, transient=True, disable=progress_disabled()
+        ) as progress:
+            reporter = _ProgressReporter(progress, config.epochs, config.rounds)
+            summary = run_training(config, reporter)
+    except KeyboardInterrupt:
+        _interrupted(config, out_dir)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    wall = time.perf_counter() - started
+    if as_json:
+        _print_json(summary | {"wall_s": round(wall, 1), "run": str(out_dir)})
+        raise typer.Exit(EXIT_STOPPED if summary.get("stopped") else 0)
     if "mb_up" in summary:
         _round_table(out_dir)
         if summary.get("stopped"):
@@ -147,13 +193,45 @@ def train(
             f"[bold]done[/]: held-out f1 {summary['f1']:.4f}; uploaded {summary['mb_up']:.1f} MB, "
             f"downloaded {summary['mb_down']:.1f} MB "
             f"({100 * summary['ratio_to_fedavg_up']:.3g}% of "
-            f"FedAvg's upload); run folder {out_dir}"
+            f"FedAvg's upload); run folder {out_dir}; {_duration(wall)}"
         )
+        if summary.get("stopped"):
+            raise typer.Exit(EXIT_STOPPED)
     else:
         out.print(
             f"[bold]done[/]: held-out f1 {summary['f1']:.4f} "
-            f"({summary['tokens_per_s']:.0f} training tokens/s); run folder {out_dir}"
+            f"({summary['tokens_per_s']:.0f} training tokens/s); run folder {out_dir}; "
+            f"{_duration(wall)}"
         )
+
+
+# A run that stopped before its last round (as ``clinfed flower run``).
+EXIT_STOPPED = 1
+EXIT_INTERRUPTED = 130
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    text = f"{hours} h {minutes:02d} min" if hours else f"{minutes} min {secs:02d} s"
+    return f"wall time {text}" if seconds >= 60 else f"wall time {seconds:.1f} s"
+
+
+def _interrupted(config: Any, out_dir: Path) -> None:
+    """Ctrl-C: what is kept and how to go on."""
+    from clinfed.federated.strategies import STRATEGIES
+
+    if STRATEGIES[config.strategy].pooled:
+        err.print(
+            f"[yellow]interrupted[/]: a {config.strategy} run does not resume; start it again "
+            f"with a new --out (or remove {out_dir})"
+        )
+        return
+    err.print(
+        "[yellow]interrupted[/]: the rounds committed so far are kept; resume with\n"
+        f"  clinfed train --config {out_dir / 'config.json'} --out {out_dir} --resume",
+        soft_wrap=True,
+    )
 
 
 def sweep_cmd(
@@ -175,6 +253,7 @@ def sweep_cmd(
         exists=True,
         dir_okay=False,
     ),
+    as_json: bool = typer.Option(False, "--json", help="Print the sweep's rows as JSON."),
     **settings: Any,
 ) -> None:
     """F1 at fixed epsilon budgets: one run per strategy x epsilon x seed,
@@ -198,11 +277,24 @@ def sweep_cmd(
             raise ClinfedError(f"--{required} is required (a flag or a key of --config)")
     names = [s.strip() for s in strategies.split(",") if s.strip()]
 
-    def show(event: str, info: dict[str, Any]) -> None:
-        if event == "cell_start":
-            err.print(f"sweep: running {info['cell']}")
+    with Progress(*_columns(), console=err, disable=progress_disabled()) as progress:
+        cells: Any = None
 
-    run_sweep(base, out_dir, names, parse_epsilons(epsilons), seeds, show, options)
+        def show(event: str, info: dict[str, Any]) -> None:
+            nonlocal cells
+            if event == "sweep_start":
+                cells = progress.add_task("sweep cells", total=info["cells"])
+                progress.update(cells, completed=info["finished"])
+            elif event == "cell_start":
+                log.info(f"sweep: running {info['cell']}")
+            elif event == "cell_end":
+                log.info(f"sweep: {info['cell']} done in {info['seconds']:.0f} s")
+                progress.advance(cells)
+
+        rows = run_sweep(base, out_dir, names, parse_epsilons(epsilons), seeds, show, options)
+    if as_json:
+        _print_json(rows)
+        return
     out.print((out_dir / "sweep.md").read_text())
     out.print(f"[bold]sweep[/]: {out_dir / 'sweep.csv'}, {out_dir / 'sweep.png'}")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,9 @@ class LocalWork:
     personal: dict[str, torch.Tensor] = field(default_factory=dict)
     # Under DP: the site's secret sampling and noise (clinfed.privacy.randomness).
     randomness: SiteRandomness | None = None
+    # Progress of the local training: (examples or units done in a step,
+    # expected over the whole local training). Local display only.
+    on_step: Callable[[int, int], None] | None = None
 
 
 @dataclass
@@ -82,6 +86,12 @@ class ClientResult:
             "train_loss": self.stats[-1].loss if self.stats else None,
             "wall_s": round(self.seconds, 3),
         }
+
+
+def _progress(
+    on_step: Callable[[int, int], None] | None, total: int
+) -> Callable[[int], None] | None:
+    return None if on_step is None else (lambda done: on_step(done, total))
 
 
 def site_key(site: str) -> int:
@@ -153,6 +163,7 @@ def client_update(work: LocalWork, objective: Any = None) -> ClientResult:
             dp,
             work.randomness,
             objective.grad if objective is not None else None,
+            on_step=work.on_step,
         )
     else:
         stats = [
@@ -165,6 +176,7 @@ def client_update(work: LocalWork, objective: Any = None) -> ClientResult:
                 work.generator,
                 max_grad_norm=settings.max_grad_norm,
                 extra_loss=objective.loss if objective is not None else None,
+                on_step=_progress(work.on_step, len(work.dataset) * settings.epochs),
             )
             for _ in range(settings.epochs)
         ]

@@ -642,6 +642,9 @@ class RoundEngine:
             ]
             if reproducible:
                 summary["not_private"] = reproducible[0]
+        from clinfed.provenance import provenance
+
+        summary |= provenance()
         atomic_write_json(self.out / "summary.json", summary)
         return summary
 

@@ -305,9 +305,16 @@ class SiteRunner:
             return None
         started = time.perf_counter()
         counts = {}
-        for variant, context in self.strategy.evaluations(self.model, self.personal).items():
+        variants = self.strategy.evaluations(self.model, self.personal)
+        total = len(self.test) * len(variants)
+        self.report("site_eval_start", {"client": self.name, "total": total})
+
+        def step(done: int) -> None:
+            self.report("site_eval_step", {"client": self.name, "done": done, "total": total})
+
+        for variant, context in variants.items():
             with context:
-                outputs = predict(self.model, self.task, self.test, self.eval_batch_size)
+                outputs = predict(self.model, self.task, self.test, self.eval_batch_size, step)
             counts[variant] = self.task.evaluation_counts(self.test_records, self.test, outputs)
             if variant == "" and write_predictions:
                 if self.predictions_dir is not None:
@@ -356,6 +363,9 @@ class SiteRunner:
                 dp,
                 self.personal,
                 randomness,
+                on_step=lambda done, total: self.report(
+                    "site_step", {"client": self.name, "done": done, "total": total}
+                ),
             )
             result = self.strategy.local_update(work)
             bytes_up = len(payload.encode(result.upload)) if plan.uploaded else 0

@@ -19,8 +19,9 @@ from flwr.app import RecordDict
 
 from clinfed.errors import ClinfedError
 from clinfed.federated.site import secure_reply
-from clinfed.flower.node import NodeConfig, NodeSite, data_fingerprint, safe_run_name
+from clinfed.flower.node import NodeConfig, NodeSite, safe_run_name
 from clinfed.flower.records import read_message, reply_records
+from clinfed.provenance import data_fingerprint
 from clinfed.settings import RunConfig
 
 

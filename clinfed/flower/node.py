@@ -88,6 +88,7 @@ from clinfed.pipeline import (
 )
 from clinfed.privacy.dpsgd import count_units
 from clinfed.privacy.site import SitePrivacy
+from clinfed.provenance import data_fingerprint
 
 
 @dataclass(frozen=True)
@@ -228,45 +229,6 @@ def safe_run_name(name: str) -> str:
             "only letters, digits, '.', '_' and '-' (no path separators, no '..')"
         )
     return name
-
-
-def data_fingerprint(data: Path, cache: Path) -> str:
-    """SHA-256 over a data folder's files (relative names, sizes, contents).
-
-    Each file's hash is cached in ``cache`` by size and modification time,
-    so a node does not re-read gigabytes of notes for every message.
-    """
-    import hashlib
-    import json
-
-    try:
-        known = json.loads(cache.read_text()) if cache.is_file() else {}
-    except ValueError:
-        known = {}
-    files = sorted(p for p in data.rglob("*") if p.is_file())
-    total = hashlib.sha256()
-    seen = {}
-    for path in files:
-        name = path.relative_to(data).as_posix()
-        info = path.stat()
-        key = [info.st_size, info.st_mtime_ns]
-        entry = known.get(name)
-        if entry and entry[:2] == key:
-            digest = entry[2]
-        else:
-            h = hashlib.sha256()
-            with open(path, "rb") as fh:
-                for chunk in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(chunk)
-            digest = h.hexdigest()
-        seen[name] = [*key, digest]
-        total.update(f"{name}\0{info.st_size}\0{digest}\n".encode())
-    if seen != known:
-        from clinfed.runs import atomic_write_json
-
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(cache, seen)
-    return total.hexdigest()
 
 
 def _encoded(
