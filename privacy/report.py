@@ -135,7 +135,7 @@ def _plots(run_data: dict[str, Any], reference_f1: float | None) -> dict[str, by
         ax.set_ylim(bottom=0)
         _integer_rounds(ax, all_rounds)
         ax.set(xlabel="round", ylabel="epsilon spent (cumulative)", title="Privacy spent per site")
-        ax.legend(fontsize=7, loc="lower right")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         plots["epsilon"] = _png(fig)
     global_records = [r for r in records if "client" not in r and "f1" in r]
     key = "round" if any("round" in r for r in global_records) else "epoch"

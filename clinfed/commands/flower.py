@@ -10,6 +10,7 @@ import click
 import typer
 
 from clinfed.commands.common import (
+    _print_json,
     app,
     err,
     out,
@@ -34,13 +35,16 @@ SUPERLINK = typer.Option(
 )
 
 
-def _exec(command: list[str], env: dict[str, str]) -> int:
-    """Run a Flower process in the foreground; Ctrl-C stops it."""
+def _exec(command: list[str], env: dict[str, str], log_to_stderr: bool = False) -> int:
+    """Run a Flower process in the foreground; Ctrl-C stops it.
+    ``log_to_stderr``: its output goes to stderr (stdout is kept for JSON)."""
     import subprocess
+    import sys
 
     err.print(f"running: {' '.join(command)}", highlight=False, soft_wrap=True)
     try:
-        return subprocess.run(command, env=env).returncode
+        stdout = sys.stderr if log_to_stderr else None
+        return subprocess.run(command, env=env, stdout=stdout).returncode
     except KeyboardInterrupt:
         return 130
 
@@ -213,6 +217,9 @@ def flower_run(
     wait_for_sites: float = typer.Option(
         300.0, "--wait-for-sites", help="Seconds to wait for --min-sites nodes to connect."
     ),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print the run's summary as JSON (Flower's log goes to stderr)."
+    ),
     **settings: Any,
 ) -> None:
     """Submit a training run to a SuperLink and follow its log until it ends
@@ -240,12 +247,16 @@ def flower_run(
             run_overrides(config, min_sites, round_timeout, round_retries, wait_for_sites)
         )
         write_connection(Path(home), superlink, root_cert, insecure)
-        code = _exec(run_command(overrides), environment(Path(home)))
+        code = _exec(run_command(overrides), environment(Path(home)), log_to_stderr=as_json)
+    summary_path = Path(config.out) / "summary.json"
+    if as_json:
+        summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+        _print_json(summary)
+        raise typer.Exit(1 if code == 0 and "stopped" in summary else code)
     if code == 0 and (Path(config.out) / "metrics.jsonl").is_file():
         from clinfed.commands.train import _round_table
 
         _round_table(Path(config.out))
-        summary_path = Path(config.out) / "summary.json"
         if summary_path.is_file() and "stopped" in json.loads(summary_path.read_text()):
             err.print(f"[yellow]{json.loads(summary_path.read_text())['stopped']}[/]")
             code = 1

@@ -24,7 +24,7 @@ def privacy_epsilon(
     sample_rate: float = typer.Option(..., "--sample-rate", help="Poisson rate q = batch / n."),
     noise_multiplier: float = typer.Option(..., "--noise-multiplier", help="Noise over clip."),
     steps: int = typer.Option(..., "--steps", help="DP-SGD steps."),
-    delta: float = typer.Option(..., "--delta", help="Target delta."),
+    delta: float = typer.Option(1e-5, "--delta", help="Target delta (as clinfed train's)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON (key: epsilon)."),
 ) -> None:
     """Epsilon spent by STEPS steps of DP-SGD at rate Q and noise S."""
@@ -43,7 +43,7 @@ def privacy_epsilon(
 @privacy_app.command("noise")
 def privacy_noise(
     target_epsilon: float = typer.Option(..., "--target-epsilon", help="Budget epsilon."),
-    delta: float = typer.Option(..., "--delta", help="Target delta."),
+    delta: float = typer.Option(1e-5, "--delta", help="Target delta (as clinfed train's)."),
     sample_rate: float = typer.Option(..., "--sample-rate", help="Poisson rate q = batch / n."),
     steps: int = typer.Option(..., "--steps", help="DP-SGD steps."),
     as_json: bool = typer.Option(
