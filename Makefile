@@ -1,5 +1,6 @@
 # The two commands of the README, each self-contained on a fresh machine:
-#   make demo   trains on a synthetic 3-site corpus with the bundled MiniLM
+#   make demo   3 synthetic hospitals train MiniLM federated under DP, with
+#               ledgers, an audit and a privacy report (clinfed demo)
 #   make test   installs everything and runs the test suite
 # torch is installed first and pinned: that version is a CPU wheel on local
 # disk here, while an unpinned torch pulls a multi-GB CUDA build.
@@ -23,10 +24,7 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	rm -rf $(DEMO)
-	$(BIN)/clinfed data synth i2b2 --out $(DEMO)/data --sites 3 --docs 40 --seed 0
-	$(BIN)/clinfed baseline --task i2b2 --data $(DEMO)/data --kind dictionary
-	$(BIN)/clinfed train --task i2b2 --data $(DEMO)/data --strategy centralized --epochs 4 --out $(DEMO)/run
-	$(BIN)/clinfed score --task i2b2 --gold $(DEMO)/data/test --pred $(DEMO)/run/predictions
+	$(BIN)/clinfed demo --out $(DEMO)
 
 test: $(STAMP)
 	$(BIN)/ruff check .

@@ -142,6 +142,7 @@ def table_a(args: argparse.Namespace) -> None:
         rows[label] = scores(metrics) | {
             "wall_s": round(wall, 1),
             "mb_up": round(summary.get("mb_up", 0.0), 1),
+            "mb_down": round(summary.get("mb_down", 0.0), 1),
         }
         print(label, rows[label], flush=True)
 
@@ -161,13 +162,22 @@ def table_a(args: argparse.Namespace) -> None:
         f"{len(devel_sentences)} devel sentences; {model}, {args.rounds} rounds (epochs for "
         f"centralized), max length {args.max_length}, seed 0; {result['wall_min']} min.",
         "",
-        "| method | strict F1 | Chemical F1 | Disease F1 | MB up | wall |",
-        "|---|---|---|---|---|---|",
+        "| method | strict F1 | Chemical F1 | Disease F1 | MB up | MB down "
+        "| share of FedAvg's up / down | wall |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    fedavg = rows.get("fedavg", {})
     for label, row in rows.items():
+        share = "-"
+        if fedavg.get("mb_up") and row.get("mb_up"):
+            share = (
+                f"{100 * row['mb_up'] / fedavg['mb_up']:.0f}% / "
+                f"{100 * row['mb_down'] / fedavg['mb_down']:.0f}%"
+            )
         lines.append(
             f"| {label} | {row['f1']:.3f} | {row['Chemical_f1']:.3f} | {row['Disease_f1']:.3f} "
-            f"| {row.get('mb_up', 0.0):.1f} | {row['wall_s'] / 60:.1f} min |"
+            f"| {row.get('mb_up', 0.0):.1f} | {row.get('mb_down', 0.0):.1f} | {share} "
+            f"| {row['wall_s'] / 60:.1f} min |"
         )
     atomic_write_text(args.results / f"{name}.md", "\n".join(lines) + "\n")
     print("\n".join(lines))

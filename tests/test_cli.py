@@ -465,3 +465,24 @@ def test_report_to_tensorboard_writes_event_files_with_each_rounds_figures(i2b2_
     assert {"global/f1", "beth/mb_up", "beth/epsilon"} <= tags
     assert [e.step for e in events.Scalars("beth/epsilon")] == [1, 2]
     assert [e.step for e in events.Scalars("global/f1")] == [1, 2]
+
+
+def test_the_demo_runs_the_private_federated_path_end_to_end(tmp_path):
+    out = tmp_path / "demo"
+    args = ("demo", "--model", "tiny", "--docs", "3", "--rounds", "1", "--threads", "1")
+    result = run_cli(*args, "--out", str(out), "--json")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert set(summary["epsilon"]) == {"beth", "partners", "site3"}
+    assert all(0 < eps <= 8.0 for eps in summary["epsilon"].values())
+    assert 0 <= summary["f1_private"] <= 1 and 0 <= summary["f1_no_dp"] <= 1
+    assert 0 < summary["ratio_to_fedavg_up"] < 1  # SAFL sends part of the model
+    assert (out / "private" / "audit.json").is_file()
+    assert Path(summary["report"]).is_file()
+    for site in summary["epsilon"]:
+        assert (out / "private" / "privacy" / f"{site}.jsonl").is_file()
+    assert not (out / "no-dp" / "privacy").exists()
+    content = json.loads((out / "private" / "report" / "privacy.json").read_text())
+    assert content["reference_f1"] == pytest.approx(summary["f1_no_dp"])
+    again = run_cli(*args, "--out", str(out))
+    assert again.returncode == 2 and "choose a new" in again.stderr

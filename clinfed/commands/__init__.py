@@ -13,7 +13,7 @@ import sys
 import click
 import typer
 
-from clinfed.commands import data, flower, privacy, train  # noqa: F401  (registration)
+from clinfed.commands import data, demo, flower, privacy, train  # noqa: F401  (registration)
 from clinfed.commands.common import MAX_PROBLEMS_SHOWN, app, err
 from clinfed.errors import EXIT_USAGE, ClinfedError, DataError
 from clinfed.quiet import quiet_libraries

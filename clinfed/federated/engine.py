@@ -58,6 +58,9 @@ class Message:
         Write predictions of the received model where the site keeps them.
     strategy_state
         The strategy's JSON state (FedFrozen's freeze round).
+    base
+        For a partial download: the global round of the site's copy it
+        overlays (everything that changed since then is in the download).
     secure
         Secure aggregation: on a ``train`` message, ``{"stage": "train"}``
         (keep the upload, reply with keys); on a ``secure`` message, the
@@ -72,6 +75,8 @@ class Message:
     write_predictions: bool = False
     strategy_state: dict[str, Any] = field(default_factory=dict)
     secure: dict[str, Any] | None = None
+    # A partial download overlays the site's copy of this global round.
+    base: int | None = None
 
 
 @dataclass
@@ -85,6 +90,14 @@ class Reply:
     evaluation: dict[str, Any] | None  # {"counts": {variant: counts}, "examples", "seconds"}
     ledger: dict[str, Any] | None  # the site's privacy ledger, if it shares it
     secure: dict[str, Any] | None = None
+    # Digest of the shared model the site rebuilt from the message (the
+    # previous global round, if all went well); None for a model of its own.
+    received: str | None = None
+
+
+# Digests of this many recent global rounds are kept: a site that lags
+# further gets the whole model.
+KEPT_DIGESTS = 8
 
 
 class Transport(Protocol):
@@ -227,6 +240,10 @@ class RoundEngine:
         self.sampling = np.random.default_rng([seed, 1])
         self.first_round = 1
         self.holds: dict[str, int] = {}  # site -> global round its copy holds
+        # Per shared name, the round its global value last changed (0: the
+        # starting model); per recent round, the global model's digest.
+        self.changed: dict[str, int] = {n: 0 for n in self.global_state}
+        self.digests: dict[str, str] = {"0": payload.digest(self.global_state)}
         self.site_of: dict[str, str] = {}  # address -> site name (learnt from replies)
         self.ledgers: dict[str, dict[str, Any]] = {}
         # Each site ledger's length and SHA-256 as last seen (committed with
@@ -261,6 +278,10 @@ class RoundEngine:
             )
         self.holds = dict(committed.holds)
         self.ledger_digests = dict(committed.ledgers)
+        self.changed = {n: 0 for n in self.global_state} | dict(committed.changed)
+        self.digests = dict(committed.digests) or {
+            str(committed.round): payload.digest(self.global_state)
+        }
         self.pending_observed = dict(committed.strategy.get("_observed", {}))
         self.first_round = committed.round + 1
         if self.first_round > self.rounds:
@@ -281,6 +302,8 @@ class RoundEngine:
             self.sampling.bit_generator.state,
             self.holds,
             self.ledger_digests,
+            self.changed,
+            self.digests,
         )
 
     def _metrics(self, record: dict[str, Any]) -> None:
@@ -303,11 +326,20 @@ class RoundEngine:
         messages, bytes_down = {}, {}
         for address in addresses:
             site = self.site_of.get(address)
-            in_sync = site is not None and self.holds.get(site) == round_number - 2
-            # A site with a model of its own never takes more than the shared
-            # part: the rest of the server's copy is not its.
-            full = self.strategy.shares_model and not in_sync
-            names = sorted(self.global_state) if full else sorted(envelope)
+            held = self.holds.get(site) if site is not None else None
+            if not self.strategy.shares_model:
+                # A model of its own: never more than the shared part the
+                # envelope names, and of it only what changed since it synced.
+                full, base = False, held
+                names = sorted(n for n in envelope if held is None or self.changed.get(n, 0) > held)
+            elif held is None or str(held) not in self.digests:
+                # First contact, a site the server lost track of, a copy it
+                # could not verify: the whole model.
+                full, base, names = True, None, sorted(self.global_state)
+            else:
+                # Exactly what changed since the round its copy holds.
+                full, base = False, held
+                names = sorted(n for n in self.global_state if self.changed[n] > held)
             download = {n: self.global_state[n] for n in names}
             kind = "train" if address in training else "evaluate"
             if kind == "evaluate" and round_number == 1:
@@ -327,6 +359,7 @@ class RoundEngine:
                 write_predictions=predictions,
                 strategy_state=self.strategy.state_dict(),
                 secure={"stage": "train"} if self.secure is not None and kind == "train" else None,
+                base=base,
             )
         return messages, bytes_down
 
@@ -378,6 +411,7 @@ class RoundEngine:
                 continue
             self.site_of[address] = site = reply.site
             message = messages[address]
+            stale = self._stale(reply, round_number)
             if reply.ledger:
                 self.ledgers[site] = reply.ledger
                 if reply.ledger.get("digest"):
@@ -385,12 +419,21 @@ class RoundEngine:
             if reply.evaluation:
                 evaluations.append((site, reply.evaluation))
             if message.kind == "evaluate":
-                holds[site] = round_number - 1
+                if stale is None:
+                    holds[site] = round_number - 1
+                else:
+                    self.holds.pop(site, None)
                 continue
-            reason = check_record(reply) or check_upload(reply.upload, allowed, self.global_state)
+            reason = (
+                stale
+                or check_record(reply)
+                or check_upload(reply.upload, allowed, self.global_state)
+            )
             if reason is not None:
                 records.append({"round": round_number, "client": site, "rejected": reason})
                 self.log(f"round {round_number}: {site}: update rejected ({reason})")
+                if stale is not None:
+                    self.holds.pop(site, None)  # the whole model next time
                 continue
             holds[site] = round_number - 1
             record = dict(reply.record)
@@ -455,12 +498,33 @@ class RoundEngine:
             mean, sent = session.mean, set(session.sent)
         else:
             mean = aggregator.result(self.global_state)
+        previous = self.global_state
         self.global_state = self.strategy.apply(
             round_number, self.global_state, mean, frozenset(sent)
         )
+        for name, value in self.global_state.items():
+            if not torch.equal(value, previous[name]):
+                self.changed[name] = round_number
+        self.digests[str(round_number)] = payload.digest(self.global_state)
+        for old in sorted(self.digests, key=int)[:-KEPT_DIGESTS]:
+            del self.digests[old]
         self.pending_observed = self.strategy.observe(round_number, self.global_state)
         self._commit(round_number)
         return True
+
+    def _stale(self, reply: Reply, round_number: int) -> str | None:
+        """Why the model a site rebuilt is not global round ``round_number - 1``
+        (a stale or corrupt copy), or ``None``. A site that proves nothing
+        (a model of its own) is taken at its word."""
+        if reply.received is None or not self.strategy.shares_model:
+            return None
+        expected = self.digests.get(str(round_number - 1))
+        if expected is None or reply.received == expected:
+            return None
+        return (
+            f"its copy did not rebuild global round {round_number - 1} (stale or corrupt); "
+            "it gets the whole model next round"
+        )
 
     def _secure_sum(
         self,
@@ -531,6 +595,8 @@ class RoundEngine:
         for address, member in session.members.items():
             site = self.site_of.get(address, f"node {address}")
             record = by_site.get(site)
+            if address not in in_sum:
+                self.holds.pop(self.site_of.get(address, ""), None)
             if record is not None:
                 # What left the site: its keys and names, then the stages
                 # (the plain upload never did).

@@ -16,3 +16,16 @@ def encode(tensors: Mapping[str, torch.Tensor]) -> bytes:
 
 def decode(data: bytes) -> dict[str, torch.Tensor]:
     return load_bytes(data)
+
+
+def digest(tensors: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 over named tensors (names, dtypes, shapes, bytes) in name
+    order: what a site proves it holds, and what the server checks it against."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        value = tensors[name].detach().cpu().contiguous()
+        h.update(f"{name}\0{value.dtype}\0{tuple(value.shape)}\0".encode())
+        h.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

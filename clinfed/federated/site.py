@@ -141,7 +141,10 @@ class SiteRunner:
 
         if message.kind == "secure":
             return secure_reply(self.state_dir, message)
-        self._start_from(message.round, message.download, message.full)
+        base = getattr(message, "base", None)
+        self._start_from(message.round, message.download, message.full, base)
+        # What it rebuilt, as proof (a shared model only; checked by the server).
+        proof = payload.digest(shared_state(self.model)) if self.strategy.shares_model else None
         evaluation = None
         if message.evaluate and self._meter(message.round - 1):
             evaluation = self.evaluate(message.write_predictions)
@@ -171,7 +174,7 @@ class SiteRunner:
         if release and message.kind == "train":
             self.release(message.round)
         ledger = self.privacy.report() if self.privacy is not None else None
-        return Reply(self.name, upload, record, evaluation, ledger, secure_part)
+        return Reply(self.name, upload, record, evaluation, ledger, secure_part, proof)
 
     def release(self, round_number: int) -> dict[str, Any] | None:
         """Write-ahead: the round's charge is marked released (fsynced)
@@ -241,18 +244,27 @@ class SiteRunner:
                     found[int(match.group(1))] = path
         return found
 
-    def _start_from(self, round_number: int, download: dict[str, torch.Tensor], full: bool) -> None:
+    def _start_from(
+        self,
+        round_number: int,
+        download: dict[str, torch.Tensor],
+        full: bool,
+        base: int | None = None,
+    ) -> None:
         usable = {r: p for r, p in self._copies().items() if r <= round_number - 2}
-        base_round = max(usable, default=None)
+        if base is None:
+            base = round_number - 2
+        # A partial download overlays the copy of exactly ``base``.
+        base_round = base if base in usable else max(usable, default=None)
         saved = load_tensors(usable[base_round]) if base_round is not None else {}
         self.personal = {k[len(PERSONAL) :]: v for k, v in saved.items() if k.startswith(PERSONAL)}
         state = {k: v for k, v in saved.items() if not k.startswith(PERSONAL)}
         if full:
             self._load(download, strict=True)
             return
-        if self.strategy.shares_model and base_round != round_number - 2:
+        if self.strategy.shares_model and base_round != base:
             raise ClinfedError(
-                f"site {self.name}: no copy of global round {round_number - 2} to update "
+                f"site {self.name}: no copy of global round {base} to update "
                 "(restarted or lagging); the server sends the whole model next round"
             )
         self._load(state or self.initial_state, strict=True)

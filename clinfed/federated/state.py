@@ -61,6 +61,10 @@ class RunState:
     holds: dict[str, int] = field(default_factory=dict)
     metrics_bytes: int = 0
     ledgers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Per shared parameter, the round its global value last changed; per
+    # recent round, the global model's digest (what a site's copy must match).
+    changed: dict[str, int] = field(default_factory=dict)
+    digests: dict[str, str] = field(default_factory=dict)
     schema: int = SCHEMA
 
 
@@ -73,6 +77,8 @@ def commit(
     sampling: dict[str, Any],
     holds: dict[str, int],
     ledgers: dict[str, dict[str, Any]] | None = None,
+    changed: dict[str, int] | None = None,
+    digests: dict[str, str] | None = None,
 ) -> RunState:
     """Write round ``round_number``'s weights, then ``state.json``; drop
     what the previous commit named."""
@@ -92,6 +98,8 @@ def commit(
         dict(holds),
         metrics.stat().st_size if metrics.exists() else 0,
         dict(ledgers or {}),
+        dict(changed or {}),
+        dict(digests or {}),
     )
     atomic_write_json(out / STATE, asdict(state))
     keep = {Path(name).name, Path(tensors_name).name if tensors_name else None}

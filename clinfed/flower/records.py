@@ -58,6 +58,7 @@ def message_records(message: Message, run: Mapping[str, Any]) -> RecordDict:
         "write_predictions": message.write_predictions,
         "strategy_state": message.strategy_state,
         "secure": message.secure,
+        "base": message.base,
         "run": dict(run),
     }
     return to_records(message.download, info)
@@ -74,6 +75,7 @@ def read_message(content: RecordDict) -> tuple[Message, dict[str, Any]]:
         bool(info["write_predictions"]),
         dict(info["strategy_state"]),
         info.get("secure"),
+        info.get("base"),
     )
     return message, dict(info["run"])
 
@@ -85,6 +87,7 @@ def reply_records(reply: Reply) -> RecordDict:
         "evaluation": reply.evaluation,
         "ledger": reply.ledger,
         "secure": reply.secure,
+        "received": reply.received,
     }
     return to_records(reply.upload, info)
 
@@ -100,4 +103,5 @@ def read_reply(content: RecordDict) -> Reply:
         info.get("evaluation"),
         info.get("ledger"),
         info.get("secure"),
+        info.get("received"),
     )
