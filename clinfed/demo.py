@@ -19,20 +19,29 @@ from typing import Any
 
 from clinfed.errors import ClinfedError
 
-# The private run's plan and its settings (the reference run differs only
-# in having no DP). See the module docstring.
-PLAN: dict[str, Any] = {
+# The private run's settings (the reference run differs only in having no
+# DP), common to every plan, then each plan's own. See the module docstring.
+COMMON: dict[str, Any] = {
     "task": "i2b2",
-    "strategy": "safl+fedfrozen",
-    "top_layers": 2,
-    "freeze_from": "2",
     "rounds": 3,
-    "local_epochs": 1,
     "max_length": 64,
     "target_epsilon": 8.0,
     "delta": 1e-5,
     "audit_holdout": 0.1,
 }
+PLANS: dict[str, dict[str, Any]] = {
+    # SAFL's two best layers, their attention query/key frozen from round 2.
+    "safl+fedfrozen": {
+        "strategy": "safl+fedfrozen",
+        "top_layers": 2,
+        "freeze_from": "2",
+        "local_epochs": 1,
+    },
+    # FedAvg of the encoder's bias terms and the head only (BitFit).
+    "bias": {"strategy": "fedavg", "adapter": "bias", "local_epochs": 3},
+}
+DEFAULT_PLAN = "safl+fedfrozen"
+PLAN = COMMON | PLANS[DEFAULT_PLAN]
 SITES, DOCS, SEED = 3, 30, 0
 
 
@@ -42,6 +51,7 @@ def run_demo(
     docs: int = DOCS,
     rounds: int | None = None,
     threads: int = 0,
+    plan: str = DEFAULT_PLAN,
     on_step: Callable[[str], None] = lambda text: None,
     on_event: Callable[[str, dict[str, Any]], None] = lambda event, info: None,
 ) -> dict[str, Any]:
@@ -62,7 +72,9 @@ def run_demo(
     data = out / "data"
     on_step(f"writing a synthetic corpus: {SITES} hospitals x {docs} notes")
     generate(data, sites=SITES, docs=docs, seed=SEED)
-    settings = dict(PLAN) | {"model": model, "threads": threads, "seed": SEED}
+    if plan not in PLANS:
+        raise ClinfedError(f"--plan must be one of {', '.join(PLANS)}, not {plan!r}")
+    settings = COMMON | PLANS[plan] | {"model": model, "threads": threads, "seed": SEED}
     if rounds is not None:
         settings["rounds"] = rounds
     private_dir, reference_dir = out / "private", out / "no-dp"
@@ -81,6 +93,7 @@ def run_demo(
     on_step("writing the privacy report")
     page = write_report(private_dir, reference_dir) / "report.html"
     summary = {
+        "plan": plan,
         "strategy": settings["strategy"],
         "model": model,
         "sites": SITES,

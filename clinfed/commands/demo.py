@@ -18,6 +18,12 @@ def demo(
     docs: int = typer.Option(30, "--docs", help="Synthetic notes per hospital."),
     rounds: int = typer.Option(None, "--rounds", help="Rounds (default: the demo's plan)."),
     threads: int = typer.Option(0, "--threads", help="CPU threads (0: all cores)."),
+    plan: str = typer.Option(
+        "safl+fedfrozen",
+        "--plan",
+        help="safl+fedfrozen (SAFL's 2 layers, Q/K frozen from round 2) or bias (FedAvg of "
+        "bias terms and head, 3 local epochs).",
+    ),
     as_json: bool = JSON,
 ) -> None:
     """The product's main job on synthetic data: three hospitals train one
@@ -30,7 +36,7 @@ def demo(
     ) as progress:
         reporter = _ProgressReporter(progress, 1, rounds or PLAN["rounds"])
         summary = run_demo(
-            out_dir, model, docs, rounds, threads, on_step=log.info, on_event=reporter
+            out_dir, model, docs, rounds, threads, plan, on_step=log.info, on_event=reporter
         )
     if as_json:
         _print_json(summary)
@@ -45,8 +51,8 @@ def demo(
     )
     out.print(f"  epsilon spent per hospital: {spent} (delta {summary['delta']:g})")
     out.print(
-        f"  sent: {summary['mb_up']:.0f} MB up, {100 * summary['ratio_to_fedavg_up']:.0f}% of "
-        f"FedAvg's {summary['fedavg_mb_up']:.0f} MB ({summary['strategy']})"
+        f"  sent: {summary['mb_up']:.3g} MB up, {100 * summary['ratio_to_fedavg_up']:.2g}% of "
+        f"FedAvg's {summary['fedavg_mb_up']:.0f} MB (plan {summary['plan']})"
     )
     out.print(
         f"  membership inference on the private model: AUC {summary['audit_auc']:.2f} "
