@@ -210,6 +210,12 @@ def _simulate_then_deploy(config: RunConfig, data: Path, tmp_path: Path, certs) 
     with one SuperNode per site (state under ``tmp_path/deploy/state``)."""
     simulated = config.replace(data=str(data), out=str(tmp_path / "sim"))
     run_training(simulated)
+    _deploy(config, data, tmp_path, certs)
+
+
+def _deploy(config: RunConfig, data: Path, tmp_path: Path, certs) -> None:
+    """``config`` on a SuperLink with one SuperNode per site (state under
+    ``tmp_path/deploy/state``); it must finish."""
     (tmp_path / "deploy").mkdir()
     federation = LocalFederation(tmp_path / "deploy", certs=certs)
     try:
@@ -709,16 +715,7 @@ def test_secure_aggregation_on_flower_equals_plain_aggregation(tmp_path, monkeyp
     plain = config.replace(secure_aggregation=False, data=str(data), out=str(tmp_path / "sim"))
     run_training(plain)
     monkeypatch.setattr(SiteRunner, "train_round", original)
-    (tmp_path / "deploy").mkdir()
-    federation = LocalFederation(tmp_path / "deploy", certs=certs)
-    try:
-        federation.start_superlink()
-        for site in SITES:
-            federation.start_node(site, data, **_node_policy(config))
-        process = federation.submit(config, min_sites=3, round_timeout=300)
-    finally:
-        federation.close()
-    assert process.returncode == 0, "\n".join(federation.lines[-40:])
+    _deploy(config, data, tmp_path, certs)
 
     run = Path(config.out)
     ours = load_file(str(run / "model" / "model.safetensors"))

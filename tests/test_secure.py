@@ -162,6 +162,9 @@ def test_a_site_that_drops_out_after_sharing_is_left_out_of_an_exact_mean(tmp_pa
     # self-mask seed was never asked for.
     unmask = [m.secure for _, m, _ in sites.seen if (m.secure or {}).get("stage") == "unmask"]
     assert unmask and all(m["dropped"] == [3] for m in unmask)
+    # Its copy holds its own training, which the sum left out: the whole
+    # model next time, not a delta on top of it.
+    assert "c" not in run.holds and run.holds["a"] == 0
 
 
 def test_too_many_dropouts_lose_the_round_and_the_run_stops(tmp_path):

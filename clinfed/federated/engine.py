@@ -459,6 +459,10 @@ class RoundEngine:
         if session is not None and session.members:
             in_sum = self._secure_sum(transport, session, round_number, records)
             secured = bool(in_sum)
+            for address in set(session.members) - in_sum:
+                # Its copy holds its own training on top of the old round,
+                # and the aggregate does not: not in sync.
+                holds.pop(self.site_of.get(address, ""), None)
             trained -= len(session.members) - len(in_sum)
         releasing = getattr(transport, "releasing", None)
         if releasing is not None:
@@ -595,8 +599,6 @@ class RoundEngine:
         for address, member in session.members.items():
             site = self.site_of.get(address, f"node {address}")
             record = by_site.get(site)
-            if address not in in_sum:
-                self.holds.pop(self.site_of.get(address, ""), None)
             if record is not None:
                 # What left the site: its keys and names, then the stages
                 # (the plain upload never did).
