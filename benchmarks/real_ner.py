@@ -33,6 +33,7 @@ Writes ``RESULTS/real-ner-bc5cdr.json``/``.md`` (a) and
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import shutil
 import time
@@ -135,6 +136,20 @@ def table_a(args: argparse.Namespace) -> None:
         "safl K=2": {"strategy": "safl", "rounds": args.rounds, "top_layers": 2},
         "fedfrozen": {"strategy": "fedfrozen", "rounds": args.rounds, "freeze_from": "2"},
     }
+    previous = {}
+    if args.methods:
+        # Rows not run now come from the last results file, marked so.
+        chosen = {m.strip() for m in args.methods.split(",")}
+        unknown = chosen - set(plans)
+        if unknown:
+            raise SystemExit(f"--methods: unknown {sorted(unknown)}; known {list(plans)}")
+        last = args.results / f"{name}.json"
+        if last.is_file():
+            previous = json.loads(last.read_text())["rows"]
+        for label in [p for p in plans if p not in chosen]:
+            if label in previous:
+                rows[label] = previous[label] | {"previous_run": True}
+        plans = {k: v for k, v in plans.items() if k in chosen}
     for label, plan in plans.items():
         out = args.out / label.replace(" ", "-").replace("=", "")
         summary, wall = train_fresh(out, common | plan)
@@ -174,6 +189,8 @@ def table_a(args: argparse.Namespace) -> None:
                 f"{100 * row['mb_up'] / fedavg['mb_up']:.0f}% / "
                 f"{100 * row['mb_down'] / fedavg['mb_down']:.0f}%"
             )
+        if row.get("previous_run"):
+            label += " (previous run)"
         lines.append(
             f"| {label} | {row['f1']:.3f} | {row['Chemical_f1']:.3f} | {row['Disease_f1']:.3f} "
             f"| {row.get('mb_up', 0.0):.1f} | {row.get('mb_down', 0.0):.1f} | {share} "
@@ -272,6 +289,11 @@ def main() -> None:
     parser.add_argument("--mixed-train", type=int, default=1500, help="(b) sentences per site")
     parser.add_argument("--mixed-devel", type=int, default=1000, help="(b) devel sentences each")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--methods",
+        help="(a) only these rows, comma-separated (centralized, fedavg, safl K=2, fedfrozen); "
+        "the others are kept from the last results file and marked",
+    )
     args = parser.parse_args()
     (table_a if args.table == "a" else table_b)(args)
 

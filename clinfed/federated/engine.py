@@ -491,13 +491,15 @@ class RoundEngine:
             self._metrics(record)
             if "bytes_up" in record:
                 self.report("site_end", record)
-        self.holds |= holds
         if not trained:
+            # Nothing is committed: what the sites hold is still what the
+            # last committed round left them (the final evaluation's base).
             self.stopped = (
                 f"stopped before round {round_number}: no site can train within its privacy budget"
             )
             self.report("stopped", {"round": round_number, "reason": self.stopped})
             return False
+        self.holds |= holds
         if session is not None and session.members:
             mean, sent = session.mean, set(session.sent)
         else:
@@ -655,6 +657,11 @@ class RoundEngine:
                 self.log(f"final evaluation: {site}: no reply ({reply})")
                 continue
             self.site_of[address] = reply.site
+            stale = self._stale(reply, round_number + 1)
+            if stale is not None:
+                # Counts of another model than the final one: left out.
+                self.log(f"final evaluation: {reply.site}: {stale}")
+                continue
             if reply.ledger:
                 self.ledgers[reply.site] = reply.ledger
             if reply.evaluation:
