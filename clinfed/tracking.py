@@ -10,6 +10,7 @@ epoch), each site's MB sent and epsilon. Nothing else, so no note text.
 from __future__ import annotations
 
 import importlib.util
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,12 +20,14 @@ from clinfed.errors import ClinfedError
 Reporter = Callable[[str, dict[str, Any]], None]
 
 
-class Tracker:
+class Tracker(ABC):
     """Logs scalars by name and step; :meth:`close` flushes."""
 
+    @abstractmethod
     def scalar(self, name: str, value: float, step: int) -> None:
-        raise NotImplementedError
+        """One scalar of the run at ``step`` (a round, or an epoch)."""
 
+    @abstractmethod
     def close(self) -> None:
         """Flush and release the backend."""
 
