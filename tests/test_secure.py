@@ -341,3 +341,13 @@ def test_an_in_process_run_ends_with_the_weights_of_plain_aggregation(
     secure_messages = traffic.messages[first:]
     assert all(not m["up"] for m in secure_messages if m["kind"] == "train")
     assert any(m["up"] for m in secure_messages if m["kind"] == "secure")
+
+
+def test_one_training_site_alone_is_never_summed_in_secret(tmp_path):
+    # A sum of one is that site's update: no stage runs, the round is lost.
+    sites = SecureSites(tmp_path / "sites", {"a": 10})
+    run = engine(tmp_path / "run")
+    summary = run.run(sites)
+    assert "secure aggregation" in summary["stopped"]
+    assert not [m for _, m, _ in sites.seen if m.kind == "secure"]
+    assert torch.equal(run.global_state[NAMES[0]], torch.zeros(SHAPES[NAMES[0]]))

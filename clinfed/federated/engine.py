@@ -579,20 +579,19 @@ class RoundEngine:
             return session.take_unmask(address, reply.secure)
 
         joined = set(session.members)
-        shared = stage(session.share_requests(), shares) if len(joined) >= 2 else set()
         in_sum: set[str] = set()
-        if len(shared) >= session.t:
+        # One site alone would hand the server its own update: no stages.
+        if len(joined) >= 2 and len(stage(session.share_requests(), shares)) >= session.t:
             in_sum = stage(session.mask_requests(), masked)
-        if len(in_sum) >= session.t:
-            answers = stage(session.unmask_requests(), unmasked)
-            try:
-                session.mean = session.result(self.global_state)
-            except ValueError as exc:  # too few answers, or shares that do not combine
-                self.log(f"round {round_number}: secure aggregation: {exc}")
+            if len(in_sum) >= session.t:
+                stage(session.unmask_requests(), unmasked)
+                try:
+                    session.mean = session.result(self.global_state)
+                except ValueError as exc:  # too few answers, or shares that do not combine
+                    self.log(f"round {round_number}: secure aggregation: {exc}")
+                    in_sum = set()
+            else:
                 in_sum = set()
-            del answers
-        else:
-            in_sum = set()
         if not in_sum:
             self.log(
                 f"round {round_number}: secure aggregation needs {max(session.t, 2)} of the "
