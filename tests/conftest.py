@@ -98,6 +98,7 @@ def traffic(monkeypatch) -> Traffic:
                     "kind": message.kind,
                     "site": address,
                     "down": set(message.download),
+                    "full": message.full,
                     "up": set(reply.upload) if not isinstance(reply, str) else set(),
                 }
             )

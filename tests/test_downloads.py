@@ -1,4 +1,5 @@
-"""Downloads carry exactly what changed since a site last synced: the
+"""Downloads carry exactly what changed since a site last synced: nothing
+in round 1 (every site builds the starting model from the run's seed), the
 envelope's worth no longer, a lagging site everything it missed, and a
 site whose copy does not rebuild the global model the whole model."""
 
@@ -27,7 +28,10 @@ class MirrorSites:
 
     def __init__(self, sites, uploads, fail=lambda site, round_number: False):
         self.sites, self.uploads, self.fail = list(sites), uploads, fail
-        self.copies: dict[str, dict[int, dict[str, torch.Tensor]]] = {s: {} for s in sites}
+        # Each builds the starting model (global round 0) itself.
+        self.copies: dict[str, dict[int, dict[str, torch.Tensor]]] = {
+            s: {0: {n: torch.zeros(2) for n in NAMES}} for s in sites
+        }
         self.sent: list[tuple[str, object]] = []
 
     def addresses(self):
@@ -94,6 +98,9 @@ def test_a_site_gets_what_changed_since_it_last_synced(tmp_path):
     )
     run = _engine(tmp_path / "run")
     run.run(sites)
+    # Round 1: nothing to send; each site builds global round 0 itself.
+    first = {site: m for site, m in sites.sent if m.round == 1}
+    assert all(not m.full and m.download == {} and m.base == 0 for m in first.values())
     third = {site: m for site, m in sites.sent if m.round == 3}
     # In sync since round 1 (it holds global 1): what changed in round 2.
     assert not third["in-sync"].full and set(third["in-sync"].download) == {"b.weight"}
@@ -104,6 +111,7 @@ def test_a_site_gets_what_changed_since_it_last_synced(tmp_path):
     # Both rebuilt global round 2 exactly (their proofs matched): nothing rejected.
     assert not [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "rejected" in r]
     records = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "bytes_down" in r]
+    assert all(r["bytes_down"] == 0 for r in records if r["round"] == 1)
     round3 = {r["client"]: r["bytes_down"] for r in records if r["round"] == 3}
     assert round3["late"] > round3["in-sync"]  # measured on what was sent
 
@@ -180,3 +188,51 @@ def test_safl_downloads_only_the_layers_chosen_in_the_last_round(
     # audited run keeps its sites' updates: the proof must survive that too).
     assert proofs and all(got == expected for got, expected in proofs)
     assert not [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "rejected" in r]
+
+
+def test_a_site_whose_starting_model_differs_spends_nothing_and_gets_the_whole_model(
+    i2b2_corpus, tmp_path, traffic, monkeypatch
+):
+    from clinfed.federated.site import SiteRunner
+    from clinfed.pipeline import RunConfig, run_training
+
+    original = SiteRunner.__init__
+
+    def init(self, name, task, model, initial_state, *args, **kwargs):
+        if name == "partners":
+            # Built from another checkpoint or seed: not the run's round 0.
+            initial_state = {k: v + 0.5 for k, v in initial_state.items()}
+        original(self, name, task, model, initial_state, *args, **kwargs)
+
+    monkeypatch.setattr(SiteRunner, "__init__", init)
+    config = RunConfig.of(
+        data=str(i2b2_corpus),
+        out=str(tmp_path / "run"),
+        task="i2b2",
+        model="tiny",
+        max_length=32,
+        threads=1,
+        strategy="safl",
+        top_layers=1,
+        selection="global",
+        rounds=2,
+        target_epsilon=4.0,
+        delta=1e-5,
+    )
+    run_training(config)
+    first = {m["site"]: m for m in traffic.of(1)}
+    assert first and all(m["down"] == set() for m in first.values())
+    assert first["partners"]["up"] == set()  # it did not train on the wrong model
+    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    rejected = [r for r in records if "rejected" in r]
+    assert [(r["client"], r["round"]) for r in rejected] == [("partners", 1)]
+    # Round 2: the whole model for it, what changed for the others; it trains.
+    second = {m["site"]: m for m in traffic.of(2)}
+    whole = second["partners"]["down"]
+    assert second["partners"]["full"] and second["partners"]["up"]
+    assert all(not m["full"] and m["down"] < whole for s, m in second.items() if s != "partners")
+    # Its ledger charges round 2 only: nothing was spent on round 1.
+    ledger = read_jsonl(tmp_path / "run" / "privacy" / "partners.jsonl")
+    assert [line["round"] for line in ledger] == [2]
+    others = read_jsonl(tmp_path / "run" / "privacy" / "beth.jsonl")
+    assert [line["round"] for line in others] == [1, 2]

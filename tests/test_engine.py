@@ -117,7 +117,7 @@ def test_a_retry_that_reaches_min_sites_completes_the_round(tmp_path):
     assert "stopped" not in summary and load(tmp_path).round == 1
 
 
-def test_only_a_site_in_sync_gets_the_envelope(tmp_path):
+def test_a_site_that_missed_round_one_gets_what_changed_since_round_zero(tmp_path):
     def behave(site, message, attempt):
         if site == "late" and message.round == 1:
             return "error 0: down"
@@ -126,10 +126,13 @@ def test_only_a_site_in_sync_gets_the_envelope(tmp_path):
     transport = ScriptedTransport(["a", "late"], behave)
     engine(tmp_path, "fedfrozen", {"freeze_from": "1"}, rounds=2).run(transport)
     round_two = {a: m for a, m in transport.sent if m.round == 2}
-    # "a" took part in round 1: it holds global round 0 and gets what can change.
-    assert not round_two["a"].full and NAMES[0] not in round_two["a"].download
-    # "late" missed round 1: the whole model.
-    assert round_two["late"].full and set(round_two["late"].download) == set(NAMES)
+    # "a" took part in round 1: it holds global round 0 and gets what changed.
+    assert not round_two["a"].full and round_two["a"].base == 0
+    assert set(round_two["a"].download) == {NAMES[1]}
+    # "late" was never heard from: it builds round 0 from the run's seed and
+    # gets the same; frozen Q/K never travel.
+    assert not round_two["late"].full and round_two["late"].base == 0
+    assert set(round_two["late"].download) == {NAMES[1]}
 
 
 def test_resume_continues_from_the_commit_with_the_same_result(tmp_path):

@@ -60,7 +60,13 @@ class Message:
         The strategy's JSON state (FedFrozen's freeze round).
     base
         For a partial download: the global round of the site's copy it
-        overlays (everything that changed since then is in the download).
+        overlays (everything that changed since then is in the download);
+        0 is the run's starting model, which every site builds itself from
+        the run's configuration and seed.
+    expect
+        The digest of global round ``round - 1`` (:func:`payload.digest`):
+        a site whose rebuilt copy does not match neither evaluates nor
+        trains on it, and says so.
     secure
         Secure aggregation: on a ``train`` message, ``{"stage": "train"}``
         (keep the upload, reply with keys); on a ``secure`` message, the
@@ -77,6 +83,7 @@ class Message:
     secure: dict[str, Any] | None = None
     # A partial download overlays the site's copy of this global round.
     base: int | None = None
+    expect: str | None = None
 
 
 @dataclass
@@ -98,6 +105,8 @@ class Reply:
 # Digests of this many recent global rounds are kept: a site that lags
 # further gets the whole model.
 KEPT_DIGESTS = 8
+# The hold of a site whose copy failed its proof: it gets the whole model.
+WHOLE = -1
 
 
 class Transport(Protocol):
@@ -240,6 +249,10 @@ class RoundEngine:
         self.sampling = np.random.default_rng([seed, 1])
         self.first_round = 1
         self.holds: dict[str, int] = {}  # site -> global round its copy holds
+        # What a site the engine has not heard from is taken to hold: the
+        # run's starting model (round 0), which every site builds from the
+        # run's seed and proves with its digest; None: the whole model.
+        self.first_contact: int | None = 0
         # Per shared name, the round its global value last changed (0: the
         # starting model); per recent round, the global model's digest.
         self.changed: dict[str, int] = {n: 0 for n in self.global_state}
@@ -287,7 +300,7 @@ class RoundEngine:
         if self.first_round > self.rounds:
             # A finished run: sites may have dropped their copies; the final
             # evaluation sends the whole model.
-            self.holds = {}
+            self.holds, self.first_contact = {}, None
         state.cut_metrics(self.out, committed.metrics_bytes)
 
     def _commit(self, round_number: int) -> None:
@@ -332,9 +345,14 @@ class RoundEngine:
                 # envelope names, and of it only what changed since it synced.
                 full, base = False, held
                 names = sorted(n for n in envelope if held is None or self.changed.get(n, 0) > held)
-            elif held is None or str(held) not in self.digests:
-                # First contact, a site the server lost track of, a copy it
-                # could not verify: the whole model.
+            elif site not in self.holds and self.first_contact is not None:
+                # First contact: the site builds the starting model itself,
+                # and gets what changed since (nothing in round 1).
+                full, base = False, self.first_contact
+                names = sorted(n for n in self.global_state if self.changed[n] > base)
+            elif held is None or held < 0 or str(held) not in self.digests:
+                # A copy that failed its proof, a site that lags too far, a
+                # finished run evaluated again: the whole model.
                 full, base, names = True, None, sorted(self.global_state)
             else:
                 # Exactly what changed since the round its copy holds.
@@ -360,6 +378,7 @@ class RoundEngine:
                 strategy_state=self.strategy.state_dict(),
                 secure={"stage": "train"} if self.secure is not None and kind == "train" else None,
                 base=base,
+                expect=self.digests.get(str(round_number - 1)),
             )
         return messages, bytes_down
 
@@ -422,7 +441,7 @@ class RoundEngine:
                 if stale is None:
                     holds[site] = round_number - 1
                 else:
-                    self.holds.pop(site, None)
+                    self.holds[site] = WHOLE
                 continue
             reason = (
                 stale
@@ -433,7 +452,7 @@ class RoundEngine:
                 records.append({"round": round_number, "client": site, "rejected": reason})
                 self.log(f"round {round_number}: {site}: update rejected ({reason})")
                 if stale is not None:
-                    self.holds.pop(site, None)  # the whole model next time
+                    self.holds[site] = WHOLE  # the whole model next time
                 continue
             holds[site] = round_number - 1
             record = dict(reply.record)

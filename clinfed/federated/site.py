@@ -141,10 +141,22 @@ class SiteRunner:
 
         if message.kind == "secure":
             return secure_reply(self.state_dir, message)
-        base = getattr(message, "base", None)
-        self._start_from(message.round, message.download, message.full, base)
+        rebuilt = self._start_from(message.round, message.download, message.full, message.base)
         # What it rebuilt, as proof (a shared model only; checked by the server).
         proof = payload.digest(shared_state(self.model)) if self.strategy.shares_model else None
+        if proof is not None and (not rebuilt or message.expect not in (None, proof)):
+            # Not the global model the server means: neither evaluated nor
+            # trained (no privacy spent); the server sends the whole model next.
+            log.warning(
+                "site %s: round %d: %s; the server sends the whole model next round",
+                self.name,
+                message.round,
+                f"no copy of global round {message.base} to update"
+                if not rebuilt
+                else f"the copy rebuilt is not global round {message.round - 1}",
+            )
+            ledger = self.privacy.report() if self.privacy is not None else None
+            return Reply(self.name, {}, None, None, ledger, None, proof if rebuilt else "")
         evaluation = None
         if message.evaluate and self._meter(message.round - 1):
             evaluation = self.evaluate(message.write_predictions)
@@ -250,25 +262,28 @@ class SiteRunner:
         download: dict[str, torch.Tensor],
         full: bool,
         base: int | None = None,
-    ) -> None:
+    ) -> bool:
+        """Load the model the message means; False when a partial download
+        has no copy of its base round to overlay (restarted or lagging)."""
         usable = {r: p for r, p in self._copies().items() if r <= round_number - 2}
         if base is None:
             base = round_number - 2
-        # A partial download overlays the copy of exactly ``base``.
+        # A partial download overlays the copy of exactly ``base``; round 0
+        # is the starting model, built here from the run's seed.
         base_round = base if base in usable else max(usable, default=None)
         saved = load_tensors(usable[base_round]) if base_round is not None else {}
         self.personal = {k[len(PERSONAL) :]: v for k, v in saved.items() if k.startswith(PERSONAL)}
         state = {k: v for k, v in saved.items() if not k.startswith(PERSONAL)}
         if full:
             self._load(download, strict=True)
-            return
+            return True
         if self.strategy.shares_model and base_round != base:
-            raise ClinfedError(
-                f"site {self.name}: no copy of global round {base} to update "
-                "(restarted or lagging); the server sends the whole model next round"
-            )
+            if base != 0:
+                return False
+            state, self.personal = {}, {}
         self._load(state or self.initial_state, strict=True)
         self._load(download, strict=False)
+        return True
 
     def _load(self, tensors: dict[str, torch.Tensor], strict: bool) -> None:
         own = self.model.state_dict()

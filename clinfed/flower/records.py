@@ -59,6 +59,7 @@ def message_records(message: Message, run: Mapping[str, Any]) -> RecordDict:
         "strategy_state": message.strategy_state,
         "secure": message.secure,
         "base": message.base,
+        "expect": message.expect,
         "run": dict(run),
     }
     return to_records(message.download, info)
@@ -76,6 +77,7 @@ def read_message(content: RecordDict) -> tuple[Message, dict[str, Any]]:
         dict(info["strategy_state"]),
         info.get("secure"),
         info.get("base"),
+        info.get("expect"),
     )
     return message, dict(info["run"])
 
