@@ -277,10 +277,12 @@ class SiteRunner:
         if full:
             self._load(download, strict=True)
             return True
-        if self.strategy.shares_model and base_round != base:
-            if base != 0:
-                return False
-            state, self.personal = {}, {}
+        if self.strategy.shares_model and base == 0:
+            # Global round 0 is the starting model itself (a copy of round 0
+            # also holds the site's own training of round 1).
+            state = {}
+        elif self.strategy.shares_model and base_round != base:
+            return False
         self._load(state or self.initial_state, strict=True)
         self._load(download, strict=False)
         return True
