@@ -52,11 +52,21 @@ def test_records_carry_every_tensor_in_one_packed_array_and_refuse_garbage():
         "ids": torch.arange(5),  # int64 buffers travel too
         "half": torch.ones(2, dtype=torch.float16),
     }
-    message = Message("train", 2, tensors, full=True, evaluate=True, strategy_state={"k": 1})
+    message = Message(
+        "train",
+        2,
+        tensors,
+        full=False,
+        evaluate=True,
+        strategy_state={"k": 1},
+        base=0,
+        expect="ab" * 32,
+    )
     records = message_records(message, {"name": "run", "config": {}})
     assert list(records.array_records["tensors"]) == [PACKED]  # one Flower array, not three
     back, run = read_message(records)
     assert run == {"name": "run", "config": {}} and back.strategy_state == {"k": 1}
+    assert (back.full, back.base, back.expect) == (False, 0, "ab" * 32)
     assert back.download.keys() == tensors.keys()
     assert all(
         torch.equal(back.download[k], v) and back.download[k].dtype == v.dtype

@@ -5,10 +5,13 @@ process) and the Flower transport (a SuperNode per hospital). Per round:
 
 1. sample the sites that train (``fraction``); every other connected site
    is asked to evaluate only;
-2. decide each site's download: a site that took part in the previous
-   exchange holds the previous global model, so it gets the strategy's
-   envelope (what can have changed); any other site gets the whole model
-   (a site with a model of its own never gets more than the envelope);
+2. decide each site's download: exactly the tensors whose global value
+   changed since the round the site's copy holds (``base``; a site first
+   heard from holds round 0, the starting model every site builds from the
+   run's seed, so round 1 sends nothing); the whole model to a site whose
+   copy failed its proof (a site with a model of its own never gets more
+   than the strategy's envelope); each message names the digest of the
+   global round it means, and each reply proves the copy the site rebuilt;
 3. send, and fold each reply in as it arrives (memory flat in the number
    of sites): check its record, its tensors (names inside the envelope,
    shapes, dtypes, finite values), aggregate through the strategy;
