@@ -76,6 +76,22 @@ def test_an_o_token_at_a_site_without_a_type_may_be_that_type(tmp_path):
     assert torch.equal(partial[spans], plain[spans])
 
 
+def test_a_type_only_in_the_preset_layout_is_never_open(tmp_path):
+    # Mapped onto problem and treatment, the label set keeps the i2b2
+    # preset's layout (with test), but nobody annotates test: an O token is
+    # evidence against it at every site. Treatment stays open at site a.
+    task = I2b2Task(format="conll", types="Disease=problem,Chemical=treatment")
+    examples, batch = _batch(task, _data(tmp_path), tmp_path)
+    assert task.labels == ["O", "B-problem", "I-problem", "B-test", "I-test",
+                           "B-treatment", "I-treatment"]  # fmt: skip
+    test = [task.labels.index("B-test"), task.labels.index("I-test")]
+    treatment = [task.labels.index("B-treatment"), task.labels.index("I-treatment")]
+    may_be = batch["outside_may_be"]
+    for row, site in enumerate(examples["site"]):
+        assert not may_be[row, test].any()
+        assert bool(may_be[row, treatment].all()) == (site == "a")
+
+
 def test_partial_labels_off_trains_every_o_as_o(tmp_path):
     task = I2b2Task(format="conll", partial_labels=False)
     _, batch = _batch(task, _data(tmp_path), tmp_path)

@@ -115,9 +115,11 @@ class I2b2Task(Task):
         if self.types:
             self.labels = bio_labels(run_types(self.types.values()))
             self.label_source = "declared with --types"
+            self.named_types = set(self.types.values())
         else:
             self.labels = bio_labels(CONCEPT_TYPES)
             self.label_source = "the i2b2 2010 preset (problem, test, treatment)"
+            self.named_types = set(CONCEPT_TYPES)
         # The types each site annotates (its training split's), set by load():
         # local knowledge, never sent.
         self.site_types: dict[str, set[str]] = {}
@@ -187,6 +189,7 @@ class I2b2Task(Task):
                     f"{data}: no entity annotated in the training documents, so no types to learn"
                 )
             self.labels = bio_labels(run_types(names))
+            self.named_types = set(names)
             self.label_source = (
                 "from the data: the entity types annotated in the training split (type "
                 "names only; on Flower they are declared)"
@@ -276,12 +279,18 @@ class I2b2Task(Task):
 
     def _open_labels(self) -> dict[str, list[int]]:
         """Per site, the labels an ``O`` token may really be under partial
-        labels: ``B-``/``I-`` of every type the site never annotates."""
+        labels: ``B-``/``I-`` of every type the run names (declared, or
+        found in the data) that the site never annotates. A type only in
+        the label set to keep the i2b2 preset's layout (``test`` when
+        ``--types`` maps onto problem and treatment) is never open: nobody
+        annotates it, so every ``O`` is evidence against it; open, nothing
+        would hold the model back from predicting it."""
         if not self.partial_labels:
             return {}
         ids = {label: i for i, label in enumerate(self.labels)}
+        named = [t for t in self.entity_types if t in self.named_types]
         return {
-            site: [ids[f"{p}-{t}"] for t in self.entity_types if t not in seen for p in "BI"]
+            site: [ids[f"{p}-{t}"] for t in named if t not in seen for p in "BI"]
             for site, seen in self.site_types.items()
         }
 
