@@ -75,6 +75,24 @@ class MirrorSites:
             )
 
 
+def _safl_global(corpus, tmp_path, **extra):
+    """SAFL K=1 with global selection on the tiny model, in process."""
+    from clinfed.pipeline import RunConfig
+
+    return RunConfig.of(
+        data=str(corpus),
+        out=str(tmp_path / "run"),
+        task="i2b2",
+        model="tiny",
+        max_length=32,
+        threads=1,
+        strategy="safl",
+        top_layers=1,
+        selection="global",
+        **extra,
+    )
+
+
 def _engine(tmp_path, rounds=3):
     tmp_path.mkdir(parents=True, exist_ok=True)
     return RoundEngine(
@@ -145,7 +163,7 @@ def test_a_copy_that_does_not_rebuild_the_global_model_gets_the_whole_model(tmp_
 def test_safl_downloads_only_the_layers_chosen_in_the_last_round(
     i2b2_corpus, tmp_path, traffic, monkeypatch
 ):
-    from clinfed.pipeline import RunConfig, run_training
+    from clinfed.pipeline import run_training
 
     proofs = []
     original = RoundEngine._stale
@@ -156,20 +174,7 @@ def test_safl_downloads_only_the_layers_chosen_in_the_last_round(
 
     monkeypatch.setattr(RoundEngine, "_stale", stale)
 
-    config = RunConfig.of(
-        data=str(i2b2_corpus),
-        out=str(tmp_path / "run"),
-        task="i2b2",
-        model="tiny",
-        max_length=32,
-        threads=1,
-        strategy="safl",
-        rounds=3,
-        top_layers=1,
-        selection="global",
-        audit_holdout=0.2,
-    )
-    summary = run_training(config)
+    summary = run_training(_safl_global(i2b2_corpus, tmp_path, rounds=3, audit_holdout=0.2))
     for round_number in (2, 3):
         sent_before = set().union(*(m["up"] for m in traffic.of(round_number - 1)))
         assert sent_before and all(
@@ -194,7 +199,7 @@ def test_a_site_whose_starting_model_differs_spends_nothing_and_gets_the_whole_m
     i2b2_corpus, tmp_path, traffic, monkeypatch
 ):
     from clinfed.federated.site import SiteRunner
-    from clinfed.pipeline import RunConfig, run_training
+    from clinfed.pipeline import run_training
 
     original = SiteRunner.__init__
 
@@ -205,21 +210,7 @@ def test_a_site_whose_starting_model_differs_spends_nothing_and_gets_the_whole_m
         original(self, name, task, model, initial_state, *args, **kwargs)
 
     monkeypatch.setattr(SiteRunner, "__init__", init)
-    config = RunConfig.of(
-        data=str(i2b2_corpus),
-        out=str(tmp_path / "run"),
-        task="i2b2",
-        model="tiny",
-        max_length=32,
-        threads=1,
-        strategy="safl",
-        top_layers=1,
-        selection="global",
-        rounds=2,
-        target_epsilon=4.0,
-        delta=1e-5,
-    )
-    run_training(config)
+    run_training(_safl_global(i2b2_corpus, tmp_path, rounds=2, target_epsilon=4.0, delta=1e-5))
     first = {m["site"]: m for m in traffic.of(1)}
     assert first and all(m["down"] == set() for m in first.values())
     assert first["partners"]["up"] == set()  # it did not train on the wrong model
