@@ -369,7 +369,6 @@ def make_task(config: RunConfig, cache_dir: str) -> Task:
     """The run's task adapter, with its options."""
     return get_task(
         config.task,
-        seed=config.seed,
         codes=config.codes,
         top_k=config.top_k,
         max_chunks=config.max_chunks,
@@ -378,6 +377,8 @@ def make_task(config: RunConfig, cache_dir: str) -> Task:
         format=config.format,
         types=config.types,
         partial_labels=config.partial_labels,
+        private=config.dp,
+        annotated_types=config.annotated_types,
     )
 
 

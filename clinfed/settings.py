@@ -94,6 +94,13 @@ class DataSettings:
         "i2b2: a site's O tokens are not evidence against a type the site never annotates "
         "(partial-label loss); off: they train as plain O.",
     )
+    annotated_types: str | None = setting(
+        None,
+        "i2b2 under DP: the types each site annotates, declared (beth=problem,test;"
+        "partners=problem). Under DP a site's set never comes from its data (one annotation "
+        "would move every sentence's loss): without this, partial labels are off under DP. "
+        "On Flower each node declares its own (node config annotated-types).",
+    )
     codes: str = setting(
         "diagnoses",
         "mimic3: which ICD-9 codes are labels.",

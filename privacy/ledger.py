@@ -20,6 +20,14 @@ the same run re-runs that round with the same mechanisms the charge is
 over-count. ``epsilon`` is the whole ledger's spend (every run this site's
 data took part in), ``run_epsilon`` this run's.
 
+A charge belongs to one *attempt* (a random id on its lines and on its
+release). The attempt holds an ``fcntl`` lock on ``<ledger>.<attempt>.claim``
+from its charge until its release, so a charge is reused only by a re-run
+after the attempt that made it ended without releasing (a crash: the
+operating system drops the lock; an error: :meth:`Ledger.abandon`). Two
+handlers of the same round at once get two charges, never one charge and
+two releases.
+
 Surviving crashes, neighbours and tampering:
 
 * a torn last line (a crash mid-append) is cut back to the last complete
@@ -41,10 +49,12 @@ Surviving crashes, neighbours and tampering:
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
+import secrets
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -72,9 +82,7 @@ def _prefix_sha256(path: Path, size: int) -> str:
 
 
 def _mechanism(line: dict) -> Mechanism:
-    return Mechanism(
-        line["mechanism"], line["noise_multiplier"], line["sample_rate"], line["steps"]
-    )
+    return Mechanism.from_line(line)
 
 
 class Ledger:
@@ -118,13 +126,17 @@ class Ledger:
         self.run, self.run_budget = run, run_budget
         self.seal_path = self.path.with_name(self.path.name + ".seal")
         self.repaired_bytes = 0  # what a torn last line cost, if one was cut back
+        # This object's attempts by round: [attempt id, claim fd, in flight].
+        self._claims: dict[int, list[list]] = {}
         self._load()
 
     # ---------------------------------------------------------------- file
     def _load(self) -> None:
         """Read every complete line; cut a torn last line back; check the seal."""
         self.lines: list[dict] = []  # charges
-        self.released: set[tuple[str | None, int]] = set()
+        # (run, round, attempt) of every release line (attempt None: a line
+        # written before attempts existed, releasing the whole round).
+        self.released: set[tuple[str | None, int, str | None]] = set()
         if not self.path.exists():
             if self.seal_path.exists():
                 raise ClinfedError(
@@ -160,7 +172,7 @@ class Ledger:
             try:
                 line = json.loads(raw)
                 if line.get("released") is True:
-                    self.released.add((line.get("run"), int(line["round"])))
+                    self.released.add((line.get("run"), int(line["round"]), line.get("attempt")))
                     continue
                 _mechanism(line)
             except (ValueError, KeyError, TypeError, AttributeError):
@@ -224,17 +236,60 @@ class Ledger:
         )
 
     # ------------------------------------------------------------- charges
+    def _is_released(self, line: dict) -> bool:
+        key = (line.get("run"), line["round"])
+        return (*key, None) in self.released or (*key, line.get("attempt")) in self.released
+
     def unreleased(self, round_number: int) -> list[dict]:
         """This run's charges of ``round_number`` that were never released."""
-        if (self.run, round_number) in self.released:
-            return []
         return [
             line
             for line in self.lines
             if line.get("run") == self.run
             and line["round"] == round_number
             and line.get("state") == "charged"
+            and not self._is_released(line)
         ]
+
+    def _claim_path(self, attempt: str) -> Path:
+        return self.path.with_name(f"{self.path.name}.{attempt}.claim")
+
+    def _try_claim(self, attempt: str) -> int | None:
+        """The claim's locked descriptor, or ``None`` while a live attempt holds it."""
+        fd = os.open(self._claim_path(attempt), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return fd
+
+    def _drop_claims(self, round_number: int, remove: bool) -> None:
+        for attempt, fd, _ in self._claims.pop(round_number, []):
+            if remove:
+                self._claim_path(attempt).unlink(missing_ok=True)
+            os.close(fd)  # releases the lock
+
+    def _reusable(self, round_number: int, mechanisms: Sequence[Mechanism]) -> dict | None:
+        """The last line of an unreleased attempt of this round with these
+        mechanisms that no live attempt holds (claimed for this object now)."""
+        attempts: dict[str | None, list[dict]] = {}
+        for line in self.unreleased(round_number):
+            attempts.setdefault(line.get("attempt"), []).append(line)
+        for attempt, lines in attempts.items():
+            if [_mechanism(line) for line in lines] != list(mechanisms) or attempt is None:
+                continue
+            held = [c for c in self._claims.get(round_number, []) if c[0] == attempt]
+            if held:
+                if held[0][2]:
+                    continue  # in flight in this process: another handler's
+                held[0][2] = True
+                return lines[-1]
+            fd = self._try_claim(attempt)
+            if fd is not None:
+                self._claims.setdefault(round_number, []).append([attempt, fd, True])
+                return lines[-1]
+        return None
 
     def charge(self, round_number: int, mechanisms: Sequence[Mechanism]) -> float | None:
         """Check the budget and record ``mechanisms`` as one round under the
@@ -242,39 +297,67 @@ class Ledger:
         ``None`` when the budget does not afford them.
 
         A charge of the same run and round with the same mechanisms that was
-        never released (a crash before the reply left) is reused.
+        never released, and whose attempt ended (a crash before the reply
+        left, or :meth:`abandon`), is reused; one still in flight never is.
+        The charge stays claimed by this object until :meth:`release` or
+        :meth:`abandon`.
         """
         with self._locked():
             self._load()
-            pending = self.unreleased(round_number)
-            if pending and [_mechanism(line) for line in pending] == list(mechanisms):
+            reused = self._reusable(round_number, mechanisms)
+            if reused is not None:
                 log.info(
                     "%s: round %d was charged and never released (interrupted); the charge is "
                     "reused",
                     self.path,
                     round_number,
                 )
-                return pending[-1]["epsilon"]
+                return reused["epsilon"]
             if not self.affords(mechanisms):
                 return None
-            return self.record(round_number, mechanisms)
+            attempt = secrets.token_hex(8)
+            fd = self._try_claim(attempt)
+            if fd is None:  # 64 random bits: never expected
+                raise ClinfedError(f"{self._claim_path(attempt)}: claimed by another process")
+            self._claims.setdefault(round_number, []).append([attempt, fd, True])
+            return self.record(round_number, mechanisms, attempt)
+
+    def settle(self, round_number: int) -> None:
+        """The attempt's computation ended and waits for its release: a
+        later re-run of the round by this object (a retried round) may reuse
+        the charge, since nothing of it left the site."""
+        for claim in self._claims.get(round_number, []):
+            claim[2] = False
+
+    def abandon(self, round_number: int) -> None:
+        """Give up this object's attempt of ``round_number`` without
+        releasing it (its computation failed; nothing left the site): a
+        re-run reuses its charge, as after a crash."""
+        self._drop_claims(round_number, remove=False)
 
     def release(self, round_number: int) -> None:
-        """Record (fsynced) that this run's round ``round_number`` leaves the
-        site now; a re-run of it is charged again."""
+        """Record (fsynced) that this object's attempts of ``round_number``
+        leave the site now; a re-run of the round is charged again."""
+        held = self._claims.get(round_number, [])
+        if not held:
+            return  # no attempt of this object's: nothing of it to release
         with self._locked():
             self._load()
-            if not self.unreleased(round_number):
-                return
-            line = {
-                "client": self.client,
-                "run": self.run,
-                "round": round_number,
-                "released": True,
-            }
-            append_jsonl(self.path, line)
+            pending = {line.get("attempt") for line in self.unreleased(round_number)}
+            for attempt, _, _ in held:
+                if attempt not in pending:
+                    continue
+                line = {
+                    "client": self.client,
+                    "run": self.run,
+                    "round": round_number,
+                    "attempt": attempt,
+                    "released": True,
+                }
+                append_jsonl(self.path, line)
+                self.released.add((self.run, round_number, attempt))
             self._seal()
-            self.released.add((self.run, round_number))
+            self._drop_claims(round_number, remove=True)
 
     def _run_history(self) -> list[Mechanism]:
         return [_mechanism(line) for line in self.lines if line.get("run") == self.run]
@@ -300,9 +383,11 @@ class Ledger:
             within = run_after <= self.run_budget * (1 + SLACK)
         return within
 
-    def record(self, round_number: int, mechanisms: Sequence[Mechanism]) -> float:
+    def record(
+        self, round_number: int, mechanisms: Sequence[Mechanism], attempt: str | None = None
+    ) -> float:
         """Append (and fsync) one charge per mechanism; return the new epsilon.
-        Use :meth:`charge` to check and record under the lock."""
+        Use :meth:`charge` to check, claim and record under the lock."""
         if not self.path.exists():
             self._create()
         eps = 0.0
@@ -315,14 +400,13 @@ class Ledger:
                 "client": self.client,
                 "run": self.run,
                 "round": round_number,
+                "attempt": attempt,
                 "state": "charged",
                 "mechanism": mechanism.name,
                 "epsilon": eps,
                 "run_epsilon": self.accountant.epsilon(run_history, self.delta),
                 "delta": self.delta,
-                "noise_multiplier": mechanism.noise_multiplier,
-                "sample_rate": mechanism.sample_rate,
-                "steps": mechanism.steps,
+                **{k: v for k, v in mechanism.line_fields().items() if k != "mechanism"},
                 "accountant": self.accountant.description,
                 "relation": self.accountant.relation,
             }

@@ -84,11 +84,7 @@ def _epsilon_curves(lines: list[dict[str, Any]]) -> tuple[list[int], list[float]
         by_round.setdefault(line["round"], []).append(line)
     for rnd in sorted(by_round):
         for line in by_round[rnd]:
-            mechanisms.append(
-                Mechanism(
-                    line["mechanism"], line["noise_multiplier"], line["sample_rate"], line["steps"]
-                )
-            )
+            mechanisms.append(Mechanism.from_line(line))
         delta = by_round[rnd][-1].get("delta", 1e-5)
         rounds.append(rnd)
         pld.append(by_round[rnd][-1]["epsilon"])
@@ -170,10 +166,7 @@ def _site_rows(run_data: dict[str, Any]) -> list[dict[str, Any]]:
     policy = run_data["policy"] or {}
     rows = []
     for site, lines in run_data["ledgers"].items():
-        mechanisms = [
-            Mechanism(x["mechanism"], x["noise_multiplier"], x["sample_rate"], x["steps"])
-            for x in lines
-        ]
+        mechanisms = [Mechanism.from_line(x) for x in lines]
         delta = lines[0]["delta"] if lines else policy.get("delta", 1e-5)
         sgd = [x for x in lines if x["mechanism"] == "dp-sgd"]
         sent = [r for r in run_data["records"] if r.get("client") == site and "bytes_up" in r]

@@ -56,7 +56,12 @@ class SitePrivacy:
                 "epsilon": ledger.run_spent,
                 "epsilon_if_trained": ledger.after(mechanisms),
             }
-        upload, record = update(self.policy.settings(self.site))
+        try:
+            upload, record = update(self.policy.settings(self.site))
+        except BaseException:
+            ledger.abandon(round_number)  # nothing left the site: a re-run reuses the charge
+            raise
+        ledger.settle(round_number)
         return upload, release_filter(record) | {"epsilon": ledger.run_spent}
 
     def release(self, round_number: int) -> None:

@@ -24,6 +24,13 @@ from clinfed.scratch import cache_folder
 
 PROBLEMS_FILE = "clinfed-problems.json"
 
+# What keys a site's held-out split when its data folder has none of its own
+# (i2b2: documents by file stem; MIMIC-III: patients), unless the site sets
+# another (node config split-key). Never a run setting: a server that chose
+# the key could move any document into the evaluated split and query it.
+# "0" keeps the split clinfed used before the key was the site's.
+SPLIT_KEY = "0"
+
 
 def _tracked(generator, **kwargs):
     """Run ``generator``, marking its ProblemLog as really read (not cached)."""

@@ -37,13 +37,13 @@ def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(args, code, stdout.getvalue(), stderr.getvalue())
 
 
-def run_installed(*args: str) -> subprocess.CompletedProcess:
+def run_installed(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """The installed console script in a subprocess."""
     return subprocess.run(
         [str(Path(sys.executable).parent / "clinfed"), *args],
         capture_output=True,
         text=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
         timeout=600,
     )
 
@@ -345,8 +345,11 @@ def test_version_names_clinfed_and_its_libraries():
 
 
 def test_shell_completion_script_is_offered():
-    result = run_installed("--show-completion", "bash")
+    # What `clinfed --show-completion` prints once it knows the shell (it
+    # detects the parent shell, which a test's process tree may not have).
+    result = run_installed(env={"_CLINFED_COMPLETE": "source_bash"})
     assert result.returncode == 0 and "_CLINFED_COMPLETE" in result.stdout
+    assert "complete -o" in result.stdout
 
 
 def test_a_run_no_site_can_afford_is_refused_before_anything_is_written(i2b2_corpus, tmp_path):

@@ -4,6 +4,7 @@ and two processes cannot charge one ledger at once."""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
@@ -17,6 +18,22 @@ from clinfed.privacy.accountant import Mechanism
 from clinfed.privacy.ledger import Ledger
 
 ROUND = [Mechanism("dp-sgd", 1.0, 0.05, 20)]
+
+
+def charge_and_die(path, run: str, round_number: int) -> float:
+    """Charge ROUND for ``round_number`` in another process that then ends
+    without releasing (a site killed mid-round); the epsilon it charged."""
+    code = (
+        "import sys; from clinfed.privacy.accountant import Mechanism; "
+        "from clinfed.privacy.ledger import Ledger; "
+        "l = Ledger(sys.argv[1], 'beth', 1e-5, run=sys.argv[2]); "
+        "print(l.charge(int(sys.argv[3]), [Mechanism('dp-sgd', 1.0, 0.05, 20)]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(path), run, str(round_number)],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return float(done.stdout)
 
 
 def test_a_torn_last_line_is_cut_back_and_charging_goes_on(tmp_path):
@@ -86,7 +103,7 @@ def test_a_charge_never_released_is_reused_by_the_rerun_and_never_dropped(tmp_pa
     ledger = Ledger(path, "beth", 1e-5, run="r")
     one = ledger.charge(1, ROUND)
     ledger.release(1)
-    two = ledger.charge(2, ROUND)  # ... and the site dies before replying
+    two = charge_and_die(path, "r", 2)  # a site that dies before replying
     restarted = Ledger(path, "beth", 1e-5, run="r")
     assert restarted.unreleased(2) and not restarted.unreleased(1)
     assert restarted.charge(2, ROUND) == two  # the same charge, not a second one
@@ -125,3 +142,35 @@ def test_a_ledger_shortened_altered_or_deleted_is_refused(tmp_path):
         fresh.verify(committed, "state.json")
     path.write_bytes(whole)
     Ledger(path, "beth", 1e-5).verify(committed, "state.json")  # intact: accepted
+
+
+def test_two_handlers_of_one_round_never_share_a_charge(tmp_path):
+    # Two attempts of the same run and round at once (two handlers of a
+    # replayed message): each is charged; the second never reuses the
+    # first's pending charge while the first is still in flight.
+    path = tmp_path / "beth.jsonl"
+    first, second = (Ledger(path, "beth", 1e-5, run="r") for _ in range(2))
+    one = first.charge(1, ROUND)
+    two = second.charge(1, ROUND)
+    assert two > one
+    first.release(1)
+    second.release(1)
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    charges = [x for x in lines if x.get("state") == "charged"]
+    releases = [x for x in lines if x.get("released")]
+    assert len(charges) == 2 and len(releases) == 2
+    assert {x["attempt"] for x in charges} == {x["attempt"] for x in releases}
+    # The same object asked twice while its attempt is in flight: two charges.
+    third = Ledger(path, "beth", 1e-5, run="r")
+    three = third.charge(2, ROUND)
+    assert third.charge(2, ROUND) > three
+    # An attempt that failed (abandoned) or settled without release is
+    # reused by a re-run: nothing of it left the site.
+    fourth = Ledger(path, "beth", 1e-5, run="r")
+    four = fourth.charge(3, ROUND)
+    fourth.abandon(3)
+    assert Ledger(path, "beth", 1e-5, run="r").charge(3, ROUND) == four
+    fifth = Ledger(path, "beth", 1e-5, run="r")
+    five = fifth.charge(4, ROUND)
+    fifth.settle(4)
+    assert fifth.charge(4, ROUND) == five

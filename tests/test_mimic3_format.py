@@ -157,10 +157,10 @@ def test_missing_notes_file_is_a_clear_error(tmp_path):
 
 
 def test_patient_split_is_seeded_and_by_patient():
-    sides = [patient_split(s, seed=3, test_fraction=0.3) for s in range(2000)]
-    assert sides == [patient_split(s, seed=3, test_fraction=0.3) for s in range(2000)]
+    sides = [patient_split(s, key=3, test_fraction=0.3) for s in range(2000)]
+    assert sides == [patient_split(s, key=3, test_fraction=0.3) for s in range(2000)]
     assert 0.25 < sides.count("test") / len(sides) < 0.35
-    assert sides != [patient_split(s, seed=4, test_fraction=0.3) for s in range(2000)]
+    assert sides != [patient_split(s, key=4, test_fraction=0.3) for s in range(2000)]
 
 
 def test_load_keeps_patients_on_one_side_and_top_k(tmp_path, mimic_corpus):

@@ -351,3 +351,17 @@ def test_one_training_site_alone_is_never_summed_in_secret(tmp_path):
     assert "secure aggregation" in summary["stopped"]
     assert not [m for _, m, _ in sites.seen if m.kind == "secure"]
     assert torch.equal(run.global_state[NAMES[0]], torch.zeros(SHAPES[NAMES[0]]))
+
+
+def test_a_site_masks_only_in_a_group_as_large_as_its_policy_says(tmp_path):
+    session = secure.SecureRound(SHAPES, frozenset(NAMES), 0.5)
+    folders = {s: tmp_path / s for s in "abc"}
+    for site, folder in folders.items():
+        session.join(site, secure.hold_upload(folder, site, 1, upload_of(site, 1), 5))
+    request = session.share_requests()["a"]
+    # The node expects at least 4 sites: a group of 3 keys is refused ...
+    with pytest.raises(ClinfedError, match="group of 3 sites refused"):
+        secure.site_stage(folders["a"], 1, request, min_group=4)
+    # ... a group as large as it expects is served.
+    _, part = secure.site_stage(folders["a"], 1, request, min_group=3)
+    assert part["shares"]

@@ -143,6 +143,20 @@ def data_check(
     out.print(table)
 
 
+@data_app.command("fingerprint")
+def data_fingerprint_command(
+    folder: Path = typer.Argument(..., help="A data or model checkpoint folder."),
+) -> None:
+    """SHA-256 over a folder's files (names, sizes, contents): what a node
+    config pins a model with (model-sha256) and what keys a site's ledger."""
+    from clinfed.errors import ClinfedError
+    from clinfed.provenance import data_fingerprint
+
+    if not folder.is_dir():
+        raise ClinfedError(f"{folder}: not a folder")
+    out.print(data_fingerprint(folder))
+
+
 # --------------------------------------------------------------- score
 @app.command("score")
 def score(

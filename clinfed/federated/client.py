@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from clinfed.federated.plan import Plan
-from clinfed.privacy.dpsgd import DPSettings, train_private
+from clinfed.privacy.dpsgd import DPSettings, count_units, train_private
 from clinfed.privacy.randomness import SiteRandomness
 from clinfed.tasks.base import Task
 from clinfed.training import EpochStats, make_optimizer, train_epoch
@@ -63,6 +63,9 @@ class LocalWork:
 @dataclass
 class ClientResult:
     upload: dict[str, torch.Tensor]
+    # Privacy units trained on (sentences, admissions, notes, patients: never
+    # rows, whose count depends on the window and the notes' lengths). It is
+    # released and weighs the site's update in the aggregate.
     num_examples: int
     stats: list[EpochStats]
     seconds: float
@@ -181,6 +184,5 @@ def client_update(work: LocalWork, objective: Any = None) -> ClientResult:
             for _ in range(settings.epochs)
         ]
     upload = {n: p.detach().clone() for n, p in model.named_parameters() if n in work.plan.uploaded}
-    return ClientResult(
-        upload, len(work.dataset), stats, time.perf_counter() - started, trainable, clipping
-    )
+    units = count_units(work.task, work.dataset, dp.unit if dp is not None else "example")
+    return ClientResult(upload, units, stats, time.perf_counter() - started, trainable, clipping)

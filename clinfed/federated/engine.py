@@ -178,7 +178,15 @@ def check_upload(
     return None
 
 
+# The most privacy units (sentences, admissions, notes) one site may weigh
+# its update by: far above any hospital's, and a bound a forged reply meets.
+MAX_UNITS = 100_000_000
+
+
 def check_record(reply: Reply) -> str | None:
+    """Why a training reply's record must not be aggregated (``None``: it
+    may): no record, or a weight that is not a positive count of units
+    within :data:`MAX_UNITS` and, under DP, the count its policy states."""
     record = reply.record
     if not isinstance(record, dict):
         return "reply without a site record"
@@ -187,6 +195,14 @@ def check_record(reply: Reply) -> str | None:
     examples = record.get("examples")
     if not isinstance(examples, int) or isinstance(examples, bool) or examples < 1:
         return "reply without a positive number of examples"
+    if examples > MAX_UNITS:
+        return f"reply weighs its update by {examples} units, above the {MAX_UNITS:,} a site may"
+    # Under DP the site's policy states the units its accounting counts; its
+    # weight is that count, never more (a larger weight would let one site
+    # outweigh the others beyond what it trained on).
+    declared = ((reply.ledger or {}).get("site") or {}).get("examples")
+    if declared is not None and examples != declared:
+        return f"reply weighs its update by {examples} units; its privacy policy counts {declared}"
     return None
 
 

@@ -383,15 +383,17 @@ def _load(state_dir: Path, round_number: int, stage: str | None) -> dict[str, An
 
 
 def site_stage(
-    state_dir: Path, round_number: int, request: Mapping[str, Any]
+    state_dir: Path, round_number: int, request: Mapping[str, Any], min_group: int = 2
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Stages 2-4 at a site: the tensors (masked input) and the secure part
     of its reply. Refuses (ClinfedError) whatever would let the server learn
-    one site's upload: a threshold below a majority, a group smaller than
-    it, a site named both survivor and dropout, a second unmasking."""
+    one site's upload: a group of fewer keys than ``min_group`` (the site's
+    own policy: the sites it expects), a threshold below a majority, a group
+    smaller than it, a site named both survivor and dropout, a second
+    unmasking."""
     stage = request.get("stage")
     if stage == "share":
-        return {}, _share(state_dir, round_number, request)
+        return {}, _share(state_dir, round_number, request, min_group)
     if stage == "mask":
         return _mask(state_dir, round_number, request)
     if stage == "unmask":
@@ -399,7 +401,9 @@ def site_stage(
     raise ClinfedError(f"secure aggregation: unknown stage {stage!r}")
 
 
-def _share(state_dir: Path, round_number: int, request: Mapping[str, Any]) -> dict[str, Any]:
+def _share(
+    state_dir: Path, round_number: int, request: Mapping[str, Any], min_group: int = 2
+) -> dict[str, Any]:
     from flwr.common.secure_aggregation.crypto.shamir import create_shares
     from flwr.common.secure_aggregation.crypto.symmetric_encryption import (
         encrypt,
@@ -416,6 +420,11 @@ def _share(state_dir: Path, round_number: int, request: Mapping[str, Any]) -> di
     index, t = int(request["index"]), int(request["threshold"])
     if keys.get(index) != secrets["public"]:
         raise ClinfedError("secure aggregation: the server relayed other keys as this site's")
+    if len(keys) < min_group:
+        raise ClinfedError(
+            f"secure aggregation: a group of {len(keys)} sites refused (this site masks only in "
+            f"a group of at least {min_group}: node config secure-min-sites)"
+        )
     if t < minimum_threshold(len(keys)) or t > len(keys):
         raise ClinfedError(
             f"secure aggregation: threshold {t} for {len(keys)} sites refused "

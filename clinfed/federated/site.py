@@ -91,6 +91,10 @@ class SiteRunner:
     predictions_dir
         Where the final evaluation writes predictions in the task's format
         (``None``: kept in ``final_outputs`` for the caller to write).
+    meter_path, max_evaluations, run_name
+        The evaluation meter's file (default ``state_dir/evaluations.json``),
+        the most evaluations it allows over every run it serves, and this
+        run's name in it.
     """
 
     def __init__(
@@ -112,6 +116,9 @@ class SiteRunner:
         report: Reporter = _quiet,
         planned_rounds: int | None = None,
         audit_dir: Path | None = None,
+        meter_path: Path | None = None,
+        max_evaluations: int | None = None,
+        run_name: str = "",
     ):
         self.name, self.task, self.model, self.strategy = name, task, model, strategy
         self.initial_state = initial_state
@@ -121,6 +128,9 @@ class SiteRunner:
         self.eval_batch_size, self.predictions_dir = eval_batch_size, predictions_dir
         self.report = report
         self.planned_rounds = planned_rounds
+        # The evaluation meter: per run by default; a node's is per dataset.
+        self.meter_path = Path(meter_path) if meter_path else self.state_dir / "evaluations.json"
+        self.max_evaluations, self.run_name = max_evaluations, run_name
         # An auditing run keeps each site's latest update as the server saw
         # it (the global model it received with the upload overlaid).
         self.audit_dir = audit_dir
@@ -144,7 +154,11 @@ class SiteRunner:
         rebuilt = self._start_from(message.round, message.download, message.full, message.base)
         # What it rebuilt, as proof (a shared model only; checked by the server).
         proof = payload.digest(shared_state(self.model)) if self.strategy.shares_model else None
-        if proof is not None and (not rebuilt or message.expect not in (None, proof)):
+        # The server must name the model it means (its digest), unless it sent
+        # the whole of it: a site never trains or evaluates weights of its own
+        # building (a local checkpoint, say) that the server did not commit to.
+        expected = message.expect if message.expect is not None or message.full else ""
+        if proof is not None and (not rebuilt or expected not in (None, proof)):
             # Not the global model the server means: neither evaluated nor
             # trained (no privacy spent); the server sends the whole model next.
             log.warning(
@@ -218,18 +232,27 @@ class SiteRunner:
 
     def _meter(self, global_round: int) -> bool:
         """Whether the site may evaluate the model it holds as global round
-        ``global_round`` (see the module docstring); records it if so."""
-        path = self.state_dir / "evaluations.json"
+        ``global_round`` (see the module docstring); records it if so.
+
+        The meter (``meter_path``) may serve one dataset across runs (a
+        Flower node keeps one per dataset beside its ledger): runs are kept
+        apart by name, and ``max_evaluations`` caps every evaluation of the
+        dataset together, whatever the runs are called."""
+        path = self.meter_path
         try:
-            done = {int(k): v for k, v in json.loads(path.read_text()).items()}
+            raw = json.loads(path.read_text())
+            runs = raw["runs"] if "runs" in raw else {"": raw}  # one run's meter, older
+            meter = {run: {int(k): str(v) for k, v in done.items()} for run, done in runs.items()}
         except FileNotFoundError:
-            done = {}
-        except (ValueError, AttributeError):
+            meter = {}
+        except (ValueError, AttributeError, TypeError, KeyError):
             raise ClinfedError(
                 f"{path}: not an evaluation meter; the site cannot trust it"
             ) from None
+        done = meter.get(self.run_name, {})
         weights = self._weights_hash()
         refusal = None
+        total = sum(len(rounds) for rounds in meter.values())
         if global_round in done:
             if done[global_round] != weights:
                 refusal = f"round {global_round} was evaluated already, with other weights"
@@ -237,13 +260,17 @@ class SiteRunner:
             refusal = f"round {global_round} is older than round {max(done)}, evaluated already"
         elif self.planned_rounds is not None and global_round > self.planned_rounds:
             refusal = f"round {global_round} is past the run's {self.planned_rounds} rounds"
+        elif self.max_evaluations is not None and total >= self.max_evaluations:
+            refusal = (
+                f"this dataset was evaluated {total} times, its cap (node config max-evaluations)"
+            )
         if refusal is not None:
             log.warning("site %s: evaluation refused: %s", self.name, refusal)
             return False
         if done.get(global_round) != weights:
-            atomic_write_json(
-                path, {str(k): v for k, v in (done | {global_round: weights}).items()}
-            )
+            meter[self.run_name] = done | {global_round: weights}
+            runs = {run: {str(k): v for k, v in rounds.items()} for run, rounds in meter.items()}
+            atomic_write_json(path, {"runs": runs})
         return True
 
     # ---------------------------------------------------------------- state
@@ -353,11 +380,11 @@ class SiteRunner:
                     )
                 else:
                     self.final_outputs = outputs
-        return {
-            "counts": counts,
-            "examples": len(self.test),
-            "seconds": round(time.perf_counter() - started, 3),
-        }
+        evaluation = {"counts": counts, "examples": len(self.test)}
+        if self.privacy is None:
+            # A timing tracks the held-out notes' lengths: not released under DP.
+            evaluation["seconds"] = round(time.perf_counter() - started, 3)
+        return evaluation
 
     def train_round(
         self, round_number: int, strategy_state: dict[str, Any]
@@ -413,11 +440,11 @@ class SiteRunner:
         return self.privacy.run(round_number, update)
 
 
-def secure_reply(state_dir: Path, message: Any) -> Any:
+def secure_reply(state_dir: Path, message: Any, min_group: int = 2) -> Any:
     """A secure aggregation stage at a site (:mod:`clinfed.federated.secure`):
     needs only the site's state folder, not its data or model."""
     from clinfed.federated.engine import Reply
 
     name = secure.site_name(state_dir, message.round)
-    tensors, part = secure.site_stage(state_dir, message.round, message.secure or {})
+    tensors, part = secure.site_stage(state_dir, message.round, message.secure or {}, min_group)
     return Reply(name, tensors, None, None, None, part)

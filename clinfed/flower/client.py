@@ -18,6 +18,7 @@ note text.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,15 +33,27 @@ app = ClientApp()
 log = logging.getLogger("clinfed.node")
 
 
+_PATH = re.compile(r"(?<![\w.~])(?:~|\.{1,2})?/[^\s:'\",;()]*")
+
+
+def redact_paths(error: object) -> str:
+    """An error's text with every file system path replaced by ``<path>``."""
+    return _PATH.sub("<path>", str(error))
+
+
 def _handle(msg: Message, context: Context) -> Message:
     try:
         content = _answer(msg.content, dict(context.node_config))
     except ClinfedError as exc:
         # The site's own policy or data said no: the reason, on one line,
         # in the node's log and in the reply the server logs.
+        # The server gets the reason with the site's paths left out: a
+        # refusal must not map the node's file system for it.
         log.warning("refused: %s", exc)
         return Message(
-            error=Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=f"refused: {exc}"),
+            error=Error(
+                code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=f"refused: {redact_paths(exc)}"
+            ),
             reply_to=msg,
         )
     return Message(content, reply_to=msg)

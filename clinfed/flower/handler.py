@@ -81,7 +81,7 @@ def answer(
         # Secure aggregation's later stages need the round's secrets only.
         node.check(config)
         folder = node.state / safe_run_name(str(run["name"]))
-        return reply_records(secure_reply(folder, message))
+        return reply_records(secure_reply(folder, message, node.secure_min_sites))
     if cache is None:
         site = NodeSite(config, node, run["name"])
         try:

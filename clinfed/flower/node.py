@@ -33,7 +33,32 @@ A node is configured by its operator, not by the server (``--node-config``):
     refused.
 ``max-grad-norm``, ``max-length``
     The largest clipping norm and window (tokens) the site accepts; a run
-    asking for more is refused (default: no cap).
+    asking for more is refused (default: no cap on the norm, windows of
+    512 tokens: the window decides how many rows a note gives, so the
+    server must not be able to vary it at will).
+``annotated-types``
+    The entity types this site annotates (``problem,test``), for partial
+    labels under DP: the site declares them; the server's run settings
+    never do, and they are never read from the data under DP (one
+    annotation would move every sentence's loss). Without it, partial
+    labels are off at this site under DP.
+``split-key``
+    Keys the site's held-out split when its data folder has no split of
+    its own (default ``0``): the site's, never the server's. Change it and
+    other documents are held out.
+``max-evaluations``
+    The most evaluations of this dataset's held-out split over every run
+    (default 200): what the site releases by evaluating (summed counts,
+    the held-out size) is declared, not noised, so the number of times a
+    server may ask is capped.
+``model``, ``model-sha256``
+    The encoder this site trains: ``minilm`` or ``tiny`` (bundled, public)
+    or a checkpoint folder, pinned by the SHA-256 of its files
+    (``model-sha256``, as ``clinfed data fingerprint`` prints it; required
+    for a folder). The server's run names the model too, but a site never
+    reads a folder the server names: a run naming a folder is refused unless
+    the node config names one (the node's is used), and a bundled name must
+    be the node's (default: whichever bundled one the run names).
 ``allow-no-dp``
     Whether the site trains in runs without DP or with reproducible (not
     private) noise (default false: it refuses them).
@@ -46,6 +71,13 @@ A node is configured by its operator, not by the server (``--node-config``):
     Whether the site trains only in runs with secure aggregation (default
     false): its update then never reaches the server alone. A training
     message of such a run that asks for a plain upload is refused too.
+``secure-min-sites``
+    The fewest sites this site masks its update among under secure
+    aggregation (default 3): a group of fewer keys is refused (the
+    threshold is a majority of the group, as always). What remains: the
+    sites' public keys are not signed, so a server that adds keys of its
+    own to the group can still pose as other sites (see the threat model
+    in docs/privacy.md).
 ``worker``
     Whether the node's messages go to its long-lived worker process
     (default true; see :mod:`clinfed.flower.worker`), or each is handled in
@@ -61,7 +93,7 @@ import os
 import re
 import tempfile
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +109,7 @@ from clinfed.flower.cache import (
     restore_task_state,
     task_state,
 )
-from clinfed.models import checkpoint_dir, load_tokenizer
+from clinfed.models import MINILM, TINY, checkpoint_dir, load_tokenizer
 from clinfed.pipeline import (
     RunConfig,
     local_settings,
@@ -89,6 +121,7 @@ from clinfed.pipeline import (
 from clinfed.privacy.dpsgd import count_units
 from clinfed.privacy.site import SitePrivacy
 from clinfed.provenance import data_fingerprint
+from clinfed.tasks.base import SPLIT_KEY
 
 
 @dataclass(frozen=True)
@@ -104,10 +137,16 @@ class NodeConfig:
     max_delta: float | None = None
     allow_no_dp: bool = False
     max_grad_norm: float | None = None
-    max_length: int | None = None
+    max_length: int = 512
     privacy_unit: str = "example"
     worker: bool = True
     require_secure_aggregation: bool = False
+    annotated_types: tuple[str, ...] | None = None
+    split_key: str = SPLIT_KEY
+    max_evaluations: int = 200
+    model: str | None = None
+    model_sha256: str | None = None
+    secure_min_sites: int = 3
 
     @classmethod
     def parse(cls, values: Mapping[str, Any]) -> NodeConfig:
@@ -126,6 +165,12 @@ class NodeConfig:
             "privacy-unit",
             "worker",
             "require-secure-aggregation",
+            "annotated-types",
+            "split-key",
+            "max-evaluations",
+            "model",
+            "model-sha256",
+            "secure-min-sites",
         }
         unknown = sorted(set(values) - known)
         if unknown:
@@ -152,6 +197,18 @@ class NodeConfig:
             raise ClinfedError(
                 f"--node-config privacy-unit must be one of {', '.join(UNIT_STRENGTH)}"
             )
+        model = str(values["model"]) if values.get("model") else None
+        if model is not None and model not in BUNDLED and not values.get("model-sha256"):
+            raise ClinfedError(
+                "--node-config model names a checkpoint folder: pin it with model-sha256 "
+                "(clinfed data fingerprint FOLDER prints it)"
+            )
+        secure_min_sites = int(values.get("secure-min-sites", 3))
+        if secure_min_sites < 2:
+            raise ClinfedError("--node-config secure-min-sites must be at least 2")
+        max_evaluations = int(values.get("max-evaluations", 200))
+        if max_evaluations < 0:
+            raise ClinfedError("--node-config max-evaluations must be 0 or more")
         max_length = values.get("max-length")
         if max_length is not None and not int(max_length) >= 8:
             raise ClinfedError("--node-config max-length must be at least 8")
@@ -165,16 +222,58 @@ class NodeConfig:
             max_delta=float(max_delta) if max_delta is not None else None,
             allow_no_dp=bool(values.get("allow-no-dp", False)),
             max_grad_norm=float(max_grad_norm) if max_grad_norm is not None else None,
-            max_length=int(max_length) if max_length is not None else None,
+            max_length=int(max_length) if max_length is not None else 512,
             privacy_unit=privacy_unit,
             worker=str(values.get("worker", True)).lower() not in ("false", "0"),
             require_secure_aggregation=str(values.get("require-secure-aggregation", False)).lower()
             in ("true", "1"),
+            annotated_types=tuple(
+                t.strip() for t in str(values["annotated-types"]).split(",") if t.strip()
+            )
+            if values.get("annotated-types") is not None
+            else None,
+            split_key=str(values.get("split-key", SPLIT_KEY)),
+            max_evaluations=max_evaluations,
+            model=model,
+            secure_min_sites=secure_min_sites,
+            model_sha256=str(values["model-sha256"]).lower()
+            if values.get("model-sha256")
+            else None,
         )
+
+    def model_for(self, config: RunConfig) -> str:
+        """The model this site trains in ``config``'s run: its own, never a
+        folder the server names (see the module docstring)."""
+        if self.model is None:
+            if config.model not in BUNDLED:
+                raise ClinfedError(
+                    "the run names a model folder; this site loads only a model its node "
+                    "config names (model, model-sha256): refused"
+                )
+            return config.model
+        if config.model in BUNDLED and config.model != self.model:
+            raise ClinfedError(
+                f"the run trains {config.model}; this site trains only the model its node "
+                "config names: refused"
+            )
+        if self.model_sha256 is not None:
+            found = data_fingerprint(checkpoint_dir(self.model), self.state / "model-files.json")
+            if found != self.model_sha256:
+                raise ClinfedError(
+                    "the model folder the node config names does not match its model-sha256: "
+                    "refused (the operator re-pins it after checking the folder)"
+                )
+        return self.model
 
     def check(self, config: RunConfig) -> None:
         """Refuse a run this site's policy forbids (before any data is read)."""
         config.validate()  # the same checks as ``clinfed train``
+        if isinstance(config.types, str) and config.types.endswith(".toml"):
+            # A site reads no file the server names (nor says whether it exists).
+            raise ClinfedError(
+                "the run's --types names a file; a site reads no file a server names: the "
+                "run declares its types inline (Disease=problem,Chemical=treatment): refused"
+            )
         if not config.dp and not self.allow_no_dp:
             raise ClinfedError(
                 "this site trains under DP only (node config allow-no-dp is false); the run "
@@ -207,12 +306,15 @@ class NodeConfig:
                 f"the run asks for clipping norm {config.max_grad_norm:g}, above this site's "
                 f"cap {self.max_grad_norm:g} (node config max-grad-norm): refused"
             )
-        if self.max_length is not None and config.max_length > self.max_length:
+        if config.max_length > self.max_length:
             raise ClinfedError(
                 f"the run asks for windows of {config.max_length} tokens, above this site's "
                 f"cap {self.max_length} (node config max-length): refused"
             )
 
+
+# Encoders that ship with clinfed: public, nothing of a site's in them.
+BUNDLED = (MINILM, TINY)
 
 # Privacy units, weakest first.
 UNIT_STRENGTH = ("example", "document", "patient")
@@ -238,7 +340,10 @@ def _encoded(
     when nothing it depends on changed, else read, checked, encoded and
     cached (:mod:`clinfed.flower.cache`)."""
     planned = list(task.labels)
-    settings = asdict(config)
+    settings = asdict(config) | {
+        "annotated_types": node.annotated_types,
+        "split_key": node.split_key,
+    }
     model_fp = data_fingerprint(checkpoint_dir(config.model), node.state / "model-files.json")
     key = cache_key(settings, node.site, data_fp, model_fp)
     cache = EncodedCache(node.state)
@@ -290,6 +395,8 @@ class NodeSite:
         torch.set_num_threads(node.threads or config.threads or os.cpu_count() or 1)
         # The site's own policy, whatever the server's run config says.
         node.check(config)
+        # The site's own model: never a folder the server names.
+        config = replace(config, model=node.model_for(config))
         folder = node.state / safe_run_name(run_name)
         # Tokenized notes are protected: they live in a temporary folder at
         # the site, removed when the message is done.
@@ -297,6 +404,13 @@ class NodeSite:
         cache_dir = self._tmp.name
         try:
             task = make_task(config, cache_dir)
+            # What the site annotates is the site's declaration, never the
+            # server's (clinfed.tasks.i2b2.adapter: under DP, never its data's).
+            if hasattr(task, "split_key"):
+                task.split_key = node.split_key
+            if hasattr(task, "annotated"):
+                declared = node.annotated_types
+                task.annotated = {"*": list(declared)} if declared is not None else {}
             tokenizer = load_tokenizer(config.model)
             # The data's fingerprint names its ledger and its cached encoding.
             data_fp = data_fingerprint(node.data, node.state / "ledger" / "fingerprints.json")
@@ -343,6 +457,10 @@ class NodeSite:
                 config.eval_batch_size,
                 predictions_dir=folder / "predictions",
                 planned_rounds=config.rounds,
+                # One meter per dataset, beside its ledger, across runs.
+                meter_path=node.state / "ledger" / f"{name}-{data_fp[:16]}.evaluations.json",
+                max_evaluations=node.max_evaluations,
+                run_name=run_name,
             )
         except BaseException:
             self._tmp.cleanup()

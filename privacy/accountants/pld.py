@@ -58,7 +58,7 @@ class PLDAccountant(Accountant):
 
     def epsilon(self, mechanisms: Sequence[Mechanism], delta: float) -> float:
         check_delta(delta)
-        composition = grouped(mechanisms)
+        composition = grouped(mechanisms, self.relation)
         if not composition:
             return 0.0
         return _epsilon(composition, delta, self.relation, self.discretization)

@@ -49,7 +49,7 @@ class RDPAccountant(Accountant):
 
     def epsilon(self, mechanisms: Sequence[Mechanism], delta: float) -> float:
         check_delta(delta)
-        composition = grouped(mechanisms)
+        composition = grouped(mechanisms, self.relation)
         if not composition:
             return 0.0
         orders = np.asarray(ORDERS, dtype=float)

@@ -10,6 +10,7 @@ than the window keeps its first sub-words, which include the labelled one.
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from torch.nn import functional as F
 
 from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.models import special_tokens
-from clinfed.tasks.base import Corpus, Task, rows_to_dataset
+from clinfed.tasks.base import SPLIT_KEY, Corpus, Task, rows_to_dataset
 from clinfed.tasks.i2b2.bio import decode_tags, encode_tags
 from clinfed.tasks.i2b2.brat import read_brat
 from clinfed.tasks.i2b2.conll import conll_files, read_conll
@@ -37,6 +38,8 @@ from clinfed.tasks.i2b2.schema import (
     run_types,
     types_of,
 )
+
+log = logging.getLogger("clinfed.tasks")
 
 IGNORE = -100
 OUTSIDE_ID = 0  # bio_labels puts O first
@@ -57,9 +60,27 @@ FORMATS = ("auto", "i2b2", "conll", "brat")
 PROBE_SEED = 20_101
 
 
-def _held_out(doc_id: str, seed: int) -> bool:
-    digest = hashlib.sha256(f"{seed}:{doc_id}".encode()).digest()
+def _held_out(doc_id: str, key: str) -> bool:
+    digest = hashlib.sha256(f"{key}:{doc_id}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < TEST_FRACTION
+
+
+def parse_annotated(value: Any) -> dict[str, list[str]]:
+    """``{site: [type, ...]}`` from a mapping or ``beth=problem,test;partners=problem``."""
+    if value is None or value == "":
+        return {}
+    if isinstance(value, dict):
+        return {str(k): [str(t) for t in v] for k, v in value.items()}
+    parsed: dict[str, list[str]] = {}
+    for part in str(value).split(";"):
+        site, sep, types = part.partition("=")
+        if not sep or not site.strip():
+            raise ClinfedError(
+                f"--annotated-types: {part.strip()!r} is not SITE=TYPE,TYPE "
+                "(e.g. beth=problem,test;partners=problem)"
+            )
+        parsed[site.strip()] = [t.strip() for t in types.split(",") if t.strip()]
+    return parsed
 
 
 def window_words(word_lengths: list[int], capacity: int) -> list[tuple[int, int]]:
@@ -80,9 +101,11 @@ class I2b2Task(Task):
 
     Parameters
     ----------
-    seed
-        Seeds the held-out split when the data folder has no ``train/`` and
-        ``test/`` folders (20% of documents, by a hash of the file stem).
+    split_key
+        Keys the held-out split when the data folder has no ``train/`` and
+        ``test/`` folders (20% of documents, by a hash of the key and the
+        file stem): the site's own (:data:`~clinfed.tasks.base.SPLIT_KEY`
+        unless its node config sets one), never the run's seed.
     format
         ``auto``, ``i2b2``, ``conll`` or ``brat``.
     types
@@ -95,6 +118,16 @@ class I2b2Task(Task):
         annotates (none in its training split): their loss is that of
         ``O`` *or* that type (the marginal likelihood of the labels the token
         may really have). Without it they train as plain ``O``.
+    private
+        The run trains under DP. Then nothing that shapes one sentence's
+        loss may come from the other sentences of the site's data: a site's
+        annotated types are the declared ``annotated_types`` only (none
+        declared: partial labels are off), and CoNLL/BRAT types must be
+        declared with ``types``.
+    annotated_types
+        The types each site annotates, declared: ``{site: [type, ...]}``,
+        or the text ``beth=problem,test;partners=problem`` (``*`` names
+        every site).
     """
 
     name = "i2b2"
@@ -103,15 +136,19 @@ class I2b2Task(Task):
 
     def __init__(
         self,
-        seed: int = 0,
+        split_key: str = SPLIT_KEY,
         format: str = "auto",  # noqa: A002
         types: Any = None,
         partial_labels: bool = True,
+        private: bool = False,
+        annotated_types: Any = None,
     ):
         if format not in FORMATS:
             raise ClinfedError(f"--format must be one of {', '.join(FORMATS)}, not {format!r}")
-        self.seed, self.format, self.types = seed, format, parse_types(types)
+        self.split_key, self.format, self.types = str(split_key), format, parse_types(types)
         self.partial_labels = partial_labels
+        self.private = private
+        self.annotated = parse_annotated(annotated_types)
         if self.types:
             self.labels = bio_labels(run_types(self.types.values()))
             self.label_source = "declared with --types"
@@ -167,8 +204,8 @@ class I2b2Task(Task):
             test = self._read(data / "test", problems)
         else:
             docs, found = self._read_found(data, problems)
-            train = [d for d in docs if not _held_out(d.doc_id, self.seed)]
-            test = [d for d in docs if _held_out(d.doc_id, self.seed)]
+            train = [d for d in docs if not _held_out(d.doc_id, self.split_key)]
+            test = [d for d in docs if _held_out(d.doc_id, self.split_key)]
         # A document of an annotated split without its .con would train on
         # nothing or be scored as having no concepts: never silently.
         for doc in train + test:
@@ -182,6 +219,12 @@ class I2b2Task(Task):
         problems.raise_if_any()
         train = [d for d in train if d.annotated]
         test = [d for d in test if d.annotated]
+        if not self.types and found != "i2b2" and self.private:
+            raise ClinfedError(
+                f"{data}: under DP the entity types of {found} files must be declared with "
+                "--types (types read from the training split would let one annotation change "
+                "every sentence's labels)"
+            )
         if not self.types and found != "i2b2":
             names = sorted({c.type for d in train for c in d.concepts})
             if not names:
@@ -194,13 +237,46 @@ class I2b2Task(Task):
                 "from the data: the entity types annotated in the training split (type "
                 "names only; on Flower they are declared)"
             )
-        self.site_types = {}
-        for doc in train:
-            self.site_types.setdefault(doc.site, set()).update(c.type for c in doc.concepts)
         sites = sorted({d.site for d in train} | {d.site for d in test})
+        self.site_types = self._annotated_by_site(sites, train)
         return Corpus(
             train, test, sites, {"train_documents": len(train), "test_documents": len(test)}
         )
+
+    def _annotated_by_site(self, sites: list[str], train: list[Document]) -> dict[str, set[str]]:
+        """The types each site annotates. Without DP: those of its training
+        split. Under DP: only what was declared (a set read from the data
+        is a statistic of every sentence; one annotation would move every
+        sentence's loss target); a site that declared nothing gets no open
+        types (plain ``O``)."""
+        if not self.private:
+            found: dict[str, set[str]] = {}
+            for doc in train:
+                found.setdefault(doc.site, set()).update(c.type for c in doc.concepts)
+            return found
+        named = set(self.entity_types)
+        declared = {}
+        for site, types in self.annotated.items():
+            unknown = sorted(set(types) - named)
+            if unknown:
+                raise ClinfedError(
+                    f"--annotated-types: {site} names {unknown[0]!r}, not a type of this run "
+                    f"({', '.join(self.entity_types)})"
+                )
+            if site != "*" and site not in sites:
+                raise ClinfedError(
+                    f"--annotated-types: no site {site!r} (found {', '.join(sites)})"
+                )
+        for site in sites:
+            if site in self.annotated or "*" in self.annotated:
+                declared[site] = set(self.annotated.get(site, self.annotated.get("*", ())))
+        if self.partial_labels and len(declared) < len(sites):
+            log.info(
+                "partial labels under DP need each site's annotated types declared "
+                "(--annotated-types); %s trains its O tokens as plain O",
+                ", ".join(s for s in sites if s not in declared),
+            )
+        return declared
 
     def read_documents(self, folder: Path, problems: ProblemLog) -> list[Document]:
         """All documents of one folder (for ``evaluate`` and ``predict``)."""

@@ -32,7 +32,7 @@ from torch.nn import functional as F
 from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.models import special_tokens
 from clinfed.runs import atomic_write_text
-from clinfed.tasks.base import Corpus, Task
+from clinfed.tasks.base import SPLIT_KEY, Corpus, Task
 from clinfed.tasks.mimic3.format import (
     find_file,
     patient_split,
@@ -112,8 +112,10 @@ class Mimic3Task(Task):
         of the label codes are left out, as in CAML's MIMIC-III-50.
     max_chunks
         Windows per admission kept for the model.
-    seed
-        Seeds the patient-level split when no CAML split files are given.
+    split_key
+        Keys the patient-level split when no CAML split files are given:
+        the site's own (:data:`~clinfed.tasks.base.SPLIT_KEY` unless its
+        node config sets one), never the run's seed.
     """
 
     name = "mimic3"
@@ -128,7 +130,7 @@ class Mimic3Task(Task):
         codes: str = "diagnoses",
         top_k: int = 50,
         max_chunks: int = 8,
-        seed: int = 0,
+        split_key: str = SPLIT_KEY,
         cache_dir: str | None = None,
         labels: list[str] | None = None,
     ):
@@ -136,7 +138,8 @@ class Mimic3Task(Task):
             raise ClinfedError("--top-k must be 0 (all codes) or more")
         if max_chunks < 1:
             raise ClinfedError("--max-chunks must be at least 1")
-        self.codes, self.top_k, self.max_chunks, self.seed = codes, top_k, max_chunks, seed
+        self.codes, self.top_k, self.max_chunks = codes, top_k, max_chunks
+        self.split_key = str(split_key)
         self.cache_dir = cache_dir
         # Public, whatever the data holds (see the module docstring).
         if labels:
@@ -161,7 +164,7 @@ class Mimic3Task(Task):
                 if has_split_files:
                     splits.append(assignment.get(hadm, "unused"))
                 else:
-                    splits.append(patient_split(subject, self.seed, TEST_FRACTION))
+                    splits.append(patient_split(subject, self.split_key, TEST_FRACTION))
             return {"codes": codes, "split": splits, "site": [site] * len(codes)}
 
         if len(admissions) == 0:

@@ -296,11 +296,14 @@ def read_split_files(folder: Path) -> dict[int, str]:
     return assignment
 
 
-def patient_split(subject_id: int, seed: int, test_fraction: float) -> str:
-    """Seeded split by patient: every admission of a patient lands on one side.
+def patient_split(subject_id: int, key: str | int, test_fraction: float) -> str:
+    """Keyed split by patient: every admission of a patient lands on one side.
 
-    A hash of (seed, patient) rather than a shuffled list, so the split of a
-    patient does not depend on which other patients are in the corpus.
+    A hash of (key, patient) rather than a shuffled list, so the split of a
+    patient does not depend on which other patients are in the corpus. The
+    key is the site's (:data:`clinfed.tasks.base.SPLIT_KEY` by default),
+    never a run setting: a server that chose it could move any patient
+    into the evaluated split.
     """
-    digest = hashlib.sha256(f"{seed}:{subject_id}".encode()).digest()
+    digest = hashlib.sha256(f"{key}:{subject_id}".encode()).digest()
     return "test" if int.from_bytes(digest[:8], "big") / 2**64 < test_fraction else "train"

@@ -189,6 +189,7 @@ class SAFL(Strategy):
             layers = top_k_layers(scores, self.top_k)
             info["selection_mechanism"] = {
                 "type": "gaussian",
+                # Under add/remove and under replace-one alike.
                 "l2_sensitivity": math.sqrt(layers_total),
                 "sigma": sigma,
                 "units": int(len(idx)),
@@ -200,14 +201,15 @@ class SAFL(Strategy):
     def selection_mechanism(self) -> Mechanism | None:
         """Private selection adds Gaussian noise of sigma = noise * sqrt(L) to
         a sum of per-unit score vectors in [0, 1]^L (each the mean of the
-        unit's clipped rows: L2 norm at most sqrt(L), so a replaced unit
-        moves the sum by at most 2 sqrt(L), the replace-one Gaussian with
-        noise multiplier ``noise``). The
-        profiled subset is not counted as subsampling (no amplification
-        claimed)."""
+        unit's clipped rows). Adding or removing a unit moves the sum by at
+        most sqrt(L); so does replacing one, since two vectors of the box
+        differ by at most its diagonal: a Gaussian of noise multiplier
+        ``noise`` under either relation (``replace_sensitivity`` 1, not the
+        2 of a clipped gradient sum). The profiled subset is not counted as
+        subsampling (no amplification claimed)."""
         if self.selection != "private":
             return None
-        return Mechanism("safl-selection", self.noise, 1.0, 1)
+        return Mechanism("safl-selection", self.noise, 1.0, 1, replace_sensitivity=1.0)
 
     # ----------------------------------------------------------------- plan
     def plan(self, round_number: int, site: str, names: list[str]) -> Plan:

@@ -1,0 +1,291 @@
+"""What one privacy unit may move, and what a site releases about its size.
+
+Each test here fails when its guard is removed (the closing notes list the
+mutation tried for each)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from scipy.stats import norm
+
+from clinfed.errors import ClinfedError, ProblemLog
+from clinfed.federated.engine import MAX_UNITS, Reply, check_record
+from clinfed.models import load_tokenizer
+from clinfed.pipeline import RunConfig, run_training
+from clinfed.privacy.accountant import Mechanism
+from clinfed.privacy.accountants import ACCOUNTANTS
+from clinfed.runs import read_jsonl
+from clinfed.tasks.i2b2.adapter import I2b2Task
+
+# Site a annotates chemicals in one sentence only; site b annotates both.
+SENTENCES_A = [
+    "Aspirin\tB-Chemical\neased\tO\nthe\tO\nmigraine\tB-Disease\n.\tO\n",
+    "Rest\tO\neased\tO\nthe\tO\nheadache\tB-Disease\n.\tO\n",
+    "The\tO\nfever\tB-Disease\npersisted\tO\n.\tO\n",
+    "No\tO\nnausea\tB-Disease\ntoday\tO\n.\tO\n",
+]
+SITE_B = "Ibuprofen\tB-Chemical\neased\tO\nthe\tO\nheadache\tB-Disease\n.\tO\n"
+
+
+def _conll(tmp_path: Path, name: str, first: str) -> Path:
+    data = tmp_path / name
+    for split in ("train", "test"):
+        for site, text in (("a", "\n".join([first, *SENTENCES_A[1:]])), ("b", SITE_B * 2)):
+            path = data / split / site / f"{site}.conll"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text + "\n")
+    return data
+
+
+def _targets(task: I2b2Task, data: Path, tmp_path: Path) -> list[tuple]:
+    """Per training row: (site, line, labels, what its O tokens may be)."""
+    corpus = task.load(data, ProblemLog())
+    rows = task.encode(corpus.train, load_tokenizer("tiny"), 32, str(tmp_path / "cache"))
+    return [
+        (r["site"], r["doc"], r["line"], tuple(r["labels"]), tuple(r["outside_may_be"]))
+        for r in rows
+    ]
+
+
+def test_one_annotation_moves_only_its_own_sentence_under_dp(tmp_path):
+    # Two datasets that differ in one annotation of one sentence: site a's
+    # only Chemical mention is there or not.
+    with_it = _conll(tmp_path, "with", SENTENCES_A[0])
+    without = _conll(tmp_path, "without", SENTENCES_A[0].replace("B-Chemical", "O"))
+    types = "Disease,Chemical"
+
+    def differing(private: bool) -> list[tuple]:
+        one = _targets(I2b2Task(types=types, private=private), with_it, tmp_path)
+        two = _targets(I2b2Task(types=types, private=private), without, tmp_path)
+        assert len(one) == len(two)
+        return [a[:3] for a, b in zip(one, two) if a != b]
+
+    # Without DP the site's type set comes from its data: every sentence of
+    # site a changes its loss target (the hole a privacy unit must not have).
+    assert len(differing(private=False)) == len(SENTENCES_A)
+    # Under DP only the changed sentence itself differs.
+    moved = differing(private=True)
+    assert len(moved) == 1 and moved[0][0] == "a"
+
+
+def test_declared_annotated_types_open_partial_labels_under_dp(tmp_path):
+    data = _conll(tmp_path, "data", SENTENCES_A[0].replace("B-Chemical", "O"))
+    task = I2b2Task(types="Disease,Chemical", private=True, annotated_types="a=Disease")
+    task.load(data, ProblemLog())
+    assert task.site_types == {"a": {"Disease"}}  # b declared nothing: plain O
+    chemical = [task.labels.index("B-Chemical"), task.labels.index("I-Chemical")]
+    assert task._open_labels() == {"a": chemical}
+    with pytest.raises(ClinfedError, match="not a type of this run"):
+        I2b2Task(types="Disease,Chemical", private=True, annotated_types="a=Drug").load(
+            data, ProblemLog()
+        )
+
+
+def test_dp_refuses_entity_types_read_from_the_data(tmp_path):
+    data = _conll(tmp_path, "data", SENTENCES_A[0])
+    with pytest.raises(ClinfedError, match="must be declared with --types"):
+        I2b2Task(private=True).load(data, ProblemLog())
+    I2b2Task(private=False).load(data, ProblemLog())  # without DP they may
+
+
+def _gaussian_epsilon(sigma: float, sensitivity: float, delta: float) -> float:
+    """Epsilon of one Gaussian mechanism by the exact condition (Balle and
+    Wang 2018, Theorem 8), solved by bisection: the brute-force reference."""
+    ratio = sensitivity / sigma
+
+    def delta_at(eps: float) -> float:
+        return norm.cdf(ratio / 2 - eps / ratio) - math.exp(eps) * norm.cdf(
+            -ratio / 2 - eps / ratio
+        )
+
+    low, high = 0.0, 100.0
+    for _ in range(200):
+        mid = (low + high) / 2
+        low, high = (mid, high) if delta_at(mid) > delta else (low, mid)
+    return high
+
+
+def test_safl_private_selection_is_charged_at_its_tight_sensitivity():
+    from clinfed.federated.strategies.safl import SAFL, SAFLOptions
+
+    layers, noise, delta = 4, 3.0, 1e-5
+    # Brute force over the box's corners: the largest L2 distance between two
+    # per-unit score vectors in [0, 1]^L (replace-one), and the largest norm
+    # of one (add/remove), are both sqrt(L).
+    corners = torch.cartesian_prod(*[torch.tensor([0.0, 1.0])] * layers)
+    replace = torch.cdist(corners, corners).max().item()
+    add_remove = corners.norm(dim=1).max().item()
+    assert replace == pytest.approx(math.sqrt(layers)) == add_remove
+    sigma = noise * math.sqrt(layers)  # what SAFL.select adds
+    exact = _gaussian_epsilon(sigma, replace, delta)
+    strategy = SAFL(SAFLOptions(selection="private", selection_noise=noise), None, 0)
+    mechanism = strategy.selection_mechanism()
+    for relation in ("replace-one", "add-remove"):
+        charged = ACCOUNTANTS["pld"](relation).epsilon([mechanism], delta)
+        assert exact <= charged <= exact * 1.01 + 1e-3
+    # A clipped-gradient sum under replace-one is twice as sensitive.
+    sgd = Mechanism("dp-sgd", noise, 1.0, 1)
+    assert ACCOUNTANTS["pld"]("replace-one").epsilon([sgd], delta) == pytest.approx(
+        _gaussian_epsilon(noise, 2.0, delta), rel=0.01
+    )
+
+
+def _count_sentences(data: Path) -> dict[str, int]:
+    task = I2b2Task()
+    corpus = task.load(data, ProblemLog())
+    counts: dict[str, int] = {}
+    for doc in corpus.train:
+        counts[doc.site] = counts.get(doc.site, 0) + len(doc.lines)
+    return counts
+
+
+@pytest.mark.parametrize("target_epsilon", [None, 8.0])
+def test_a_site_weighs_its_update_by_units_whatever_the_window(
+    i2b2_corpus, tmp_path, target_epsilon
+):
+    sentences = _count_sentences(i2b2_corpus)
+    released = {}
+    for max_length in (8, 64):
+        out = tmp_path / f"run-{max_length}"
+        config = RunConfig.of(
+            task="i2b2",
+            data=str(i2b2_corpus),
+            out=str(out),
+            strategy="fedavg",
+            model="tiny",
+            rounds=1,
+            max_length=max_length,
+            target_epsilon=target_epsilon,
+            threads=1,
+        )
+        run_training(config)
+        records = [r for r in read_jsonl(out / "metrics.jsonl") if "bytes_up" in r]
+        released[max_length] = {r["client"]: r["examples"] for r in records}
+    # Windows of 8 tokens cut many sentences into several rows; the weight
+    # released is the number of sentences (privacy units) all the same.
+    assert released[8] == released[64] == sentences
+
+
+def test_the_server_bounds_a_site_s_claimed_weight():
+    def reply(examples: int, declared: int | None = None) -> Reply:
+        ledger = {"site": {"examples": declared}} if declared is not None else None
+        return Reply("beth", {}, {"examples": examples}, None, ledger)
+
+    assert check_record(reply(100)) is None
+    assert check_record(reply(100, declared=100)) is None
+    assert "above" in check_record(reply(MAX_UNITS + 1))
+    assert "privacy policy counts 100" in check_record(reply(10_000, declared=100))
+    assert "positive" in check_record(reply(0))
+
+
+def test_the_held_out_split_is_the_site_s_never_the_run_seed(tmp_path):
+    from clinfed.pipeline import make_task
+    from clinfed.tasks.i2b2.synth import generate
+
+    data = tmp_path / "flat"
+    generate(data, sites=2, docs=10, seed=2)
+    flat = tmp_path / "one"
+    for kind in ("txt", "concept"):
+        (flat / kind).mkdir(parents=True)
+        for path in (data / "train").rglob(f"{kind}/*"):
+            (flat / kind / path.name).write_bytes(path.read_bytes())
+
+    def held_out(**settings) -> set[str]:
+        config = RunConfig.of(task="i2b2", data=str(flat), out=str(tmp_path / "x"), **settings)
+        corpus = make_task(config, str(tmp_path / "cache")).load(flat, ProblemLog())
+        return {d.doc_id for d in corpus.test}
+
+    first = held_out(seed=0)
+    assert first and all(held_out(seed=seed) == first for seed in range(1, 6))
+    # The site's own key moves it (a node's split-key), and only that.
+    moved = {d.doc_id for d in I2b2Task(split_key="other").load(flat, ProblemLog()).test}
+    assert moved != first
+
+
+def test_one_evaluation_meter_per_dataset_caps_evaluations_across_runs(tmp_path):
+    from clinfed.federated.client import LocalSettings
+    from clinfed.federated.site import SiteRunner
+    from clinfed.federated.strategies.fedavg import FedAvg
+
+    model = torch.nn.Linear(2, 2)
+    meter = tmp_path / "node" / "beth.evaluations.json"
+
+    def runner(run: str) -> SiteRunner:
+        return SiteRunner(
+            "beth", I2b2Task(), model, {}, FedAvg(), [], [], [], LocalSettings(), 0,
+            tmp_path / run, meter_path=meter, max_evaluations=3, run_name=run,
+        )  # fmt: skip
+
+    # Runs under new names never reset the dataset's count.
+    assert runner("a")._meter(1) and runner("a")._meter(2)
+    assert runner("b")._meter(1)
+    assert not runner("c")._meter(1)
+    assert not runner("a")._meter(3)
+    # Within a run: the same weights again are free (nothing new), other
+    # weights as an evaluated round are refused.
+    assert runner("a")._meter(2)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    assert not runner("a")._meter(2)
+
+
+def _node_site(i2b2_corpus, tmp_path, node_options=None, **settings):
+    from clinfed.flower.deploy import flower_run_config
+    from clinfed.flower.node import NodeConfig, NodeSite
+
+    config = flower_run_config(
+        {"task": "i2b2", "model": "tiny", "strategy": "fedavg", "max_length": 32} | settings,
+        tmp_path / "run",
+    )
+    options = {"site": "beth", "max_epsilon": 10.0} | (node_options or {})
+    return NodeSite(config, NodeConfig(i2b2_corpus, tmp_path / "state", **options), "run")
+
+
+def test_a_node_trains_only_the_model_its_own_config_pins(i2b2_corpus, tmp_path):
+    from clinfed.models import checkpoint_dir
+    from clinfed.provenance import data_fingerprint
+
+    # The server names a folder at the node (a local checkpoint trained
+    # without DP, say): refused, without saying whether it exists.
+    for folder in (str(checkpoint_dir("tiny")), str(tmp_path / "nowhere")):
+        with pytest.raises(ClinfedError) as refused:
+            _node_site(i2b2_corpus, tmp_path, model=folder, target_epsilon=8.0)
+        assert "model folder" in str(refused.value) and folder not in str(refused.value)
+    # A folder the node config pins by SHA-256 is used, whatever the run names.
+    pinned = str(checkpoint_dir("minilm"))
+    digest = data_fingerprint(Path(pinned))
+    with pytest.raises(ClinfedError, match="does not match its model-sha256"):
+        _node_site(
+            i2b2_corpus, tmp_path, {"model": pinned, "model_sha256": "0" * 64},
+            model="/server/path", target_epsilon=8.0,
+        )  # fmt: skip
+    with pytest.raises(ClinfedError, match="trains only the model its node config names"):
+        _node_site(i2b2_corpus, tmp_path, {"model": "minilm"}, target_epsilon=8.0)
+    # A --types file the server names is never read at the node.
+    with pytest.raises(ClinfedError, match="reads no file a server names"):
+        _node_site(i2b2_corpus, tmp_path, types="/etc/clinfed-types.toml", target_epsilon=8.0)
+    assert len(digest) == 64
+
+
+def test_a_site_trains_nothing_the_server_did_not_name_by_digest(i2b2_corpus, tmp_path):
+    from clinfed.federated.engine import Message
+
+    site = _node_site(i2b2_corpus, tmp_path, target_epsilon=8.0)
+    try:
+        message = Message("train", 1, {}, full=False, evaluate=False, base=0, expect=None)
+        reply = site.runner.handle(message)
+        assert reply.record is None and reply.upload == {}
+        assert not list((tmp_path / "state").rglob("beth-*.jsonl"))  # nothing charged
+    finally:
+        site.close()
+
+
+def test_a_refusal_tells_the_server_no_path_at_the_site():
+    from clinfed.flower.client import redact_paths
+
+    error = ClinfedError("/srv/notes/beth/record-12.con:3: bad line; see ./state/ledger/x.jsonl")
+    assert redact_paths(error) == "<path>:3: bad line; see <path>"
