@@ -43,7 +43,13 @@ Surviving crashes, neighbours and tampering:
   or deleted while its seal remains is refused, never trusted. The run's
   commit keeps the same digest (:meth:`Ledger.digest`,
   :meth:`Ledger.verify`), so a resume notices a ledger deleted together
-  with its seal.
+  with its seal;
+* a node keeps a high-water mark of each of its ledgers outside the ledger
+  folder (``mark``): a ledger restored from an older backup, or deleted
+  together with its seal, is refused while the mark remains;
+* a dataset that took part in a run without DP, or with reproducible (not
+  private) noise, gets an ``unprotected`` line: its spend is infinite from
+  then on, so no later run can claim a guarantee for it.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import secrets
 from collections.abc import Sequence
@@ -120,11 +127,13 @@ class Ledger:
         not_private: str | None = None,
         run: str | None = None,
         run_budget: float | None = None,
+        mark: Path | None = None,
     ):
         self.path, self.client, self.delta, self.budget = Path(path), client, delta, budget
         self.accountant, self.not_private = accountant, not_private
         self.run, self.run_budget = run, run_budget
         self.seal_path = self.path.with_name(self.path.name + ".seal")
+        self.mark_path = Path(mark) if mark is not None else None
         self.repaired_bytes = 0  # what a torn last line cost, if one was cut back
         # This object's attempts by round: [attempt id, claim fd, in flight].
         self._claims: dict[int, list[list]] = {}
@@ -134,10 +143,18 @@ class Ledger:
     def _load(self) -> None:
         """Read every complete line; cut a torn last line back; check the seal."""
         self.lines: list[dict] = []  # charges
+        self.unprotected: list[dict] = []  # runs that gave no guarantee
         # (run, round, attempt) of every release line (attempt None: a line
         # written before attempts existed, releasing the whole round).
         self.released: set[tuple[str | None, int, str | None]] = set()
+        marked = self._marked()
         if not self.path.exists():
+            if marked is not None and marked["bytes"] > 0:
+                raise ClinfedError(
+                    f"{self.path}: the ledger is missing but the node's high-water mark "
+                    f"({self.mark_path}) records {marked['bytes']} bytes of it: it was deleted; "
+                    "it cannot be trusted"
+                )
             if self.seal_path.exists():
                 raise ClinfedError(
                     f"{self.path}: the ledger is missing but its seal "
@@ -168,9 +185,14 @@ class Ledger:
                 raise ClinfedError(
                     f"{self.seal_path}: not a ledger seal; the ledger cannot be trusted"
                 ) from None
+        if marked is not None:
+            self._check(data, int(marked["bytes"]), str(marked["sha256"]), str(self.mark_path))
         for number, raw in enumerate(data.decode("utf-8").splitlines(), start=1):
             try:
                 line = json.loads(raw)
+                if line.get("state") == "unprotected":
+                    self.unprotected.append(line)
+                    continue
                 if line.get("released") is True:
                     self.released.add((line.get("run"), int(line["round"]), line.get("attempt")))
                     continue
@@ -213,8 +235,45 @@ class Ledger:
             data = fh.read(size)
         self._check(data, size, str(digest["sha256"]), source)
 
+    def _marked(self) -> dict | None:
+        """This ledger's entry in the node's high-water mark, if any."""
+        if self.mark_path is None or not self.mark_path.exists():
+            return None
+        try:
+            entry = json.loads(self.mark_path.read_text()).get(self.path.name)
+            return None if entry is None else {"bytes": int(entry["bytes"]), **entry}
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ClinfedError(
+                f"{self.mark_path}: not a high-water mark; the ledgers cannot be trusted"
+            ) from None
+
     def _seal(self) -> None:
-        atomic_write_json(self.seal_path, self.digest())
+        digest = self.digest()
+        atomic_write_json(self.seal_path, digest)
+        if self.mark_path is not None:
+            # Never lowered: the mark only follows the ledger's growth.
+            try:
+                marks = json.loads(self.mark_path.read_text())
+            except FileNotFoundError:
+                marks = {}
+            marks[self.path.name] = digest
+            atomic_write_json(self.mark_path, marks)
+
+    def mark_unprotected(self, reason: str) -> None:
+        """Record that this dataset took part in this run without a
+        guarantee (no DP, or reproducible noise): from now on its spend is
+        infinite and every budget refuses it."""
+        with self._locked():
+            self._load()
+            if any(line.get("run") == self.run for line in self.unprotected):
+                return
+            if not self.path.exists():
+                self._create()
+            line = {"client": self.client, "run": self.run, "state": "unprotected"}
+            line["reason"] = reason
+            append_jsonl(self.path, line)
+            self.unprotected.append(line)
+            self._seal()
 
     def _create(self) -> None:
         """Create the file and fsync its folder, so the file survives a crash."""
@@ -364,7 +423,11 @@ class Ledger:
 
     @property
     def spent(self) -> float:
-        """Epsilon the ledger has spent (every run)."""
+        """Epsilon the ledger has spent (every run); infinite once a run
+        without a guarantee touched the dataset (for a private run; a run
+        that is itself not private is held to its budget as before)."""
+        if self.unprotected and not self.not_private:
+            return math.inf
         return self.accountant.epsilon(self.history, self.delta)
 
     @property
@@ -374,6 +437,8 @@ class Ledger:
 
     def after(self, mechanisms: Sequence[Mechanism]) -> float:
         """Epsilon the ledger would have spent after ``mechanisms`` too."""
+        if self.unprotected and not self.not_private:
+            return math.inf
         return self.accountant.epsilon([*self.history, *mechanisms], self.delta)
 
     def affords(self, mechanisms: Sequence[Mechanism]) -> bool:

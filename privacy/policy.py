@@ -134,6 +134,8 @@ class PrivacyPolicy:
     ledger_paths: dict[str, Path] = field(default_factory=dict)
     run: str | None = None
     ledger_budget: float | None = None
+    # A node's high-water mark of its ledgers (outside the ledger folder).
+    ledger_mark: Path | None = None
     # The privacy unit: its name, what it is in words, and per site how
     # many examples a document or patient holds (k, for group privacy).
     unit: str = "example"
@@ -263,6 +265,7 @@ class PrivacyPolicy:
                 not_private=NOT_PRIVATE if self.reproducible else None,
                 run=self.run,
                 run_budget=None if one_run else self.budget,
+                mark=None if one_run else self.ledger_mark,
             )
         return self._ledgers[site]
 

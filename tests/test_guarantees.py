@@ -289,3 +289,109 @@ def test_a_refusal_tells_the_server_no_path_at_the_site():
 
     error = ClinfedError("/srv/notes/beth/record-12.con:3: bad line; see ./state/ledger/x.jsonl")
     assert redact_paths(error) == "<path>:3: bad line; see <path>"
+
+
+def _record_draws(monkeypatch) -> list:
+    """Every Poisson batch DP-SGD draws, as index tuples, in order."""
+    from clinfed.privacy.sampler import PoissonSampler
+
+    draws: list = []
+    original = PoissonSampler.draw
+
+    def draw(self):
+        idx = original(self)
+        draws.append(tuple(idx.tolist()))
+        return idx
+
+    monkeypatch.setattr(PoissonSampler, "draw", draw)
+    return draws
+
+
+def test_poisson_batches_are_secret_never_the_public_stream(i2b2_corpus, tmp_path, monkeypatch):
+    draws = _record_draws(monkeypatch)
+    batches = []
+    for attempt in ("a", "b"):
+        # The same public settings (seed, round, site, model, data) twice.
+        site = _node_site(i2b2_corpus, tmp_path / attempt, target_epsilon=8.0)
+        try:
+            draws.clear()
+            _, record = site.runner.train_round(1, {})
+            assert "refused" not in record and draws
+            batches.append(list(draws))
+        finally:
+            site.close()
+    assert batches[0] != batches[1]
+
+
+def test_the_charge_is_on_disk_before_any_batch_is_drawn(i2b2_corpus, tmp_path, monkeypatch):
+    from clinfed.privacy.sampler import PoissonSampler
+
+    seen: list[int] = []
+    original = PoissonSampler.draw
+
+    def draw(self):
+        (ledger,) = (tmp_path / "state" / "ledger").glob("beth-*.jsonl")
+        seen.append(sum(1 for line in read_jsonl(ledger) if line.get("state") == "charged"))
+        return original(self)
+
+    monkeypatch.setattr(PoissonSampler, "draw", draw)
+    site = _node_site(i2b2_corpus, tmp_path, target_epsilon=8.0)
+    try:
+        site.runner.train_round(1, {})
+    finally:
+        site.close()
+    assert seen and min(seen) == 1
+
+
+def test_in_process_sites_release_before_the_round_is_written(i2b2_corpus, tmp_path, monkeypatch):
+    from clinfed.federated.engine import RoundEngine
+
+    out = tmp_path / "run"
+    written: list[tuple[str, int, bool]] = []
+    original = RoundEngine._metrics
+
+    def metrics(self, record):
+        if "bytes_up" in record:
+            lines = read_jsonl(
+                out / "sites" / record["client"] / "privacy" / f"{record['client']}.jsonl"
+            )
+            released = any(x.get("released") and x["round"] == record["round"] for x in lines)
+            written.append((record["client"], record["round"], released))
+        return original(self, record)
+
+    monkeypatch.setattr(RoundEngine, "_metrics", metrics)
+    config = RunConfig.of(
+        task="i2b2", data=str(i2b2_corpus), out=str(out), strategy="fedavg", model="tiny",
+        rounds=2, max_length=32, target_epsilon=8.0, threads=1,
+    )  # fmt: skip
+    run_training(config)
+    assert len(written) == 6 and all(released for _, _, released in written)
+    for site in {site for site, _, _ in written}:
+        lines = read_jsonl(out / "sites" / site / "privacy" / f"{site}.jsonl")
+        charged = {(x["round"], x["attempt"]) for x in lines if x.get("state") == "charged"}
+        released = {(x["round"], x["attempt"]) for x in lines if x.get("released")}
+        assert charged == released and len(charged) == 2
+
+
+@pytest.mark.parametrize("target_epsilon", [None, 8.0])
+def test_the_release_table_covers_every_field_a_site_sends(i2b2_corpus, tmp_path, target_epsilon):
+    from clinfed.privacy.report import RECORD_FIELDS, build
+
+    out = tmp_path / "run"
+    config = RunConfig.of(
+        task="i2b2", data=str(i2b2_corpus), out=str(out), strategy="safl", model="tiny",
+        rounds=1, max_length=32, top_layers=1, selection="private",
+        target_epsilon=target_epsilon, threads=1,
+    )  # fmt: skip
+    run_training(config)
+    sent = set()
+    for record in read_jsonl(out / "metrics.jsonl"):
+        if "client" in record:
+            sent |= set(record)
+    assert sent and sent <= set(RECORD_FIELDS), sorted(sent - set(RECORD_FIELDS))
+    table = [row[0] for row in build(out)["released"]]
+    for field in sent:
+        assert any(row.startswith(RECORD_FIELDS[field]) for row in table), field
+    if target_epsilon is not None:
+        evaluation = next(row for row in build(out)["released"] if row[0] == "evaluation time")
+        assert evaluation[1] == "never"

@@ -174,3 +174,33 @@ def test_two_handlers_of_one_round_never_share_a_charge(tmp_path):
     five = fifth.charge(4, ROUND)
     fifth.settle(4)
     assert fifth.charge(4, ROUND) == five
+
+
+def test_a_ledger_restored_or_deleted_with_its_seal_is_refused_by_the_node_mark(tmp_path):
+    path, mark = tmp_path / "ledger" / "beth.jsonl", tmp_path / "ledger-marks.json"
+    ledger = Ledger(path, "beth", 1e-5, run="r", mark=mark)
+    ledger.charge(1, ROUND)
+    ledger.release(1)
+    backup = (path.read_bytes(), path.with_name("beth.jsonl.seal").read_bytes())
+    ledger.charge(2, ROUND)
+    ledger.release(2)
+    # Ledger and seal restored together from the older backup: the mark stays.
+    path.write_bytes(backup[0])
+    path.with_name("beth.jsonl.seal").write_bytes(backup[1])
+    with pytest.raises(ClinfedError, match="shortened"):
+        Ledger(path, "beth", 1e-5, mark=mark)
+    path.unlink()
+    path.with_name("beth.jsonl.seal").unlink()
+    with pytest.raises(ClinfedError, match="high-water mark"):
+        Ledger(path, "beth", 1e-5, mark=mark)
+
+
+def test_a_dataset_that_trained_without_a_guarantee_can_claim_none_later(tmp_path):
+    path = tmp_path / "beth.jsonl"
+    Ledger(path, "beth", 1e-5, run="plain").mark_unprotected("trained without DP")
+    later = Ledger(path, "beth", 1e-5, budget=100.0, run="dp")
+    assert later.spent == float("inf")
+    assert later.charge(1, ROUND) is None  # no budget affords it
+    # A run that is itself not private (reproducible noise) still trains.
+    again = Ledger(path, "beth", 1e-5, budget=100.0, run="t", not_private="reproducible")
+    assert again.charge(1, ROUND) is not None

@@ -119,6 +119,7 @@ from clinfed.pipeline import (
     privacy_policy,
 )
 from clinfed.privacy.dpsgd import count_units
+from clinfed.privacy.ledger import Ledger
 from clinfed.privacy.site import SitePrivacy
 from clinfed.provenance import data_fingerprint
 from clinfed.tasks.base import SPLIT_KEY
@@ -313,6 +314,10 @@ class NodeConfig:
             )
 
 
+# The node's high-water mark of its ledgers: outside STATE/ledger/, so a
+# ledger folder restored from an older backup is refused.
+LEDGER_MARK = "ledger-marks.json"
+
 # Encoders that ship with clinfed: public, nothing of a site's in them.
 BUNDLED = (MINILM, TINY)
 
@@ -439,8 +444,20 @@ class NodeSite:
                 ledgers = node.state / "ledger"
                 policy.ledger_paths = {name: ledgers / f"{name}-{data_fp[:16]}.jsonl"}
                 policy.ledger_budget = node.max_epsilon
+                policy.ledger_mark = node.state / LEDGER_MARK
                 policy.run = run_name
                 privacy = SitePrivacy(policy, name)
+                if config.reproducible_noise:
+                    privacy.ledger.mark_unprotected("reproducible noise (not private)")
+            else:
+                # An allow-no-dp node: this dataset has no guarantee from now on.
+                Ledger(
+                    node.state / "ledger" / f"{name}-{data_fp[:16]}.jsonl",
+                    name,
+                    config.delta,
+                    run=run_name,
+                    mark=node.state / LEDGER_MARK,
+                ).mark_unprotected("trained without DP")
             self.runner = SiteRunner(
                 name,
                 task,
