@@ -656,8 +656,9 @@ def test_the_audit_compares_members_with_training_rows_set_aside(i2b2_corpus, tm
         assert {encoded[i]["site"] for i in members | non_members} == {site}
         held = {(encoded[i]["doc"], encoded[i]["line"]) for i in non_members}
         assert not held & {(encoded[i]["doc"], encoded[i]["line"]) for i in members}
-        # ... and the site trained on the members only
-        assert trained[site] == len(members)
+        # ... and the site trained on the members only (its weight counts
+        # their sentences, the privacy units, not their rows)
+        assert trained[site] == len({(encoded[i]["doc"], encoded[i]["line"]) for i in members})
         assert (run / "audit" / "updates" / f"{site}.safetensors").is_file()
 
     audited = run_cli("audit", str(run), "--json")
