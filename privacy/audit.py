@@ -21,7 +21,7 @@ against the final global model (what anyone with the run folder has) and,
 per site, the model its last update made (what the server saw:
 ``RUN/audit/updates/<site>.safetensors``, kept by an auditing run).
 
-Each AUC comes with a 95% bootstrap interval. An AUC above 0.5 beyond its
+Each AUC comes with a 95% bootstrap interval, resampled by privacy unit. An AUC above 0.5 beyond its
 interval shows leakage this attack can exploit; an AUC near 0.5 is not a
 proof of privacy (stronger attacks exist). It is never a bound: epsilon is
 the guarantee.
@@ -57,18 +57,47 @@ def example_losses(model, task, examples, batch_size: int = 32) -> np.ndarray:
     return np.concatenate(losses) if losses else np.zeros(0)
 
 
+def _clusters(groups: Any, size: int) -> list[np.ndarray]:
+    """The row indices of each cluster (one per row when ``groups`` is None)."""
+    if groups is None:
+        return [np.asarray([i]) for i in range(size)]
+    index: dict[Any, list[int]] = {}
+    for row, key in enumerate(groups):
+        index.setdefault(key, []).append(row)
+    return [np.asarray(rows) for rows in index.values()]
+
+
+def _resample(scores: np.ndarray, clusters: list[np.ndarray], rng) -> np.ndarray:
+    picked = rng.integers(len(clusters), size=len(clusters))
+    return np.concatenate([scores[clusters[c]] for c in picked])
+
+
 def auc_with_interval(
-    members: np.ndarray, non_members: np.ndarray, rng: np.random.Generator, resamples: int = 1000
+    members: np.ndarray,
+    non_members: np.ndarray,
+    rng: np.random.Generator,
+    resamples: int = 1000,
+    member_units: Any = None,
+    non_member_units: Any = None,
 ) -> dict[str, float]:
-    """ROC AUC of scores (higher: "member") and its 95% bootstrap interval
-    (members and non-members resampled separately)."""
+    """ROC AUC of scores (higher: "member") and its 95% bootstrap interval.
+
+    Members and non-members are resampled separately, and by privacy unit
+    (a cluster bootstrap): the rows of one unit (the windows of one
+    sentence, the sentences of one note) are not independent, and
+    resampling them one by one would make the interval too narrow.
+    ``member_units`` / ``non_member_units``: each row's unit key (``None``:
+    every row its own unit)."""
     labels = np.r_[np.ones(len(members)), np.zeros(len(non_members))]
     auc = float(roc_auc_score(labels, np.r_[members, non_members]))
+    member_clusters = _clusters(member_units, len(members))
+    non_member_clusters = _clusters(non_member_units, len(non_members))
     draws = []
     for _ in range(resamples):
-        m = rng.choice(members, size=len(members))
-        n = rng.choice(non_members, size=len(non_members))
-        draws.append(roc_auc_score(labels, np.r_[m, n]))
+        m = _resample(members, member_clusters, rng)
+        n = _resample(non_members, non_member_clusters, rng)
+        drawn = np.r_[np.ones(len(m)), np.zeros(len(n))]
+        draws.append(roc_auc_score(drawn, np.r_[m, n]))
     low, high = np.percentile(draws, [2.5, 97.5])
     return {"auc": auc, "ci_low": float(low), "ci_high": float(high)}
 
@@ -89,14 +118,17 @@ def reading(result: dict[str, float]) -> str:
 
 
 def _attack(
-    model, initial, task, examples, members: list[int], non_members: list[int], rng
+    model, initial, task, examples, members: list[int], non_members: list[int], rng, unit: str
 ) -> dict[str, Any]:
     rows = members + non_members
-    final = example_losses(model, task, examples.select(rows))
-    before = example_losses(initial, task, examples.select(rows))
+    selected = examples.select(rows)
+    final = example_losses(model, task, selected)
+    before = example_losses(initial, task, selected)
     k = len(members)
-    loss = auc_with_interval(-final[:k], -final[k:], rng)
-    calibrated = auc_with_interval(before[:k] - final[:k], before[k:] - final[k:], rng)
+    keys = task.unit_keys(selected, unit)
+    units = {"member_units": keys[:k], "non_member_units": keys[k:]}
+    loss = auc_with_interval(-final[:k], -final[k:], rng, **units)
+    calibrated = auc_with_interval(before[:k] - final[:k], before[k:] - final[k:], rng, **units)
     return {
         "members": k,
         "non_members": len(non_members),
@@ -163,6 +195,7 @@ def audit(run: Path, max_examples: int = 400, seed: int = 0) -> dict[str, Any]:
                 sample(pooled_members, max_examples),
                 sample(pooled_non, max_examples),
                 rng,
+                config.privacy_unit,
             ),
             "site_updates": {},
         }
@@ -180,6 +213,7 @@ def audit(run: Path, max_examples: int = 400, seed: int = 0) -> dict[str, Any]:
                 sample(members, max_examples),
                 sample(non_members, max_examples),
                 rng,
+                config.privacy_unit,
             )
     final = result["final_model"]["loss_threshold"]
     result |= {"auc": final["auc"], "members": result["final_model"]["members"]}

@@ -241,7 +241,9 @@ class Ledger:
             return None
         try:
             entry = json.loads(self.mark_path.read_text()).get(self.path.name)
-            return None if entry is None else {"bytes": int(entry["bytes"]), **entry}
+            if entry is not None:
+                entry = {"bytes": int(entry["bytes"]), "sha256": str(entry["sha256"])}
+            return entry
         except (ValueError, KeyError, TypeError, AttributeError):
             raise ClinfedError(
                 f"{self.mark_path}: not a high-water mark; the ledgers cannot be trusted"

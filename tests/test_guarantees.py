@@ -395,3 +395,60 @@ def test_the_release_table_covers_every_field_a_site_sends(i2b2_corpus, tmp_path
     if target_epsilon is not None:
         evaluation = next(row for row in build(out)["released"] if row[0] == "evaluation time")
         assert evaluation[1] == "never"
+
+
+def test_the_audit_interval_resamples_whole_units():
+    import numpy as np
+
+    from clinfed.privacy.audit import auc_with_interval
+
+    scores = np.random.default_rng(0)
+    members, non_members = scores.normal(0.2, 1, 40), scores.normal(0, 1, 40)
+    # Every unit as 10 identical rows (the windows of one long sentence).
+    rows_m, rows_n = np.repeat(members, 10), np.repeat(non_members, 10)
+    units_m, units_n = np.repeat(np.arange(40), 10), np.repeat(np.arange(40, 80), 10)
+
+    def width(result):
+        return result["ci_high"] - result["ci_low"]
+
+    one_row_each = width(auc_with_interval(members, non_members, np.random.default_rng(1)))
+    by_row = width(auc_with_interval(rows_m, rows_n, np.random.default_rng(1)))
+    by_unit = width(
+        auc_with_interval(
+            rows_m,
+            rows_n,
+            np.random.default_rng(1),
+            member_units=units_m,
+            non_member_units=units_n,
+        )  # fmt: skip
+    )
+    # Rows resampled one by one pretend to 10x the evidence; whole units
+    # give exactly the interval of one row per unit (AUC does not change
+    # when every score is repeated alike, and the draws are the same).
+    assert by_row < 0.5 * one_row_each
+    assert by_unit == pytest.approx(one_row_each, abs=1e-12)
+
+
+def test_the_audit_copy_of_an_update_is_written_after_its_release(
+    i2b2_corpus, tmp_path, monkeypatch
+):
+    import clinfed.federated.site as site_module
+
+    out = tmp_path / "run"
+    checked: list[bool] = []
+    original = site_module.save_tensors
+
+    def save_tensors(path, tensors):
+        if path.parent.name == "updates":
+            site = path.stem
+            lines = read_jsonl(out / "sites" / site / "privacy" / f"{site}.jsonl")
+            checked.append(any(x.get("released") for x in lines))
+        return original(path, tensors)
+
+    monkeypatch.setattr(site_module, "save_tensors", save_tensors)
+    config = RunConfig.of(
+        task="i2b2", data=str(i2b2_corpus), out=str(out), strategy="fedavg", model="tiny",
+        rounds=1, max_length=32, target_epsilon=8.0, audit_holdout=0.25, threads=1,
+    )  # fmt: skip
+    run_training(config)
+    assert len(checked) == 3 and all(checked)

@@ -134,6 +134,7 @@ class SiteRunner:
         # An auditing run keeps each site's latest update as the server saw
         # it (the global model it received with the upload overlaid).
         self.audit_dir = audit_dir
+        self._audit_copy: tuple[int, dict[str, torch.Tensor]] | None = None
         self.names = shared_names(model)
         self.shared = set(shared_state(model))
         self.personal: dict[str, torch.Tensor] = {}
@@ -193,7 +194,9 @@ class SiteRunner:
                 )
                 upload = {}
             elif received is not None and upload:
-                save_tensors(self.audit_dir / f"{self.name}.safetensors", received | upload)
+                # Written once the round is released (see release()): an
+                # audit copy is a copy of what left the site.
+                self._audit_copy = (message.round, received | upload)
         # The copy is on disk before anything leaves the site: the next
         # round's partial download overlays it.
         self._save_copy(message.round - 1)
@@ -205,10 +208,14 @@ class SiteRunner:
     def release(self, round_number: int) -> dict[str, Any] | None:
         """Write-ahead: the round's charge is marked released (fsynced)
         before its results leave; returns the ledger's digest after it."""
-        if self.privacy is None:
-            return None
-        self.privacy.release(round_number)
-        return self.privacy.ledger.digest()
+        digest = None
+        if self.privacy is not None:
+            self.privacy.release(round_number)
+            digest = self.privacy.ledger.digest()
+        if self._audit_copy is not None and self._audit_copy[0] == round_number:
+            save_tensors(self.audit_dir / f"{self.name}.safetensors", self._audit_copy[1])
+            self._audit_copy = None
+        return digest
 
     # ---------------------------------------------------------------- meter
     def _weights_hash(self) -> str:
