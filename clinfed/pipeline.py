@@ -212,6 +212,8 @@ def _train(config: RunConfig, report: Reporter) -> dict[str, Any]:
         policies: dict[str, PrivacyPolicy] = {}
         if config.dp:
             for client, idx in clients.items():
+                if len(idx) == 0:
+                    continue  # an evaluation site trains nothing: no DP-SGD to account
                 policies[client] = privacy_policy(
                     config,
                     task,
@@ -348,7 +350,16 @@ def _clients(config: RunConfig, task: Task, corpus: Corpus, train, test):
         # Fewer held-out documents than clients: deal them out in turn.
         order = np.arange(len(test))
         test_parts = {c: order[i :: len(clients)] for i, c in enumerate(sorted(clients))}
-    return clients, {c: test_parts.get(c, np.array([], dtype=int)) for c in clients}
+    parts = {c: test_parts.get(c, np.array([], dtype=int)) for c in clients}
+    if config.partition == "sites":
+        # A site with held-out documents and no training documents is an
+        # evaluation site (external validation): it evaluates every round,
+        # never trains.
+        for site, idx in test_parts.items():
+            if site not in clients and len(idx):
+                clients[site] = np.array([], dtype=int)
+                parts[site] = idx
+    return clients, parts
 
 
 def make_model(config: RunConfig, task: Task) -> nn.Module:

@@ -158,7 +158,7 @@ def collect(out: Path) -> list[dict[str, Any]]:
                 "strategy": config["strategy"] + ("" if adapter == "none" else f" + {adapter}"),
                 "target_epsilon": math.inf if target is None else target,
                 "seed": config["seed"],
-                "f1": summary["f1"],
+                "f1": summary.get("f1"),  # None: no site evaluated
                 "max_epsilon_spent": max(spent.values()) if spent else math.inf,
                 "mb_up": summary.get("mb_up"),
                 "wall_min": round(seconds[cell] / 60, 1) if cell in seconds else None,
@@ -186,7 +186,9 @@ def write_table(out: Path, rows: list[dict[str, Any]]) -> None:
     atomic_write_text(out / "sweep.csv", buffer.getvalue())
     cells: dict[tuple[str, float], list[float]] = {}
     for row in rows:
-        cells.setdefault((row["strategy"], row["target_epsilon"]), []).append(row["f1"])
+        scores = cells.setdefault((row["strategy"], row["target_epsilon"]), [])
+        if row["f1"] is not None:
+            scores.append(row["f1"])
     strategies = sorted({s for s, _ in cells})
     epsilons = sorted({e for _, e in cells})
     header = "| strategy | " + " | ".join(f"eps {e:g}" for e in epsilons) + " |"
@@ -204,7 +206,7 @@ def write_table(out: Path, rows: list[dict[str, Any]]) -> None:
     finite = [e for e in epsilons if not math.isinf(e)]
     inf_x = (max(finite) * 2) if finite else 1.0
     for strategy in strategies:
-        xs = [e for e in epsilons if (strategy, e) in cells]
+        xs = [e for e in epsilons if cells.get((strategy, e))]
         ys = [statistics.fmean(cells[(strategy, e)]) for e in xs]
         ax.plot([inf_x if math.isinf(e) else e for e in xs], ys, marker="o", label=strategy)
     ax.set_xscale("log")

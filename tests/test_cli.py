@@ -489,3 +489,25 @@ def test_the_demo_runs_the_private_federated_path_end_to_end(tmp_path):
     assert content["reference_f1"] == pytest.approx(summary["f1_no_dp"])
     again = run_cli(*args, "--out", str(out))
     assert again.returncode == 2 and "choose a new" in again.stderr
+
+
+def test_an_external_validation_site_is_scored_like_its_predictions(tmp_path):
+    corpus = tmp_path / "corp"
+    assert run_cli("data", "synth", "i2b2", "--out", str(corpus), "--sites", "3",
+                   "--docs", "4").returncode == 0  # fmt: skip
+    external = corpus / "test" / "external"
+    for kind in ("txt", "concepts"):
+        (external / kind).mkdir(parents=True)
+        for path in (corpus / "test").glob(f"*/{kind}/*"):
+            if path.parent.parent != external:
+                path.rename(external / kind / path.name)
+    out = tmp_path / "run"
+    result = run_cli("train", *TINY_FEDERATED, "--strategy", "fedavg", "--rounds", "1",
+                     "--data", str(corpus), "--out", str(out), "--json")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["evaluated_sites"] == 1
+    scored = run_cli("score", "--task", "i2b2", "--gold", str(corpus / "test"),
+                     "--pred", str(out / "predictions"), "--json")  # fmt: skip
+    assert summary["f1"] == pytest.approx(json.loads(scored.stdout)["exact"]["micro"]["f1"])
+    assert summary["f1"] > 0

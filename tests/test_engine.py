@@ -203,3 +203,31 @@ def test_records_written_after_the_last_commit_are_cut_back_on_resume(tmp_path, 
     again.run(ScriptedTransport(["a", "b"], behave))
     keys = [(r["round"], r.get("client")) for r in read_jsonl(tmp_path / "metrics.jsonl")]
     assert len(keys) == len(set(keys)) == 3 * 3  # 3 rounds x (2 sites + 1 global record)
+
+
+def test_an_evaluation_site_is_evaluated_never_trained_and_no_f1_without_evaluation(tmp_path):
+    def trains_only(site, message, attempt):  # holds no held-out data
+        reply = good(site, message)
+        return Reply(site, reply.upload, reply.record, None, None)
+
+    def behave(site, message, attempt):
+        if site == "external":  # held-out notes only
+            evaluation = {"counts": {"": {"hits": [3, 4]}}, "examples": 4}
+            record = {"round": message.round, "client": site, "evaluation_only": True}
+            return Reply(site, {}, record if message.kind == "train" else None, evaluation, None)
+        return trains_only(site, message, attempt)
+
+    transport = ScriptedTransport(["a", "external"], behave)
+    summary = engine(tmp_path, rounds=3).run(transport)
+    kinds = {(site, m.round): m.kind for site, m in transport.sent}
+    # Told once it trains nothing, it is only asked to evaluate from then on.
+    assert kinds[("external", 1)] == "train" and kinds[("external", 2)] == "evaluate"
+    records = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "client" not in r]
+    assert [r["f1"] for r in records] == [0.75, 0.75, 0.75]
+    assert summary["f1"] == 0.75 and summary["evaluated_sites"] == 1
+    assert not any(r.get("client") == "external" for r in read_jsonl(tmp_path / "metrics.jsonl"))
+
+    # Nobody holds held-out data: no F1 at all, and the record says why.
+    silent = engine(tmp_path / "silent", rounds=1).run(ScriptedTransport(["a"], trains_only))
+    assert "f1" not in silent and silent["evaluated_sites"] == 0
+    assert "not_evaluated" in silent

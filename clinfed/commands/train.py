@@ -97,9 +97,14 @@ class _ProgressReporter:
         elif event == "stopped":
             log.warning(info["reason"])
         elif event == "round_end":
-            log.info(f"round {info['round']}: f1 {info['f1']:.4f}")
+            log.info(f"round {info['round']}: f1 {_f1(info)}")
             if self.round_bar is not None:
                 p.update(self.round_bar, completed=info["round"])
+
+
+def _f1(record: dict) -> str:
+    """A record's F1, or why it has none (a round no site evaluated)."""
+    return f"{record['f1']:.4f}" if "f1" in record else "none (no site evaluated)"
 
 
 def _columns() -> list:
@@ -127,7 +132,7 @@ def _round_table(run: Path) -> None:
         sites = [r for r in records if "bytes_up" in r and r["round"] == record["round"]]
         row = [
             str(record["round"]),
-            f"{record['f1']:.4f}",
+            _f1(record),
             str(len(sites)),
             f"{sum(r['bytes_up'] for r in sites) / 1e6:.1f}",
             f"{sum(r['bytes_down'] for r in sites) / 1e6:.1f}",
@@ -190,7 +195,7 @@ def train(
             spent = ", ".join(f"{k} {v:.3f}" for k, v in summary["epsilon"].items())
             out.print(f"privacy spent (epsilon at delta {summary['delta']:g}): {spent}")
         out.print(
-            f"[bold]done[/]: held-out f1 {summary['f1']:.4f}; uploaded {summary['mb_up']:.1f} MB, "
+            f"[bold]done[/]: held-out f1 {_f1(summary)}; uploaded {summary['mb_up']:.1f} MB, "
             f"downloaded {summary['mb_down']:.1f} MB "
             f"({100 * summary['ratio_to_fedavg_up']:.3g}% of "
             f"FedAvg's upload); run folder {out_dir}; {_duration(wall)}"

@@ -277,6 +277,8 @@ class RoundEngine:
         self.changed: dict[str, int] = {n: 0 for n in self.global_state}
         self.digests: dict[str, str] = {"0": payload.digest(self.global_state)}
         self.site_of: dict[str, str] = {}  # address -> site name (learnt from replies)
+        # Addresses of evaluation sites (no training data; learnt from replies).
+        self.evaluators: set[str] = set()
         self.ledgers: dict[str, dict[str, Any]] = {}
         # Each site ledger's length and SHA-256 as last seen (committed with
         # every round; a resume refuses a ledger that lost part of it).
@@ -408,7 +410,10 @@ class RoundEngine:
             addresses = self._wait(transport)
             if not addresses:
                 break
-            training = set(sample_sites(addresses, self.fraction, self.sampling))
+            trainers = [a for a in addresses if a not in self.evaluators]
+            training = (
+                set(sample_sites(trainers, self.fraction, self.sampling)) if trainers else set()
+            )
             messages, bytes_down = self._messages(addresses, training, round_number, False)
             self.log(
                 f"round {round_number}/{self.rounds}: sending to {len(training)} sites"
@@ -456,7 +461,11 @@ class RoundEngine:
                     self.ledger_digests[site] = reply.ledger["digest"]
             if reply.evaluation:
                 evaluations.append((site, reply.evaluation))
-            if message.kind == "evaluate":
+            if message.kind == "train" and (reply.record or {}).get("evaluation_only"):
+                # An evaluation site: it holds data to evaluate on and none to
+                # train on; from now on it is only asked to evaluate.
+                self.evaluators.add(address)
+            if message.kind == "evaluate" or address in self.evaluators:
                 if stale is None:
                     holds[site] = round_number - 1
                 else:
@@ -672,13 +681,18 @@ class RoundEngine:
                 metrics = {"f1": metrics["f1"]}
             record |= {prefix + k: v for k, v in metrics.items()}
             record[prefix + "per_site_f1"] = per_site[variant]
-        record.setdefault("f1", 0.0)
+        # A round nobody evaluated has no F1 (never 0): it says so instead.
+        if not evaluations:
+            record["not_evaluated"] = "no site evaluated this round's model"
         record |= {"eval_seconds": seconds, "evaluated_sites": len(evaluations)}
         record |= self.pending_observed
         self._metrics(record)
         self.last_record = record
         self.report("round_end", record)
-        self.log(f"round {round_number}: f1 {record['f1']:.4f} on {len(evaluations)} sites")
+        if "f1" in record:
+            self.log(f"round {round_number}: f1 {record['f1']:.4f} on {len(evaluations)} sites")
+        else:
+            self.log(f"round {round_number}: not evaluated (no site evaluated it)")
         return record
 
     def _final_evaluation(

@@ -397,7 +397,11 @@ class SiteRunner:
         self, round_number: int, strategy_state: dict[str, Any]
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Train one round; return the upload and the site's record. Under DP
-        the privacy layer checks the budget and writes the ledger first."""
+        the privacy layer checks the budget and writes the ledger first. A
+        site without training examples is an evaluation site: it says so and
+        trains nothing."""
+        if len(self.train) == 0:
+            return {}, {"round": round_number, "client": self.name, "evaluation_only": True}
         self.strategy.load_state_dict(strategy_state, None)
 
         def update(dp: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -378,8 +378,8 @@ def _encoded(
     test_records = _of_site(corpus.test, name)
     train = task.encode(_of_site(corpus.train, name), tokenizer, config.max_length, cache_dir)
     test = task.encode(test_records, tokenizer, config.max_length, cache_dir)
-    if len(train) == 0:
-        raise ClinfedError(f"{node.data}: no training examples for site {name}")
+    if len(train) == 0 and len(test) == 0:
+        raise ClinfedError(f"{node.data}: no training or held-out examples for site {name}")
     encoded = Encoded(name, train, test, test_records, task_state(task))
     cache.save(key, encoded)
     return encoded
@@ -423,8 +423,8 @@ class NodeSite:
             name, train, test = encoded.site, encoded.train, encoded.test
             test_records = encoded.test_records
             units = count_units(task, train, config.privacy_unit)
-            cap = node.max_delta if node.max_delta is not None else 1 / (10 * units)
-            if config.dp and config.delta > cap:
+            cap = node.max_delta if node.max_delta is not None else 1 / (10 * max(units, 1))
+            if config.dp and units and config.delta > cap:
                 raise ClinfedError(
                     f"the run asks for delta {config.delta:g}, above this site's cap {cap:.3g} "
                     f"(node config max-delta; default 1/(10 n), n = {units} units): refused"
@@ -432,7 +432,7 @@ class NodeSite:
             model = make_model(config, task)
             strategy = make_strategy(config, task, tokenizer, cache_dir)
             privacy = None
-            if config.dp:
+            if config.dp and units:  # an evaluation site trains nothing to account
                 # Calibrated once per setting, not per message (checked on reuse).
                 memo = node.state / "calibration.json"
                 policy = privacy_policy(
@@ -449,7 +449,7 @@ class NodeSite:
                 privacy = SitePrivacy(policy, name)
                 if config.reproducible_noise:
                     privacy.ledger.mark_unprotected("reproducible noise (not private)")
-            else:
+            elif not config.dp and units:
                 # An allow-no-dp node: this dataset has no guarantee from now on.
                 Ledger(
                     node.state / "ledger" / f"{name}-{data_fp[:16]}.jsonl",
