@@ -360,7 +360,11 @@ class RunConfig(
         """The settings nested by concern (``RUN/config.json``; accepted back
         by :meth:`from_values`). ``out`` and ``resume`` are where and how it
         ran, not what: they are left out."""
-        values = asdict(self)
+        # Standard JSON has no infinity: "inf" (read back by from_values).
+        values = {
+            k: "inf" if isinstance(v, float) and math.isinf(v) else v
+            for k, v in asdict(self).items()
+        }
         nested: dict[str, Any] = {}
         for concern, cls in CONCERNS.items():
             if concern == "run":

@@ -511,3 +511,32 @@ def test_an_external_validation_site_is_scored_like_its_predictions(tmp_path):
                      "--pred", str(out / "predictions"), "--json")  # fmt: skip
     assert summary["f1"] == pytest.approx(json.loads(scored.stdout)["exact"]["micro"]["f1"])
     assert summary["f1"] > 0
+
+
+def test_target_epsilon_inf_says_not_private_first_and_writes_standard_json(i2b2_corpus, tmp_path):
+    out = tmp_path / "run"
+    args = ("train", *TINY_FEDERATED, "--strategy", "fedavg", "--rounds", "1",
+            "--target-epsilon", "inf", "--data", str(i2b2_corpus))  # fmt: skip
+    result = run_cli(*args, "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.lstrip().splitlines()[0].startswith("not private")
+
+    def refuse(name):
+        raise ValueError(f"not standard JSON: {name}")
+
+    config = json.loads((out / "config.json").read_text(), parse_constant=refuse)
+    assert config["privacy"]["target_epsilon"] == "inf"
+    again = run_cli("train", "--config", str(out / "config.json"), "--data", str(i2b2_corpus),
+                    "--out", str(tmp_path / "again"))  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert (
+        json.loads((tmp_path / "again" / "config.json").read_text())["privacy"]["target_epsilon"]
+        == "inf"
+    )
+
+
+def test_task_defaults_as_the_help_says(i2b2_corpus, tmp_path):
+    result = run_cli("train", "--model", "tiny", "--max-length", "32", "--strategy", "fedavg",
+                     "--rounds", "1", "--threads", "1", "--data", str(i2b2_corpus),
+                     "--out", str(tmp_path / "run"))  # fmt: skip
+    assert result.returncode == 0, result.stderr

@@ -169,9 +169,15 @@ def train(
     if values.get("clients") and "partition" not in values:
         values["partition"] = "iid"  # N synthetic clients: dealt out at random
     config = RunConfig.from_values(values, str(config_file) if config_file else "flags")
-    for required in ("task", "data", "out"):
+    for required in ("data", "out"):
         if not values.get(required):
             raise ClinfedError(f"--{required} is required (a flag or a key of --config)")
+    if not config.dp and config.target_epsilon is not None:
+        # --target-epsilon inf: said first, before anything else is printed.
+        err.print(
+            "[bold yellow]not private[/]: --target-epsilon inf trains without differential "
+            "privacy; nothing this run releases is protected"
+        )
     out_dir = Path(config.out)
     started = time.perf_counter()
     try:
