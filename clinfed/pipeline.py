@@ -49,6 +49,7 @@ from clinfed.federated.client import LocalSettings
 from clinfed.federated.engine import RoundEngine
 from clinfed.federated.inprocess import InProcessTransport
 from clinfed.federated.partition import partition
+from clinfed.federated.state import check_metrics
 from clinfed.federated.site import SiteRunner
 from clinfed.federated.strategies import STRATEGIES, Strategy, StrategyContext
 from clinfed.models import build_model, load_tokenizer, save_model
@@ -96,6 +97,7 @@ def _check_resume(config: RunConfig) -> None:
         raise ClinfedError(
             f"--resume applies to federated strategies (rounds), not {config.strategy}"
         )
+    check_metrics(out)
     saved = RunConfig.from_values(load_file(saved_path), str(saved_path)).to_dict()
     ours = config.to_dict()
     from clinfed.settings import schema_fields

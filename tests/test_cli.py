@@ -540,3 +540,23 @@ def test_task_defaults_as_the_help_says(i2b2_corpus, tmp_path):
                      "--rounds", "1", "--threads", "1", "--data", str(i2b2_corpus),
                      "--out", str(tmp_path / "run"))  # fmt: skip
     assert result.returncode == 0, result.stderr
+
+
+def test_resume_repairs_a_torn_metrics_line_and_refuses_a_damaged_one(i2b2_corpus, tmp_path):
+    out = tmp_path / "run"
+    args = ("train", *TINY_FEDERATED, "--strategy", "fedavg", "--rounds", "2",
+            "--data", str(i2b2_corpus), "--out", str(out))  # fmt: skip
+    assert run_cli(*args).returncode == 0
+    metrics = out / "metrics.jsonl"
+    with open(metrics, "ab") as fh:  # a crash in the middle of an append
+        fh.write(b'{"round": 3, "cli')
+    resumed = run_cli(*args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert all(line.endswith("}") for line in metrics.read_text().splitlines())
+    lines = metrics.read_bytes().split(b"\n")
+    lines[1] = lines[1][: len(lines[1]) // 2]  # a damaged line inside the committed part
+    metrics.write_bytes(b"\n".join(lines))
+    refused = run_cli(*args, "--resume")
+    assert refused.returncode == 2
+    assert f"{metrics}:2: not a JSON record" in refused.stderr
+    assert "Traceback" not in refused.stderr

@@ -298,6 +298,7 @@ class RoundEngine:
     def resume(self) -> None:
         """Continue from the last commit of ``self.out`` (a run that died
         before its first commit starts over)."""
+        state.check_metrics(self.out)
         if not (self.out / state.STATE).exists():
             state.cut_metrics(self.out, 0)
             self.log(f"{self.out}: no round was committed; starting over from round 1")

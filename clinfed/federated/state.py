@@ -21,6 +21,7 @@ personal tensors, its ledger) lives with the site, not here.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,6 +33,8 @@ from safetensors.torch import load_file, save
 
 from clinfed.errors import ClinfedError
 from clinfed.runs import atomic_write_bytes, atomic_write_json
+
+log = logging.getLogger("clinfed.state")
 
 STATE = "state.json"
 SCHEMA = 2
@@ -121,6 +124,43 @@ def load(out: Path) -> RunState:
     if state.schema != SCHEMA:
         raise ClinfedError(f"{path}: state schema {state.schema}, this clinfed reads {SCHEMA}")
     return state
+
+
+def check_metrics(out: Path) -> None:
+    """Before a resume does any work: ``metrics.jsonl`` holds every record
+    the last commit counts, each a JSON object. A torn last line (a crash
+    mid-append) is cut back to the last complete line, as a ledger's is;
+    anything else is a :class:`ClinfedError` naming the file and line."""
+    path = out / "metrics.jsonl"
+    committed = load(out).metrics_bytes if (out / STATE).exists() else 0
+    if not path.exists():
+        if committed:
+            raise ClinfedError(
+                f"{path}: missing, but the last commit records {committed} bytes of it; "
+                "cannot resume"
+            )
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        keep = data.rfind(b"\n") + 1
+        with open(path, "r+b") as fh:
+            fh.truncate(keep)
+            fh.flush()
+            os.fsync(fh.fileno())
+        log.warning("%s: torn last line (%d bytes) cut back", path, len(data) - keep)
+        data = data[:keep]
+    for number, raw in enumerate(data.splitlines(), start=1):
+        try:
+            record = json.loads(raw)
+        except ValueError as exc:
+            raise ClinfedError(f"{path}:{number}: not a JSON record ({exc.msg}); cannot resume")
+        if not isinstance(record, dict):
+            raise ClinfedError(f"{path}:{number}: not a JSON object; cannot resume")
+    if len(data) < committed:
+        raise ClinfedError(
+            f"{path}: {len(data)} bytes, but the last commit records {committed}: records were "
+            "lost; cannot resume"
+        )
 
 
 def cut_metrics(out: Path, size: int) -> None:
