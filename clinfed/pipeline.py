@@ -49,8 +49,8 @@ from clinfed.federated.client import LocalSettings
 from clinfed.federated.engine import RoundEngine
 from clinfed.federated.inprocess import InProcessTransport
 from clinfed.federated.partition import partition
-from clinfed.federated.state import check_metrics
 from clinfed.federated.site import SiteRunner
+from clinfed.federated.state import check_metrics
 from clinfed.federated.strategies import STRATEGIES, Strategy, StrategyContext
 from clinfed.models import build_model, load_tokenizer, save_model
 from clinfed.privacy.dpsgd import unit_rows

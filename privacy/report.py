@@ -443,9 +443,53 @@ def _released(content: dict[str, Any], config: dict[str, Any], pooled: bool) -> 
     return rows
 
 
+def check_ledgers(run: Path, run_data: dict[str, Any]) -> None:
+    """Refuse (ClinfedError, naming the file) a ledger the report could not
+    verify: the run's copy must charge every round the run's records say
+    the site trained in, end at the epsilon the records last state, and,
+    where the site's own ledger is in the run folder (in-process runs),
+    hold this run's lines of it exactly (the site's ledger is checked
+    against its seal on reading)."""
+    from clinfed.privacy.ledger import Ledger
+
+    for site, lines in run_data["ledgers"].items():
+        path = run / "privacy" / f"{site}.jsonl"
+        charges = [line for line in lines if line.get("state", "charged") == "charged"]
+        charged = {line["round"] for line in charges}
+        trained = [r for r in run_data["records"] if r.get("client") == site and "bytes_up" in r]
+        missing = sorted({r["round"] for r in trained} - charged)
+        if missing:
+            raise ClinfedError(
+                f"{path}: no charge for round {missing[0]}, in which metrics.jsonl says {site} "
+                "trained: the ledger was shortened; no epsilon can be stated from it"
+            )
+        stated = [r["epsilon"] for r in trained if "epsilon" in r]
+        if (
+            stated
+            and charges
+            and abs(charges[-1]["epsilon"] - max(stated)) > 1e-9 * max(1.0, max(stated))
+        ):
+            raise ClinfedError(
+                f"{path}: ends at epsilon {charges[-1]['epsilon']:.6g}, but metrics.jsonl says "
+                f"{site} spent {max(stated):.6g}: the ledger was altered; it cannot be trusted"
+            )
+        own = run / "sites" / site / "privacy" / f"{site}.jsonl"
+        if own.is_file():
+            delta = charges[0]["delta"] if charges else 1e-5
+            kept = Ledger(own, site, delta).run_lines()
+            key = ("round", "mechanism", "noise_multiplier", "sample_rate", "steps")
+            if [tuple(x.get(k) for k in key) for x in kept] != [
+                tuple(x.get(k) for k in key) for x in charges
+            ]:
+                raise ClinfedError(
+                    f"{path}: differs from the site's own ledger {own}: it cannot be trusted"
+                )
+
+
 def build(run: Path, reference: Path | None = None) -> dict[str, Any]:
     """The report's content as plain data (also ``privacy.json``)."""
     run_data = _load(run)
+    check_ledgers(run, run_data)
     config, policy, summary = run_data["config"], run_data["policy"], run_data["summary"]
     raw = json.loads((run / "config.json").read_text())
     pooled = config.get("strategy") == "centralized"

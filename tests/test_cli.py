@@ -560,3 +560,21 @@ def test_resume_repairs_a_torn_metrics_line_and_refuses_a_damaged_one(i2b2_corpu
     assert refused.returncode == 2
     assert f"{metrics}:2: not a JSON record" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+def test_report_refuses_a_ledger_it_cannot_verify(i2b2_corpus, tmp_path):
+    out = tmp_path / "run"
+    assert run_cli("train", *TINY_FEDERATED, "--strategy", "fedavg", "--rounds", "3",
+                   "--target-epsilon", "8", "--data", str(i2b2_corpus),
+                   "--out", str(out)).returncode == 0  # fmt: skip
+    assert run_cli("report", str(out)).returncode == 0
+    copy = out / "privacy" / "beth.jsonl"
+    whole = copy.read_bytes()
+    copy.write_bytes(whole.split(b"\n", 1)[0] + b"\n")  # only round 1 kept
+    refused = run_cli("report", str(out))
+    assert refused.returncode == 2 and f"{copy}: no charge for round 2" in refused.stderr
+    copy.write_bytes(whole)
+    own = out / "sites" / "beth" / "privacy" / "beth.jsonl"
+    own.write_bytes(own.read_bytes().split(b"\n", 1)[0] + b"\n")
+    refused = run_cli("report", str(out))
+    assert refused.returncode == 2 and str(own) in refused.stderr

@@ -153,7 +153,9 @@ def check_metrics(out: Path) -> None:
         try:
             record = json.loads(raw)
         except ValueError as exc:
-            raise ClinfedError(f"{path}:{number}: not a JSON record ({exc.msg}); cannot resume")
+            raise ClinfedError(
+                f"{path}:{number}: not a JSON record ({exc.msg}); cannot resume"
+            ) from None
         if not isinstance(record, dict):
             raise ClinfedError(f"{path}:{number}: not a JSON object; cannot resume")
     if len(data) < committed:
