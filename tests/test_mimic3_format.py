@@ -221,3 +221,17 @@ def test_the_label_set_is_public_never_counted_from_the_sites_codes(tmp_path):
     assert "V99.99" not in first.labels and first.label_source.startswith("public")
     given = Mimic3Task(labels=["428.0", "038.9"], cache_dir=str(tmp_path / "c3"))
     assert given.labels == ["038.9", "428.0"] and "--labels" in given.label_source
+
+
+def test_a_byte_that_is_not_utf8_is_reported_on_its_own_line(tmp_path):
+    # 120 good notes (the reader decodes ahead in blocks: the bad byte must
+    # still be reported where it is, not at the header).
+    good = "".join(
+        f'"{i}","{i}","{1000 + i}","","","","Discharge summary","Report","","","fine note"\n'
+        for i in range(1, 121)
+    )
+    site = make_site(tmp_path / "s", good, CODES)
+    with open(site / "NOTEEVENTS.csv", "ab") as fh:
+        fh.write(b'"999","9","999","","","","Discharge summary","Report","","","caf\xe9"\n')
+    (problem,) = _problems(site, tmp_path)
+    assert problem == f"{site / 'NOTEEVENTS.csv'}:122: bytes that are not UTF-8"

@@ -14,6 +14,7 @@ notes never have to fit in memory.
 
 from __future__ import annotations
 
+import codecs
 import csv
 import gzip
 import hashlib
@@ -83,11 +84,30 @@ def find_file(folder: Path, name: str) -> Path | None:
     return None
 
 
-def _open_text(path: Path) -> io.TextIOBase:
-    raw = gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
-    # newline="" lets csv see the line breaks inside quoted TEXT fields;
-    # utf-8-sig drops a byte order mark.
-    return io.TextIOWrapper(raw, encoding="utf-8-sig", newline="")
+def _open_binary(path: Path) -> io.BufferedIOBase:
+    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+
+
+class NotUtf8(Exception):
+    """Bytes that are not UTF-8 on physical line ``line`` of a file."""
+
+    def __init__(self, line: int):
+        super().__init__(line)
+        self.line = line
+
+
+def _text_lines(raw: io.BufferedIOBase) -> Iterator[str]:
+    """The file's lines, decoded one at a time (a bad byte is reported on its
+    own line, not on the first line of a block decoded ahead), line endings
+    kept so csv sees the line breaks inside quoted TEXT fields; a byte order
+    mark is dropped."""
+    for number, chunk in enumerate(raw, start=1):
+        if number == 1 and chunk.startswith(codecs.BOM_UTF8):
+            chunk = chunk[len(codecs.BOM_UTF8) :]
+        try:
+            yield chunk.decode("utf-8")
+        except UnicodeDecodeError:
+            raise NotUtf8(number) from None
 
 
 # A damaged .gz: not gzip at all, truncated, or corrupt inside.
@@ -103,12 +123,12 @@ def iter_rows(
     the file (reported with its line); the caller reports bad values.
     """
     try:
-        fh = _open_text(path)
+        fh = _open_binary(path)
     except OSError as exc:
         problems.add(path, None, f"cannot read ({exc.strerror})")
         return
     with fh:
-        reader = csv.reader(fh, strict=True)
+        reader = csv.reader(_text_lines(fh), strict=True)
         try:
             header = next(reader)
         except StopIteration:
@@ -117,7 +137,10 @@ def iter_rows(
         except GZIP_ERRORS:
             problems.add(path, 1, "not gzip data, or truncated or corrupt gzip data")
             return
-        except (csv.Error, UnicodeDecodeError, OSError) as exc:
+        except NotUtf8 as exc:
+            problems.add(path, exc.line, "bytes that are not UTF-8")
+            return
+        except (csv.Error, OSError) as exc:
             problems.add(path, 1, f"unreadable header ({type(exc).__name__})")
             return
         columns = [name.strip().lower() for name in header]
@@ -135,8 +158,8 @@ def iter_rows(
             except csv.Error:
                 problems.add(path, line, "unterminated quote or malformed CSV record")
                 return
-            except UnicodeDecodeError:
-                problems.add(path, line, "bytes that are not UTF-8")
+            except NotUtf8 as exc:
+                problems.add(path, exc.line, "bytes that are not UTF-8")
                 return
             except GZIP_ERRORS:
                 problems.add(path, line, "truncated or corrupt gzip data")
