@@ -110,8 +110,9 @@ class DataSettings:
         50,
         "mimic3: keep the first K codes of the public MIMIC-III-50 list (0: all of it).",
         minimum=0,
+        maximum=100_000,
     )
-    max_chunks: int = setting(8, "mimic3: windows kept per admission.", minimum=1)
+    max_chunks: int = setting(8, "mimic3: windows kept per admission.", minimum=1, maximum=1_024)
     labels: list[str] | None = setting(
         None,
         "mimic3: the codes to predict instead of the public list (a file: one per line, or "
@@ -147,13 +148,16 @@ class ModelSettings:
 class TrainingSettings:
     """Local training: how a model learns from one site's examples."""
 
-    epochs: int = setting(3, "centralized: passes over the pooled training data.", minimum=1)
-    local_epochs: int = setting(1, "Passes over a site's data per round.", minimum=1)
+    epochs: int = setting(
+        3, "centralized: passes over the pooled training data.", minimum=1, maximum=1_000
+    )
+    local_epochs: int = setting(1, "Passes over a site's data per round.", minimum=1, maximum=1_000)
     batch_size: int | None = setting(
         None,
         "Examples per step (default: the task's; under DP each site's expected Poisson batch "
         "is its units / 16, 64 to 1024, with the rates scaled by sqrt(batch / task batch)).",
         minimum=1,
+        maximum=65_536,
     )
     lr: float | None = setting(None, "AdamW rate of the encoder (default: the task's).", above=0.0)
     head_lr: float | None = setting(
@@ -166,7 +170,9 @@ class TrainingSettings:
         minimum=0.0,
         below=1.0,
     )
-    seed: int = setting(0, "Seeds the model head, data order, dropout and splits.", minimum=0)
+    seed: int = setting(
+        0, "Seeds the model head, data order, dropout and splits.", minimum=0, maximum=2_147_483_647
+    )
 
 
 @dataclass
@@ -174,7 +180,7 @@ class FederationSettings:
     """The federation: who trains, how often, with which strategy."""
 
     strategy: str = setting("centralized", "Training strategy (see clinfed strategies).")
-    rounds: int = setting(5, "Federated rounds.", minimum=1)
+    rounds: int = setting(5, "Federated rounds.", minimum=1, maximum=10_000)
     fraction: float = setting(
         1.0, "Share of the sites sampled to train each round.", above=0.0, maximum=1.0
     )
@@ -186,7 +192,11 @@ class FederationSettings:
         simulator_only=True,
     )
     clients: int = setting(
-        0, "With --partition iid|dirichlet: this many clients.", minimum=0, simulator_only=True
+        0,
+        "With --partition iid|dirichlet: this many clients.",
+        minimum=0,
+        simulator_only=True,
+        maximum=10_000,
     )
     alpha: float = setting(
         0.5, "Dirichlet concentration (small: skewed).", above=0.0, simulator_only=True
@@ -257,7 +267,7 @@ class PrivacySettings:
 class MachineSettings:
     """This machine: none of these change results."""
 
-    threads: int = setting(0, "CPU threads (0: all cores).", minimum=0)
+    threads: int = setting(0, "CPU threads (0: all cores).", minimum=0, maximum=1_024)
     cache_dir: str | None = setting(
         None,
         "Keep tokenized data here for reuse (it holds note content: protect it like the "
@@ -265,7 +275,9 @@ class MachineSettings:
         simulator_only=True,
         resumable=True,
     )
-    eval_batch_size: int = setting(64, "Examples per evaluation step.", minimum=1, resumable=True)
+    eval_batch_size: int = setting(
+        64, "Examples per evaluation step.", minimum=1, resumable=True, maximum=65_536
+    )
     report_to: str = setting(
         "none",
         "Experiment tracking: tensorboard (event files in RUN/tensorboard/), mlflow (its "

@@ -578,3 +578,19 @@ def test_report_refuses_a_ledger_it_cannot_verify(i2b2_corpus, tmp_path):
     own.write_bytes(own.read_bytes().split(b"\n", 1)[0] + b"\n")
     refused = run_cli("report", str(out))
     assert refused.returncode == 2 and str(own) in refused.stderr
+
+
+def test_count_settings_have_stated_bounds_and_a_huge_line_is_refused(tmp_path):
+    refused = run_cli("train", "--rounds", "99999999999999999999", "--data", str(tmp_path),
+                      "--out", str(tmp_path / "run"))  # fmt: skip
+    assert refused.returncode == 2 and "--rounds must be at most 10000" in refused.stderr
+    corpus = tmp_path / "corp"
+    assert run_cli("data", "synth", "i2b2", "--out", str(corpus), "--sites", "1",
+                   "--docs", "5").returncode == 0  # fmt: skip
+    note = sorted((corpus / "train").rglob("txt/*.txt"))[0]
+    note.write_text(note.read_text() + " ".join(["word"] * 10_001) + "\n")
+    result = run_cli("train", *TINY_FEDERATED, "--strategy", "fedavg", "--rounds", "1",
+                     "--data", str(corpus), "--out", str(tmp_path / "run"))  # fmt: skip
+    assert result.returncode == 2
+    lines = len(note.read_text().splitlines())
+    assert f"{note}:{lines}: a line of 10,001 tokens; at most 10,000" in result.stderr

@@ -35,6 +35,8 @@ def _option(name: str, f: Field, panel: str, owners: list[str] | None) -> inspec
     kind, _ = field_type(f)
     flag = "--" + name.replace("_", "-")
     help_text = f.metadata.get("help", "")
+    if kind is int and "maximum" in f.metadata:
+        help_text += f" (at most {f.metadata['maximum']:,})"
     if owners:
         help_text += f" [{', '.join(owners)}]"
     default = default_of(f)

@@ -56,6 +56,8 @@ LINE_FEATURES = datasets.Features(
     }
 )
 TEST_FRACTION = 0.2
+# The most whitespace tokens one line (one sentence) may hold.
+MAX_LINE_TOKENS = 10_000
 FORMATS = ("auto", "i2b2", "conll", "brat")
 PROBE_SEED = 20_101
 
@@ -206,6 +208,21 @@ class I2b2Task(Task):
             docs, found = self._read_found(data, problems)
             train = [d for d in docs if not _held_out(d.doc_id, self.split_key)]
             test = [d for d in docs if _held_out(d.doc_id, self.split_key)]
+        # A line past the limit is a note without line breaks (or not text):
+        # tens of thousands of windows from one line, never silently.
+        too_long = set()
+        for doc in train + test:
+            for number, tokens in enumerate(doc.lines, start=1):
+                if len(tokens) > MAX_LINE_TOKENS:
+                    problems.add(
+                        doc.txt_path,
+                        number,
+                        f"a line of {len(tokens):,} tokens; at most {MAX_LINE_TOKENS:,} "
+                        "(a note without line breaks?); --on-error skip leaves the note out",
+                    )
+                    too_long.add(id(doc))
+        train = [d for d in train if id(d) not in too_long]
+        test = [d for d in test if id(d) not in too_long]
         # A document of an annotated split without its .con would train on
         # nothing or be scored as having no concepts: never silently.
         for doc in train + test:

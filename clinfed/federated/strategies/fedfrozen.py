@@ -52,7 +52,7 @@ class FedFrozenOptions:
         0.01, "FedFrozen auto: relative Q/K change counted as settled.", above=0.0
     )
     freeze_patience: int = setting(
-        2, "FedFrozen auto: settled rounds in a row before freezing.", minimum=1
+        2, "FedFrozen auto: settled rounds in a row before freezing.", minimum=1, maximum=10_000
     )
     train_embeddings: bool = setting(False, TRAIN_EMBEDDINGS_HELP)
 

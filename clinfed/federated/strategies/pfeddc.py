@@ -52,6 +52,7 @@ class PFedDCOptions:
         "pfeddc: encoder layers that get prompts of their own (1: the input only; up to the "
         "layer count: deep prompts).",
         minimum=1,
+        maximum=1_024,
     )
 
 

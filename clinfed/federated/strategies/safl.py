@@ -58,7 +58,7 @@ SELECTIONS = ("global", "public", "private")
 @dataclass
 class SAFLOptions:
     top_layers: int = setting(
-        2, "SAFL: encoder layers each site trains and sends per round.", minimum=1
+        2, "SAFL: encoder layers each site trains and sends per round.", minimum=1, maximum=1_024
     )
     selection: str = setting(
         "global",
@@ -66,7 +66,9 @@ class SAFLOptions:
         "model, public probe; free) or private (site data, noised; has a privacy cost).",
         choices=SELECTIONS,
     )
-    profile_examples: int = setting(16, "SAFL: examples per attention profile.", minimum=1)
+    profile_examples: int = setting(
+        16, "SAFL: examples per attention profile.", minimum=1, maximum=100_000
+    )
     selection_noise: float = setting(
         1.0,
         "SAFL --selection private: noise multiplier of the layer choice (charged to the "
