@@ -64,6 +64,16 @@ class SitePrivacy:
         ledger.settle(round_number)
         return upload, release_filter(record) | {"epsilon": ledger.run_spent}
 
+    def resend(self, round_number: int) -> None:
+        """A replay of round ``round_number``'s released update leaves again:
+        nothing new is computed, so nothing new is charged. If the crash came
+        between keeping the update and its release line, the round's
+        unreleased charge is claimed again, for :meth:`release` to mark."""
+        ledger = self.ledger
+        if ledger.unreleased(round_number):
+            ledger.charge(round_number, self.policy.round_mechanisms(self.site))
+            ledger.settle(round_number)
+
     def release(self, round_number: int) -> None:
         """Mark this round's charge released: call it just before anything
         computed in the round leaves the site."""

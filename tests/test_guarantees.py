@@ -5,6 +5,7 @@ mutation tried for each)."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -452,3 +453,136 @@ def test_the_audit_copy_of_an_update_is_written_after_its_release(
     )  # fmt: skip
     run_training(config)
     assert len(checked) == 3 and all(checked)
+
+
+KILLER = """
+import os, signal, sys
+from clinfed.commands import main
+from clinfed.federated.engine import RoundEngine
+from clinfed.privacy.ledger import Ledger
+
+stage, target = sys.argv[1], int(sys.argv[2])
+
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+charge, release, commit = Ledger.charge, Ledger.release, RoundEngine._commit
+
+
+def charging(self, round_number, mechanisms):
+    if round_number == target and stage == "before-charge":
+        die()
+    spent = charge(self, round_number, mechanisms)
+    if round_number == target and stage == "after-charge":
+        die()
+    return spent
+
+
+def releasing(self, round_number):
+    release(self, round_number)
+    if round_number == target and stage == "after-release":
+        die()
+
+
+def committing(self, round_number):
+    if round_number == target and stage == "after-records":
+        die()
+    commit(self, round_number)
+    if round_number == target and stage == "after-commit":
+        die()
+
+
+Ledger.charge, Ledger.release, RoundEngine._commit = charging, releasing, committing
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(i2b2_corpus, tmp_path_factory):
+    from .test_cli import run_cli
+
+    out = tmp_path_factory.mktemp("whole") / "run"
+    assert run_cli(*KILL_ARGS, "--data", str(i2b2_corpus), "--out", str(out)).returncode == 0
+    return out
+
+
+# A budget that affords exactly the 3 planned rounds: a round charged twice
+# makes the sites refuse round 3. Reproducible noise (tests only) so the
+# resumed run can be compared with the uninterrupted one bit for bit.
+KILL_ARGS = ("train", "--task", "i2b2", "--strategy", "fedavg", "--model", "tiny",
+             "--rounds", "3", "--max-length", "32", "--threads", "1",
+             "--target-epsilon", "4", "--reproducible-noise")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "stage", ["before-charge", "after-charge", "after-release", "after-records", "after-commit"]
+)
+def test_a_dp_run_killed_at_any_stage_resumes_charging_each_round_once(
+    i2b2_corpus, tmp_path, uninterrupted, stage
+):
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from clinfed.privacy.report import build
+
+    from .test_cli import run_cli
+
+    out = tmp_path / "run"
+    args = (*KILL_ARGS, "--data", str(i2b2_corpus), "--out", str(out))
+    killed = subprocess.run([sys.executable, "-c", KILLER, stage, "2", *args],
+                            capture_output=True, timeout=600)  # fmt: skip
+    assert killed.returncode == -9, killed.stderr.decode()[-2000:]
+    resumed = run_cli(*args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    whole = json.loads((uninterrupted / "summary.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())
+    for site in ("beth", "partners", "site3"):
+        lines = read_jsonl(out / "sites" / site / "privacy" / f"{site}.jsonl")
+        assert [x["round"] for x in lines if x.get("state") == "charged"] == [1, 2, 3]
+    assert summary["epsilon"] == whole["epsilon"]
+
+    def rounds(run):
+        return [r["round"] for r in read_jsonl(run / "metrics.jsonl") if "client" not in r]
+
+    assert rounds(out) == rounds(uninterrupted)
+    ours = load_file(str(out / "model" / "model.safetensors"))
+    theirs = load_file(str(uninterrupted / "model" / "model.safetensors"))
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+    def reported(run):
+        return [(row["site"], row["epsilon"]) for row in build(run)["sites"]]
+
+    assert reported(out) == reported(uninterrupted)
+
+
+def test_a_node_answers_a_replayed_round_with_the_same_bytes_and_no_charge(i2b2_corpus, tmp_path):
+    from clinfed.adapters import shared_state
+    from clinfed.federated import payload
+    from clinfed.federated.engine import Message
+
+    def ask(round_number: int, expect: str):
+        site = _node_site(i2b2_corpus, tmp_path, target_epsilon=8.0, rounds=3)
+        try:
+            message = Message("train", round_number, {}, False, False, base=0, expect=expect)
+            return site.runner.handle(message)  # replies as a node does: released
+        finally:
+            site.close()
+
+    site = _node_site(i2b2_corpus, tmp_path, target_epsilon=8.0, rounds=3)
+    start = payload.digest(shared_state(site.runner.model))
+    site.close()
+    first = ask(1, start)
+    # The ServerApp died after the node replied; the restarted server asks
+    # again (a fresh process at the node builds the site anew).
+    again = ask(1, start)
+    assert payload.encode(first.upload) == payload.encode(again.upload) and first.upload
+    assert again.record == first.record
+    (ledger,) = (tmp_path / "state" / "ledger").glob("beth-*.jsonl")
+    charges = [x for x in read_jsonl(ledger) if x.get("state") == "charged"]
+    assert [x["round"] for x in charges] == [1]
+    kept = list((tmp_path / "state" / "run").glob("released.r*.safetensors"))
+    assert kept and all(p.stat().st_mode & 0o777 == 0o600 for p in kept)

@@ -40,6 +40,8 @@ from typing import Any
 
 import datasets
 import torch
+from safetensors import safe_open
+from safetensors.torch import save
 from torch import nn
 
 from clinfed.adapters import shared_names, shared_state
@@ -51,13 +53,14 @@ from clinfed.federated.state import load_tensors, save_tensors
 from clinfed.federated.strategies import Strategy
 from clinfed.privacy.randomness import reproducible, secret
 from clinfed.privacy.site import SitePrivacy
-from clinfed.runs import atomic_write_json
+from clinfed.runs import atomic_write_bytes, atomic_write_json
 from clinfed.tasks.base import Task
 from clinfed.training import predict
 
 log = logging.getLogger("clinfed.site")
 
 COPY = re.compile(r"^copy\.r(\d{4,})\.safetensors$")
+RELEASED = re.compile(r"^released\.r(\d{4,})\.safetensors$")
 PERSONAL = "personal/"
 KEPT_COPIES = 2
 
@@ -135,6 +138,8 @@ class SiteRunner:
         # it (the global model it received with the upload overlaid).
         self.audit_dir = audit_dir
         self._audit_copy: tuple[int, dict[str, torch.Tensor]] | None = None
+        # What this round trained, kept when it is released (replays).
+        self._trained: tuple | None = None
         self.names = shared_names(model)
         self.shared = set(shared_state(model))
         self.personal: dict[str, torch.Tensor] = {}
@@ -178,6 +183,7 @@ class SiteRunner:
         upload: dict[str, torch.Tensor] = {}
         record = None
         secure_part = None
+        replay = None
         if message.kind == "train":
             self.report("site_start", {"round": message.round, "client": self.name})
             received = (
@@ -185,7 +191,16 @@ class SiteRunner:
                 if self.audit_dir is not None
                 else None
             )
-            upload, record = self.train_round(message.round, message.strategy_state)
+            replay = self._released_reply(message.round, message.expect)
+            if replay is not None:
+                # This round's update left the site before (the server died
+                # after it replied): the same bytes again, nothing charged.
+                upload, record = replay
+                if self.privacy is not None:
+                    self.privacy.resend(message.round)
+            else:
+                upload, record = self.train_round(message.round, message.strategy_state)
+                self._trained = (message.round, message.expect, upload, record)
             if message.secure is not None and upload and "refused" not in record:
                 # Secure aggregation: the upload stays here; it leaves only
                 # masked, in a later stage. Nobody keeps it for an audit.
@@ -198,8 +213,10 @@ class SiteRunner:
                 # audit copy is a copy of what left the site.
                 self._audit_copy = (message.round, received | upload)
         # The copy is on disk before anything leaves the site: the next
-        # round's partial download overlays it.
-        self._save_copy(message.round - 1)
+        # round's partial download overlays it (a replayed round's copy was
+        # written by the attempt that trained).
+        if replay is None or not self._has_copy(message.round - 1):
+            self._save_copy(message.round - 1)
         if release and message.kind == "train":
             self.release(message.round)
         ledger = self.privacy.report() if self.privacy is not None else None
@@ -209,6 +226,11 @@ class SiteRunner:
         """Write-ahead: the round's charge is marked released (fsynced)
         before its results leave; returns the ledger's digest after it."""
         digest = None
+        if self._trained is not None and self._trained[0] == round_number:
+            # Kept before the release line: a replay of a released round
+            # is answered with these bytes, never trained (charged) again.
+            self._keep_released(*self._trained)
+            self._trained = None
         if self.privacy is not None:
             self.privacy.release(round_number)
             digest = self.privacy.ledger.digest()
@@ -216,6 +238,42 @@ class SiteRunner:
             save_tensors(self.audit_dir / f"{self.name}.safetensors", self._audit_copy[1])
             self._audit_copy = None
         return digest
+
+    # ------------------------------------------------------------- replays
+    def _released_path(self, round_number: int) -> Path:
+        return self.state_dir / f"released.r{round_number:04d}.safetensors"
+
+    def _keep_released(
+        self, round_number: int, expect: str | None, upload: dict, record: dict
+    ) -> None:
+        """Keep what round ``round_number`` releases (0600, like the data;
+        deleted once a later round shows the round was committed)."""
+        if not record or "refused" in record or record.get("evaluation_only"):
+            return
+        metadata = {"record": json.dumps(record), "expect": expect or ""}
+        tensors = {k: v.detach().contiguous().cpu() for k, v in upload.items()}
+        atomic_write_bytes(self._released_path(round_number), save(tensors, metadata=metadata))
+
+    def _released_reply(self, round_number: int, expect: str | None) -> tuple | None:
+        """The upload and record this site released for ``round_number``
+        from the same global model, if it did; drops what earlier,
+        committed rounds released."""
+        for path in self.state_dir.glob("released.r*.safetensors"):
+            kept = RELEASED.match(path.name)
+            if kept and int(kept.group(1)) < round_number:
+                path.unlink(missing_ok=True)
+        path = self._released_path(round_number)
+        if not path.is_file():
+            return None
+        with safe_open(str(path), "pt") as fh:
+            metadata = fh.metadata() or {}
+            upload = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118
+        if metadata.get("expect", "") != (expect or ""):
+            return None  # another global model: not the same round's question
+        return upload, json.loads(metadata["record"])
+
+    def _has_copy(self, received_round: int) -> bool:
+        return (self.state_dir / f"copy.r{received_round:04d}.safetensors").is_file()
 
     # ---------------------------------------------------------------- meter
     def _weights_hash(self) -> str:
@@ -353,6 +411,8 @@ class SiteRunner:
         model (a shared model, no tensors of the site's own) is dropped; a
         site with a model or tensors of its own keeps its latest copy."""
         secure.forget(self.state_dir)
+        for path in self.state_dir.glob("released.r*.safetensors"):
+            path.unlink(missing_ok=True)
         copies = self._copies()
         if not copies:
             return
