@@ -65,7 +65,7 @@ def run_demo(
     from clinfed.tasks.i2b2.synth import generate
 
     out = Path(out)
-    ensure_new_run_folder(out)
+    ensure_new_run_folder(out, "demo folder")
     if docs < 2:
         raise ClinfedError(f"--docs must be at least 2, not {docs}")
     started = time.perf_counter()

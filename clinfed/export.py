@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from clinfed.errors import ClinfedError
-from clinfed.runs import atomic_write_json, create_run_folder
+from clinfed.runs import atomic_write_json, create_run_folder, ensure_new_run_folder
 
 
 def export_run(run: Path, out: Path) -> dict[str, Any]:
@@ -42,6 +42,7 @@ def export_run(run: Path, out: Path) -> dict[str, Any]:
     from clinfed.models import load_saved_model
 
     run, out = Path(run), Path(out)
+    ensure_new_run_folder(out, "exported model")
     model, tokenizer, meta = load_saved_model(run / "model")
     if meta.get("head") != "token":
         raise ClinfedError(

@@ -40,7 +40,7 @@ def evaluate_run(run: Path, data: Path, on_error: str = "strict") -> dict[str, A
 def predict_run(run: Path, data: Path, out: Path, on_error: str = "strict") -> int:
     """Write predictions for every document of ``data`` to the new folder
     ``out`` in the task's format; return how many records were predicted."""
-    ensure_new_run_folder(out)
+    ensure_new_run_folder(out, "predictions")
     problems = ProblemLog(on_error)
     with tempfile.TemporaryDirectory(prefix="clinfed-cache-") as cache:
         task, records, examples, outputs = _outputs(run, data, problems, cache)

@@ -71,16 +71,21 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def ensure_new_run_folder(path: Path | str) -> None:
-    """Refuse a run folder that already holds files.
+def ensure_new_run_folder(path: Path | str, what: str = "run folder") -> None:
+    """Refuse a folder (``what``: a run folder, the predictions folder...)
+    that already holds files, or a file in its place.
 
     Refusing, rather than overwriting, means a mistyped ``--out`` can never
     damage an earlier run.
     """
     path = Path(path)
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+    if path.exists() and not path.is_dir():
         raise ClinfedError(
-            f"{path}: run folder already exists and is not empty; choose a new --out"
+            f"{path}: a file is there, not a folder; choose a new --out for the {what}"
+        )
+    if path.exists() and any(path.iterdir()):
+        raise ClinfedError(
+            f"{path}: already exists and is not empty; choose a new --out for the {what}"
         )
 
 

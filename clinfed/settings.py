@@ -446,6 +446,14 @@ class RunConfig(
                 )
         if check_data and not Path(self.data).is_dir():
             raise ClinfedError(f"--data {self.data}: not a folder")
+        if check_data and self.out:
+            out, data = Path(self.out).resolve(), Path(self.data).resolve()
+            if out == data or data in out.parents:
+                # Run outputs (predictions, copies) would land inside the corpus.
+                raise ClinfedError(
+                    f"--out {self.out} is inside --data {self.data}: choose a folder outside "
+                    "the corpus"
+                )
 
     @property
     def dp(self) -> bool:

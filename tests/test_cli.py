@@ -594,3 +594,33 @@ def test_count_settings_have_stated_bounds_and_a_huge_line_is_refused(tmp_path):
     assert result.returncode == 2
     lines = len(note.read_text().splitlines())
     assert f"{note}:{lines}: a line of 10,001 tokens; at most 10,000" in result.stderr
+
+
+def test_resume_needs_only_the_run_folder_and_refuses_other_flags(i2b2_corpus, tmp_path):
+    out = tmp_path / "run"
+    args = ("train", *TINY_FEDERATED, "--strategy", "fedavg", "--rounds", "2",
+            "--data", str(i2b2_corpus), "--out", str(out))  # fmt: skip
+    assert run_cli(*args).returncode == 0
+    assert run_cli("train", "--resume", "--out", str(out)).returncode == 0
+    other = run_cli("train", "--resume", "--out", str(out), "--lr", "0.5")
+    assert other.returncode == 2 and "different config: lr" in other.stderr
+    inside = run_cli(*args[:-2], "--out", str(i2b2_corpus / "runs" / "x"))
+    assert inside.returncode == 2 and "is inside --data" in inside.stderr
+    assert not (i2b2_corpus / "runs").exists()
+    predicted = run_cli("predict", str(out), "--data", str(i2b2_corpus / "test"),
+                        "--out", str(out))  # fmt: skip
+    assert predicted.returncode == 2
+    assert "choose a new --out for the predictions" in predicted.stderr
+
+
+def test_data_check_applies_the_rule_train_applies_to_a_note_without_annotations(tmp_path):
+    corpus = tmp_path / "corp"
+    assert run_cli("data", "synth", "i2b2", "--out", str(corpus), "--sites", "1",
+                   "--docs", "4").returncode == 0  # fmt: skip
+    con = sorted((corpus / "train").rglob("concept/*.con"))[0]
+    con.unlink()
+    checked = run_cli("data", "check", str(corpus / "train"), "--task", "i2b2")
+    assert checked.returncode == 2 and "no .con file beside this .txt" in checked.stderr
+    trained = run_cli("train", *TINY_FEDERATED, "--strategy", "fedavg", "--rounds", "1",
+                      "--data", str(corpus), "--out", str(tmp_path / "run"))  # fmt: skip
+    assert trained.returncode == 2 and "no .con file beside this .txt" in trained.stderr

@@ -235,3 +235,23 @@ def test_a_byte_that_is_not_utf8_is_reported_on_its_own_line(tmp_path):
         fh.write(b'"999","9","999","","","","Discharge summary","Report","","","caf\xe9"\n')
     (problem,) = _problems(site, tmp_path)
     assert problem == f"{site / 'NOTEEVENTS.csv'}:122: bytes that are not UTF-8"
+
+
+def test_unpaired_and_negative_ids_are_counted_or_refused_never_silent(tmp_path):
+    # Admission 101 has a summary and no codes; 555 has codes and no summary.
+    codes = '"1","7","100","1","4280"\n"2","9","555","1","0389"\n'
+    make_site(tmp_path / "s", NOTES, codes)
+    summary = Mimic3Task(top_k=0, cache_dir=str(tmp_path / "c")).summarize(
+        tmp_path / "s", ProblemLog()
+    )
+    assert summary["summaries_without_codes"] == 1
+    assert summary["coded_admissions_without_a_summary"] == 1
+    # A header-only NOTEEVENTS: every coded admission lacks its summary.
+    make_site(tmp_path / "h", "", codes)
+    summary = Mimic3Task(top_k=0, cache_dir=str(tmp_path / "c2")).summarize(
+        tmp_path / "h", ProblemLog()
+    )
+    assert summary["admissions"] == 0 and summary["coded_admissions_without_a_summary"] == 2
+    make_site(tmp_path / "n", NOTES, '"1","7","-100","1","4280"\n')
+    (problem,) = _problems(tmp_path / "n", tmp_path)
+    assert problem == f"{tmp_path / 'n' / 'DIAGNOSES_ICD.csv'}:2: HADM_ID is negative"

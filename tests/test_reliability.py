@@ -259,6 +259,9 @@ def test_a_byte_order_mark_is_accepted_and_skip_leaves_overlapping_concepts_out(
     strict = ProblemLog()
     with pytest.raises(Exception, match="repeats the concept"):
         read_corpus(folder, strict)
+    # named by the line of the .con file that repeats it
+    repeat = len(con.read_text().splitlines())
+    assert any(str(p).startswith(f"{con}:{repeat}: concept at") for p in strict.problems)
     skip = ProblemLog("skip")
     docs = read_corpus(folder, skip)
     doc = next(d for d in docs if d.doc_id == note.stem)

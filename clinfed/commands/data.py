@@ -55,7 +55,7 @@ def data_synth(
     """Write a synthetic multi-site corpus in the real release format."""
     from clinfed.runs import ensure_new_run_folder
 
-    ensure_new_run_folder(out_dir)
+    ensure_new_run_folder(out_dir, "corpus")
     if task is TaskName.i2b2:
         from clinfed.tasks.i2b2.synth import generate
 
@@ -97,7 +97,7 @@ def data_convert(
     from clinfed.tasks.i2b2.adapter import I2b2Task
     from clinfed.tasks.i2b2.convert import write_documents
 
-    ensure_new_run_folder(out_dir)
+    ensure_new_run_folder(out_dir, "converted corpus")
     task = I2b2Task(format=annotation_format, types=types)
     problems = ProblemLog(on_error.value)
     splits = [s for s in ("train", "test") if (source / s).is_dir()]

@@ -165,7 +165,14 @@ def train(
     from clinfed.commands.options import given, merge
     from clinfed.pipeline import RunConfig, run_training
 
-    values = merge(config_file, given(settings))
+    flags = given(settings)
+    if flags.get("resume") and config_file is None and flags.get("out"):
+        # --resume --out RUN: the run's own settings; flags given must match
+        # them (checked with the data before anything runs).
+        saved = Path(flags["out"]) / "config.json"
+        if saved.is_file():
+            config_file = saved
+    values = merge(config_file, flags)
     if values.get("clients") and "partition" not in values:
         values["partition"] = "iid"  # N synthetic clients: dealt out at random
     config = RunConfig.from_values(values, str(config_file) if config_file else "flags")

@@ -85,6 +85,19 @@ def parse_annotated(value: Any) -> dict[str, list[str]]:
     return parsed
 
 
+def _check_annotated(docs: list[Document], problems: ProblemLog) -> None:
+    """A document of an annotated split without its .con would train on
+    nothing or be scored as having no concepts: never silently."""
+    for doc in docs:
+        if not doc.annotated:
+            problems.add(
+                doc.txt_path,
+                None,
+                "no .con file beside this .txt (an annotated split needs one per note; "
+                "--on-error skip leaves the note out)",
+            )
+
+
 def window_words(word_lengths: list[int], capacity: int) -> list[tuple[int, int]]:
     """Cut a line into [start, end) word ranges of at most ``capacity`` sub-words."""
     windows, start, used = [], 0, 0
@@ -223,16 +236,7 @@ class I2b2Task(Task):
                     too_long.add(id(doc))
         train = [d for d in train if id(d) not in too_long]
         test = [d for d in test if id(d) not in too_long]
-        # A document of an annotated split without its .con would train on
-        # nothing or be scored as having no concepts: never silently.
-        for doc in train + test:
-            if not doc.annotated:
-                problems.add(
-                    doc.txt_path,
-                    None,
-                    "no .con file beside this .txt (an annotated split needs one per note; "
-                    "--on-error skip leaves the note out)",
-                )
+        _check_annotated(train + test, problems)
         problems.raise_if_any()
         train = [d for d in train if d.annotated]
         test = [d for d in test if d.annotated]
@@ -301,6 +305,9 @@ class I2b2Task(Task):
 
     def summarize(self, data: Path, problems: ProblemLog) -> dict[str, Any]:
         docs = self._read(Path(data), problems)
+        if any(d.annotated for d in docs):  # an annotated corpus: the rule train applies
+            _check_annotated(docs, problems)
+            problems.raise_if_any()
         return {
             "documents": len(docs),
             "annotated_documents": sum(d.annotated for d in docs),

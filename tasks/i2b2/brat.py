@@ -148,5 +148,5 @@ def _read_ann(
                 problems.add(path, line_no, "a span with no word in it (only whitespace)")
                 continue
             start, end = located
-            concepts.append(Concept(start, end, ctype, doc.span_text(start, end)))
+            concepts.append(Concept(start, end, ctype, doc.span_text(start, end), line_no))
     return drop_overlaps(concepts, path, problems)

@@ -62,6 +62,8 @@ class Concept:
     end: Position
     type: str
     text: str = field(default="", compare=False)
+    # The annotation file's line it came from (for problems), if any.
+    source_line: int | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -242,7 +244,7 @@ def parse_span(
             path, line_no, f"concept text does not match the tokens at {l1}:{t1}-{l2}:{t2}"
         )
         return None
-    return Concept((l1, t1), (l2, t2), ctype, expected)
+    return Concept((l1, t1), (l2, t2), ctype, expected, line_no)
 
 
 _CON_SHAPE = 'malformed concept line (expected c="..." L:T L:T||t="...")'
@@ -292,7 +294,7 @@ def drop_overlaps(concepts: list[Concept], path: Path, problems: ProblemLog) -> 
             same = (cur.start, cur.end) == (prev.start, prev.end)
             problems.add(
                 path,
-                None,
+                cur.source_line,
                 f"concept at {cur.start[0]}:{cur.start[1]} "
                 + ("repeats" if same else "overlaps")
                 + f" the concept at {prev.start[0]}:{prev.start[1]}"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import csv
 import io
+import logging
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,8 @@ from clinfed.tasks.mimic3.format import (
     read_split_files,
 )
 from clinfed.tasks.mimic3.metrics import multilabel_metrics
+
+log = logging.getLogger("clinfed.tasks")
 
 TEST_FRACTION = 0.2
 PUBLIC_LIST = Path(__file__).with_name("mimic3-50.txt")
@@ -148,6 +151,8 @@ class Mimic3Task(Task):
             self.labels, self.label_source = public_labels(codes, top_k), PUBLIC_SOURCE
         self.fixed_labels = self.labels
         self.pad_id = 0
+        # Per site, what its files do not pair up (set by _read_site).
+        self.unpaired: dict[str, dict[str, int]] = {}
 
     # ---------------------------------------------------------------- reading
     def _read_site(self, site: str, folder: Path, problems: ProblemLog) -> datasets.Dataset:
@@ -156,6 +161,13 @@ class Mimic3Task(Task):
         problems.raise_if_any()
         has_split_files = any(folder.glob("*_hadm_ids.csv"))
         assignment = read_split_files(folder) if has_split_files else {}
+
+        # What does not pair up is counted and reported, never dropped silently.
+        summarized = set(admissions["hadm_id"]) if len(admissions) else set()
+        self.unpaired[site] = {
+            "summaries_without_codes": len(summarized - set(table.codes)),
+            "coded_admissions_without_a_summary": len(set(table.codes) - summarized),
+        }
 
         def annotate(batch: dict[str, list]) -> dict[str, list]:
             codes, splits = [], []
@@ -178,6 +190,15 @@ class Mimic3Task(Task):
         sites = site_folders(data)
         parts = [self._read_site(site, folder, problems) for site, folder in sites.items()]
         problems.raise_if_any()
+        for site, counts in sorted(self.unpaired.items()):
+            if any(counts.values()):
+                log.warning(
+                    "%s: %d discharge summaries without codes, %d coded admissions without a "
+                    "discharge summary (left out)",
+                    sites[site],
+                    counts["summaries_without_codes"],
+                    counts["coded_admissions_without_a_summary"],
+                )
         everything = datasets.concatenate_datasets(parts)
         train = everything.filter(lambda s: s == "train", input_columns="split")
         test = everything.filter(lambda s: s in ("test", "dev"), input_columns="split")
@@ -223,6 +244,12 @@ class Mimic3Task(Task):
             "label_counts": dict(sorted(label_counts.items(), key=lambda kv: (-kv[1], kv[0]))),
             "sites": dict(Counter(admissions["site"])),
             "splits": dict(Counter(admissions["split"])),
+            "summaries_without_codes": sum(
+                c["summaries_without_codes"] for c in self.unpaired.values()
+            ),
+            "coded_admissions_without_a_summary": sum(
+                c["coded_admissions_without_a_summary"] for c in self.unpaired.values()
+            ),
             "problems": [str(p) for p in problems.problems],
         }
 

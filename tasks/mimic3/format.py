@@ -190,6 +190,9 @@ def _parse_id(value: str, name: str, path: Path, line: int, problems: ProblemLog
     if not -(2**63) <= number < 2**63:
         problems.add(path, line, f"{name} is out of range (more than 18 digits)")
         return None
+    if number < 0:
+        problems.add(path, line, f"{name} is negative")
+        return None
     return number
 
 
