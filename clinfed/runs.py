@@ -27,9 +27,25 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+@contextlib.contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """An OSError raised while writing ``path`` names it (a full disk says
+    "No space left on device" without a file name)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None:
+            raise OSError(exc.errno, exc.strerror, str(path)) from None
+        raise
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via temp file + fsync + rename."""
-    path = Path(path)
+    with _naming(Path(path)):
+        _atomic_write_bytes(Path(path), data)
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -54,7 +70,7 @@ def atomic_write_json(path: Path, obj: Any) -> None:
 
 def append_jsonl(path: Path, record: Mapping[str, Any]) -> None:
     """Append one JSON object as one line, fsynced before returning."""
-    with open(path, "a", encoding="utf-8") as fh:
+    with _naming(Path(path)), open(path, "a", encoding="utf-8") as fh:
         fh.write(json.dumps(record, sort_keys=True) + "\n")
         fh.flush()
         os.fsync(fh.fileno())

@@ -450,3 +450,19 @@ def test_library_use_leaves_no_arrow_cache_behind(mimic_corpus, tmp_path):
     assert int(done.stdout) > 0
     assert not (home / ".cache" / "huggingface" / "datasets").exists()
     assert _holding(tmp, CANARY.encode()) == [] and not list(tmp.glob("clinfed-scratch-*"))
+
+
+def test_a_full_disk_names_the_file_it_could_not_write(tmp_path, monkeypatch):
+    import errno
+
+    from clinfed.runs import append_jsonl, atomic_write_json
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    for write, path in ((atomic_write_json, tmp_path / "a.json"),
+                        (append_jsonl, tmp_path / "b.jsonl")):  # fmt: skip
+        with pytest.raises(OSError) as raised:
+            write(path, {"x": 1})
+        assert raised.value.filename == str(path) and raised.value.errno == errno.ENOSPC
