@@ -619,6 +619,44 @@ def test_a_killed_serverapp_resumes_from_its_run_folder(tmp_path):
     assert rounds == [1, 2, 3]  # the interrupted round's records were cut back, not doubled
 
 
+@pytest.mark.slow
+def test_a_serverapp_killed_after_its_dp_sites_replied_charges_each_round_once(tmp_path):
+    data = _corpus(tmp_path)
+    # A budget of exactly 3 rounds: a round charged twice stops round 3.
+    settings = _settings(strategy="fedavg", rounds=3, target_epsilon=4.0)
+    config = flower_run_config(settings, tmp_path / "flower-run")
+    reference = config.replace(data=str(data), out=str(tmp_path / "sim"))
+    run_training(reference)
+    state = tmp_path / "deploy" / "state"
+    federation = LocalFederation(tmp_path / "deploy", certs=None)
+    try:
+        first = _submit_until_round_two(federation, config, data, min_sites=3, timeout=300)
+        deadline = time.time() + 300
+        while time.time() < deadline:  # every node released round 2: it replied
+            released = [
+                any(x.get("released") and x["round"] == 2 for x in read_jsonl(path))
+                for path in state.glob("*/ledger/*.jsonl")
+            ]
+            if len(released) == len(SITES) and all(released):
+                break
+            time.sleep(0.02)
+        for pid in _serverapp_pids():
+            os.kill(pid, signal.SIGKILL)
+        first.wait(timeout=120)
+        committed = json.loads((Path(config.out) / "state.json").read_text())["round"]
+        again = federation.submit(config.replace(resume=True), min_sites=3, round_timeout=300)
+    finally:
+        federation.close()
+    assert committed == 1, "the ServerApp committed round 2 before it could be killed"
+    assert again.returncode == 0, "\n".join(federation.lines[-40:])
+    for site in SITES:
+        charged = [x["round"] for x in read_jsonl(_node_ledger(state, site)) if "mechanism" in x]
+        assert charged == [1, 2, 3], site  # the replayed round was answered, not retrained
+    ours = load_file(str(Path(config.out) / "model" / "model.safetensors"))
+    theirs = load_file(str(tmp_path / "sim" / "model" / "model.safetensors"))
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
 def test_authenticated_training_survives_a_killed_superlink(tmp_path):
     """Node authentication end to end, and a SuperLink SIGKILLed mid-run.
 
