@@ -55,7 +55,7 @@ CONFIGS: dict[str, dict] = {
 DEFAULT = [name for name in CONFIGS if name not in ("fedadam", "ditto")]
 
 # Sizes chosen so both tasks x 8 configurations x 3 seeds fit in 90 minutes on
-# 2 CPU cores with MiniLM (see the README for the measured wall time).
+# 2 CPU cores with MiniLM (docs/results.md has the measured wall time).
 SIZES = {
     "i2b2": {"docs": 12, "rounds": 8, "max_length": 96, "extra": {"lr": 3e-4}},
     "mimic3": {

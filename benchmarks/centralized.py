@@ -3,7 +3,7 @@
 Measures, in one run: held-out F1 of the bundled MiniLM trained on all sites'
 pooled data, the dictionary / frequency / keyword baselines on the same
 split, wall time and training tokens/s. Writes ``RESULTS/centralized.json``
-and ``RESULTS/centralized.md`` (the README's table).
+and ``RESULTS/centralized.md`` (the table in docs/results.md).
 
     .venv/bin/python benchmarks/centralized.py            # about 25 minutes on 2 cores
     .venv/bin/python benchmarks/centralized.py --quick    # tiny model, a smoke run

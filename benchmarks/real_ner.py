@@ -23,7 +23,7 @@ not annotate chemicals, so chemical predictions there can be neither right
 nor wrong), BC5CDR devel per type.
 
 Writes ``RESULTS/real-ner-bc5cdr.json``/``.md`` (a) and
-``RESULTS/real-ner-mixed.json``/``.md`` (b), the README's tables.
+``RESULTS/real-ner-mixed.json``/``.md`` (b), the tables in docs/results.md.
 
     .venv/bin/python benchmarks/real_ner.py --table a    # about 35 minutes on 2 cores
     .venv/bin/python benchmarks/real_ner.py --table b    # about 30 minutes on 2 cores

@@ -6,7 +6,7 @@ target epsilon a privacy officer would accept; each site keeps a ledger;
 the run is audited (membership inference) and reported. The same run
 without DP is the reference its F1 is compared with.
 
-The recipe (:data:`PLAN`) was chosen by measurement (README, "The demo"):
+The recipe (:data:`PLAN`) was chosen by measurement (docs/results.md, "The demo"):
 SAFL + FedFrozen under DP at the demo's size, against the adapter plans.
 """
 

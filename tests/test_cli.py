@@ -429,15 +429,15 @@ def test_report_and_sweep_print_json(i2b2_corpus, tmp_path):
     assert json.loads(report.stdout)["differential_privacy"] is False
 
 
-def test_the_readme_python_api_example_runs_as_written(tmp_path):
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("## Python API", 1)[1]
+def test_the_documented_python_api_example_runs_as_written(tmp_path):
+    page = (Path(__file__).resolve().parents[1] / "docs" / "commands.md").read_text()
+    section = page.split("## Python API", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     previous = Path.cwd()
     os.chdir(tmp_path)
     try:
         namespace: dict = {}
-        exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102
+        exec(compile(code, "docs/commands.md", "exec"), namespace)  # noqa: S102
     finally:
         os.chdir(previous)
     summary = namespace["summary"]

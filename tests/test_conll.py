@@ -85,7 +85,8 @@ def test_types_map_keep_or_come_from_a_toml_file(tmp_path):
 
 
 def test_training_on_real_conll_text_with_a_type_map(tmp_path):
-    # The README's command on an excerpt of BC5CDR (tests/fixtures/SOURCES.md).
+    # The documented command (docs/data-formats.md) on an excerpt of BC5CDR
+    # (tests/fixtures/SOURCES.md).
     run = tmp_path / "run"
     trained = run_cli("train", "--task", "i2b2", "--format", "conll",
                       "--types", "Disease=problem,Chemical=treatment", "--data", str(FIXTURE),
