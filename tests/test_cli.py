@@ -624,3 +624,16 @@ def test_data_check_applies_the_rule_train_applies_to_a_note_without_annotations
     trained = run_cli("train", *TINY_FEDERATED, "--strategy", "fedavg", "--rounds", "1",
                       "--data", str(corpus), "--out", str(tmp_path / "run"))  # fmt: skip
     assert trained.returncode == 2 and "no .con file beside this .txt" in trained.stderr
+
+
+def test_the_strategies_command_the_help_cites_lists_every_strategy():
+    from clinfed.federated.strategies import STRATEGIES
+
+    result = run_cli("strategies", "--json")
+    assert result.returncode == 0
+    rows = {row["strategy"]: row for row in json.loads(result.stdout)}
+    assert set(rows) == set(STRATEGIES) and all(row["summary"] for row in rows.values())
+    assert rows["safl"]["options"][0] == "--top-layers"
+    from clinfed.settings import schema_fields
+
+    assert "clinfed strategies" in schema_fields()["strategy"].metadata["help"]

@@ -384,3 +384,29 @@ def export_cmd(
 
 with_parameters(train, settings_parameters())
 app.command("train")(train)
+
+
+@app.command("strategies")
+def strategies(as_json: bool = JSON) -> None:
+    """The strategies --strategy takes: what each trains and sends, and its options."""
+    from dataclasses import fields
+
+    from clinfed.federated.strategies import STRATEGIES
+
+    rows = [
+        {
+            "strategy": name,
+            "summary": cls.summary,
+            "options": ["--" + f.name.replace("_", "-") for f in fields(cls.options)],
+        }
+        for name, cls in STRATEGIES.items()
+    ]
+    if as_json:
+        _print_json(rows)
+        return
+    table = Table(title="strategies (--strategy NAME)")
+    for column in ("strategy", "what trains and what travels", "its options"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row["strategy"], row["summary"], " ".join(row["options"]) or "-")
+    out.print(table)

@@ -123,6 +123,8 @@ class Strategy(ABC):
     """
 
     name: ClassVar[str]
+    # One line for `clinfed strategies`: what trains and what travels.
+    summary: ClassVar[str] = ""
     options: ClassVar[type] = NoOptions
     shares_model: ClassVar[bool] = True
     pooled: ClassVar[bool] = False

@@ -9,6 +9,7 @@ from clinfed.federated.strategies.base import Strategy
 
 class Centralized(Strategy):
     name = "centralized"
+    summary = "every site's data pooled in one place, no rounds (the upper reference)"
     pooled = True
 
     def plan(self, round_number: int, site: str, names: list[str]) -> Plan:

@@ -43,6 +43,7 @@ class DittoOptions:
 
 class Ditto(Strategy):
     name = "ditto"
+    summary = "FedAvg for the global model, plus a personal model per site kept near it"
     options = DittoOptions
     trainings_per_round = 2
 

@@ -39,6 +39,7 @@ class FedAdamOptions:
 
 class FedAdam(Strategy):
     name = "fedadam"
+    summary = "sites train the whole model; the server steps with Adam on their mean update"
     options = FedAdamOptions
 
     def __init__(self, options: FedAdamOptions | None = None):

@@ -8,6 +8,7 @@ from clinfed.federated.strategies.base import Strategy
 
 class FedAvg(Strategy):
     name = "fedavg"
+    summary = "every site trains and sends the whole model; the server averages"
 
     def plan(self, round_number: int, site: str, names: list[str]) -> Plan:
         return full_plan(names)

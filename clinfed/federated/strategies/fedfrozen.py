@@ -71,6 +71,7 @@ class FedFrozen(Strategy):
     """Freezes Q/K from ``options.freeze_from`` (see :class:`FedFrozenOptions`)."""
 
     name = "fedfrozen"
+    summary = "the whole model warms up, then attention query/key freeze and never travel"
     options = FedFrozenOptions
 
     def __init__(self, options: FedFrozenOptions | None = None):

@@ -19,6 +19,7 @@ class FedProxOptions:
 
 class FedProx(Strategy):
     name = "fedprox"
+    summary = "FedAvg with a proximal term that keeps each site near the global model"
     options = FedProxOptions
 
     def plan(self, round_number: int, site: str, names: list[str]) -> Plan:

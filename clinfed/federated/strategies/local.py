@@ -9,6 +9,7 @@ from clinfed.federated.strategies.base import Strategy
 
 class Local(Strategy):
     name = "local"
+    summary = "each site trains alone; nothing is exchanged (the lower reference)"
     shares_model = False
     uploads = False
 

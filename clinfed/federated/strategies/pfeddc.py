@@ -58,6 +58,7 @@ class PFedDCOptions:
 
 class PFedDC(Strategy):
     name = "pfeddc"
+    summary = "personalized prompts on a frozen encoder; only shared prompts travel"
     options = PFedDCOptions
     shares_model = False  # each site keeps its own local prompt, fusion and head
     # Prompts and a fresh head on a frozen encoder learn at prompt-tuning

@@ -100,6 +100,7 @@ class SAFL(Strategy):
     """
 
     name = "safl"
+    summary = "each round only the top-K layers by attention to task tokens (and the head) travel"
     options = SAFLOptions
 
     def __init__(
@@ -271,6 +272,7 @@ class SAFLFedFrozen(SAFL):
     FedFrozen's warm-up is over."""
 
     name = "safl+fedfrozen"
+    summary = "SAFL's top-K layers, with their query/key frozen after FedFrozen's warm-up"
     options = SAFLFedFrozenOptions
 
     def __init__(
