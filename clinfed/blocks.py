@@ -5,7 +5,8 @@ Blocks: ``embeddings``; per encoder layer ``i`` the attention ``query_key``
 (attention output, feed-forward, layer norms); ``head``; and for pfeddc's
 prompts ``global_prompt`` (P_g, shared) and ``local_prompt`` (P_l and the
 fusion block, never shared). Names are read for BERT, RoBERTa (same module
-names as BERT) and DistilBERT.
+names as BERT), DeBERTa-v2 (``query_proj``/``key_proj``/``value_proj``; its
+relative-position table is an embedding) and DistilBERT.
 """
 
 from __future__ import annotations
@@ -19,8 +20,12 @@ _LAYER_PATTERNS = (
     # DistilBERT: transformer.layer.3.attention.q_lin.weight
     re.compile(r"(?:^|\.)transformer\.layer\.(?P<layer>\d+)\.(?P<rest>.+)$"),
 )
-_QUERY_KEY = re.compile(r"(?:^|\.)(?:attention\.self\.(?:query|key)|attention\.(?:q_lin|k_lin))\.")
-_VALUE = re.compile(r"(?:^|\.)(?:attention\.self\.value|attention\.v_lin)\.")
+_QUERY_KEY = re.compile(
+    r"(?:^|\.)(?:attention\.self\.(?:query|key)(?:_proj)?|attention\.(?:q_lin|k_lin))\."
+)
+_VALUE = re.compile(r"(?:^|\.)(?:attention\.self\.value(?:_proj)?|attention\.v_lin)\.")
+# DeBERTa-v2: the relative-position table every layer reads (and its norm).
+_RELATIVE = re.compile(r"(?:^|\.)encoder\.(?:rel_embeddings|LayerNorm)\.")
 
 
 @dataclass(frozen=True, order=True)
@@ -56,7 +61,7 @@ def block_of(name: str) -> Block:
         return GLOBAL_PROMPT
     if name.startswith("prompt."):
         return LOCAL_PROMPT  # pfeddc's local prompt and fusion block: never leave a site
-    if ".embeddings." in f".{name}":
+    if ".embeddings." in f".{name}" or _RELATIVE.search(name):
         return EMBEDDINGS
     for pattern in _LAYER_PATTERNS:
         match = pattern.search(name)

@@ -44,6 +44,7 @@ from clinfed.adapters import (
     shared_names,
     shared_state,
 )
+from clinfed.device import resolve_device
 from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.federated.client import LocalSettings
 from clinfed.federated.engine import RoundEngine
@@ -183,6 +184,7 @@ def run_training(config: RunConfig, report: Reporter = _quiet) -> dict[str, Any]
 def _train(config: RunConfig, report: Reporter) -> dict[str, Any]:
     strategy_cls = STRATEGIES[config.strategy]
     torch.set_num_threads(config.threads or os.cpu_count() or 1)
+    device = resolve_device(config.device)  # a device this machine lacks: exit 2 now
     problems = ProblemLog(config.on_error)
     # Tokenized notes are protected health information: unless the user names
     # a cache folder, they live in a temporary one removed after the run.
@@ -197,7 +199,7 @@ def _train(config: RunConfig, report: Reporter) -> dict[str, Any]:
         # Everything that can fail on bad input happens before the run folder
         # exists, so a failed start leaves nothing behind.
         tokenizer = load_tokenizer(config.model)
-        model = make_model(config, task)
+        model = make_model(config, task).to(device)
         strategy_cls.check_model(config.options(), shared_names(model))
         train = task.encode(corpus.train, tokenizer, config.max_length, cache_dir)
         test = task.encode(corpus.test, tokenizer, config.max_length, cache_dir)
@@ -368,6 +370,16 @@ def make_model(config: RunConfig, task: Task) -> nn.Module:
     """The run's starting model (with the modules its strategy adds): the
     same weights wherever it is built from the same config."""
     model = build_model(task.head, config.model, len(task.labels), seed=config.seed)
+    if config.dp and getattr(model.encoder.config, "relative_attention", False):
+        # DeBERTa's layers also project the relative-position table, an input
+        # every example shares: its weights' per-example gradients do not
+        # separate, so no clipping mode can bound one example's influence.
+        raise ClinfedError(
+            f"--model {config.model}: DP-SGD does not support relative attention "
+            f"({model.encoder.config.model_type}): its layers project a table every example "
+            "shares, so one example's gradient cannot be clipped alone; use a BERT or "
+            "RoBERTa encoder under DP"
+        )
     STRATEGIES[config.strategy].prepare_model(
         model, config.options(), config.seed, config.max_length
     )
@@ -460,6 +472,7 @@ def local_settings(config: RunConfig) -> LocalSettings:
         lr=config.lr,
         head_lr=config.head_lr,
         weight_decay=config.weight_decay,
+        precision=config.precision,
     )
 
 
@@ -484,6 +497,7 @@ def _pooled(prep: _Prepared, config: RunConfig, train, test, report: Reporter) -
             order,
             scheduler,
             on_step=lambda n: report("step", {"examples": n}),
+            precision=config.precision,
         )
         report("eval_start", {"epoch": epoch, "examples": len(test)})
         started = time.perf_counter()
@@ -524,7 +538,8 @@ def _federated(
     task, model = prep.task, prep.model
     server_strategy = make_strategy(config, task, prep.tokenizer, prep.cache_dir)
     site_strategy = make_strategy(config, task, prep.tokenizer, prep.cache_dir)
-    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    # The server's state stays on the CPU, whatever device the sites use.
+    initial = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     shared = {k: initial[k] for k in shared_state(model)}
     runners = {
         client: SiteRunner(

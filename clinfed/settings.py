@@ -268,6 +268,20 @@ class MachineSettings:
     """This machine: none of these change results."""
 
     threads: int = setting(0, "CPU threads (0: all cores).", minimum=0, maximum=1_024)
+    device: str = setting(
+        "auto",
+        "Where this process computes: auto (CUDA when available), cpu, cuda or cuda:N. On "
+        "Flower each node decides its own (node config device); the server never does.",
+        simulator_only=True,
+        resumable=True,
+    )
+    precision: str = setting(
+        "fp32",
+        "fp32, or bf16 autocast for training without DP. Under DP only fp32: per-example "
+        "gradient norms and clipping must be exact, or the clipping bound the accounting "
+        "assumes does not hold.",
+        choices=("fp32", "bf16"),
+    )
     cache_dir: str | None = setting(
         None,
         "Keep tokenized data here for reuse (it holds note content: protect it like the "
@@ -435,6 +449,12 @@ class RunConfig(
             raise ClinfedError(
                 f"--privacy-unit {self.privacy_unit}: --task {self.task} offers "
                 f"{', '.join(task.units)}"
+            )
+        if self.dp and self.precision != "fp32":
+            raise ClinfedError(
+                f"--precision {self.precision} under DP: per-example gradient norms and "
+                "clipping must be exact (fp32), or the clipping bound the accounting assumes "
+                "does not hold"
             )
         if self.dp:
             if not (self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)):

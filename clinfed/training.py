@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from clinfed.device import autocast, device_of, to_device
 from clinfed.tasks.base import Task
 
 
@@ -33,12 +34,16 @@ class EpochStats:
 
 
 def batches(
-    dataset: datasets.Dataset, task: Task, index_batches: list[np.ndarray]
+    dataset: datasets.Dataset,
+    task: Task,
+    index_batches: list[np.ndarray],
+    device: torch.device | None = None,
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """Collated batches of ``dataset`` rows. Rows are fetched a batch at a
-    time from the memory-mapped Arrow table."""
+    """Collated batches of ``dataset`` rows (on ``device``, if given). Rows
+    are fetched a batch at a time from the memory-mapped Arrow table."""
     for idx in index_batches:
-        yield task.collate(dataset[idx.tolist()])
+        batch = task.collate(dataset[idx.tolist()])
+        yield batch if device is None else to_device(batch, device)
 
 
 def split_batches(order: np.ndarray, batch_size: int) -> list[np.ndarray]:
@@ -100,6 +105,7 @@ def train_epoch(
     max_grad_norm: float | None = 1.0,
     on_step: Callable[[int], None] | None = None,
     extra_loss: Callable[[], torch.Tensor] | None = None,
+    precision: str = "fp32",
 ) -> EpochStats:
     """One pass over ``dataset`` in a seeded random order.
 
@@ -112,14 +118,18 @@ def train_epoch(
         Called with the number of examples after each step (progress bars).
     extra_loss
         Added to every step's loss (FedProx's proximal term).
+    precision
+        ``fp32``, or ``bf16`` autocast (training without DP only).
     """
     model.train()
+    device = device_of(model)
     plan = length_grouped_batches(np.asarray(dataset["n_tokens"]), batch_size, generator)
     total_loss, tokens, steps = 0.0, 0, 0
     start = time.perf_counter()
-    for batch in batches(dataset, task, plan):
-        logits = model(**task.model_inputs(batch))
-        loss = task.loss(logits, batch)
+    for batch in batches(dataset, task, plan, device):
+        with autocast(device, precision):
+            logits = model(**task.model_inputs(batch))
+            loss = task.loss(logits, batch)
         if extra_loss is not None:
             loss = loss + extra_loss()
         optimizer.zero_grad(set_to_none=True)
@@ -156,7 +166,7 @@ def predict(
     order = np.argsort(np.asarray(dataset["n_tokens"]), kind="stable")
     results: list = [None] * len(dataset)
     position = 0
-    for batch in batches(dataset, task, split_batches(order, batch_size)):
+    for batch in batches(dataset, task, split_batches(order, batch_size), device_of(model)):
         outputs = task.outputs(model(**task.model_inputs(batch)), batch)
         for out in outputs:
             results[order[position]] = out

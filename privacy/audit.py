@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from sklearn.metrics import roc_auc_score
 
+from clinfed.device import device_of, to_device
 from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.federated.state import load_tensors
 from clinfed.models import load_saved_model
@@ -52,8 +53,10 @@ def example_losses(model, task, examples, batch_size: int = 32) -> np.ndarray:
     model.eval()
     losses = []
     for idx in split_batches(np.arange(len(examples)), batch_size):
-        batch = task.collate(examples[idx.tolist()])
-        losses.append(task.example_losses(model(**task.model_inputs(batch)), batch).numpy())
+        batch = to_device(task.collate(examples[idx.tolist()]), device_of(model))
+        losses.append(
+            task.example_losses(model(**task.model_inputs(batch)), batch).float().cpu().numpy()
+        )
     return np.concatenate(losses) if losses else np.zeros(0)
 
 

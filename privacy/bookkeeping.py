@@ -103,6 +103,7 @@ class _Layer:
 
     def __init__(self, module: nn.Module, calls: list[tuple[torch.Tensor, torch.Tensor]], n: int):
         self.module, self.examples = module, n
+        self.device = calls[0][1].device  # where the output gradients are
         self.kept: dict[str, torch.Tensor] = {}  # per-example gradients, where built
         if isinstance(module, nn.Embedding):
             ids = torch.cat([a.reshape(n, -1) for a, _ in calls], dim=1)
@@ -134,12 +135,12 @@ class _Layer:
                 total = gram.sum((1, 2))
             else:  # the example's gradient is smaller than its Gram matrices
                 self.kept["weight"] = torch.bmm(g.transpose(1, 2), a)
-                total = torch.zeros(self.examples)
+                total = torch.zeros(self.examples, device=self.device)
         elif isinstance(module, nn.Embedding):
             same = self.a.unsqueeze(2) == self.a.unsqueeze(1)
             total = (torch.bmm(self.g, self.g.transpose(1, 2)) * same).sum((1, 2))
         else:
-            total = torch.zeros(self.examples)
+            total = torch.zeros(self.examples, device=self.device)
         if isinstance(module, nn.LayerNorm) and module.weight is not None:
             if module.weight.requires_grad:
                 self.kept["weight"] = (self.g * self.a).sum(1)
@@ -239,7 +240,7 @@ class BookKeepingClipping:
                 calls.setdefault(id(r.module), []).append((r.activation, r.backprop))
                 modules[id(r.module)] = r.module
         layers = [_Layer(modules[key], found, examples) for key, found in calls.items()]
-        norms = torch.zeros(examples)
+        norms = torch.zeros(examples, device=self.params[0].device if self.params else "cpu")
         for layer in layers:
             norms += layer.norms()
         # Opacus's clip factor, so every clipping mode computes the same step.

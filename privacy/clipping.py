@@ -105,7 +105,9 @@ def _fold_rows(params: list[nn.Parameter], owner: torch.Tensor) -> None:
         if g.shape[0] != examples:
             g = g.reshape(examples, g.shape[0] // examples, *g.shape[1:]).sum(1)
         if units != examples:
-            g = torch.zeros((units, *g.shape[1:]), dtype=g.dtype).index_add_(0, owner, g)
+            g = torch.zeros((units, *g.shape[1:]), dtype=g.dtype, device=g.device).index_add_(
+                0, owner.to(g.device), g
+            )
         p.grad_sample = g
 
 

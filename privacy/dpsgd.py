@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from clinfed.device import device_of, to_device
 from clinfed.privacy.accountants import Mechanism
 from clinfed.privacy.clipping import CLIPPERS, CLIPPINGS, choose_clipping
 from clinfed.privacy.noise import add_noise, noise_only_step
@@ -178,6 +179,13 @@ class PrivateStep:
         self.clipper = CLIPPERS[mode](model, dp.max_grad_norm)
         self.dp_optimizer = None
         if self.clipper.optimizer_class is not None:
+            device = self.params[0].device if self.params else torch.device("cpu")
+            if device.type != "cpu":
+                # Opacus draws on the gradients' device: a generator there,
+                # seeded from the site's secret one (as secret as it).
+                seed = int(torch.randint(2**62, (1,), generator=noise))
+                noise = torch.Generator(device=device)
+                noise.manual_seed(seed)
             self.dp_optimizer = self.clipper.optimizer_class(
                 optimizer,
                 noise_multiplier=dp.noise_multiplier,
@@ -302,6 +310,7 @@ def train_private(
     grouped = any(len(rows) > 1 for rows in units)
     private = make_private(model, optimizer, task, dp, batch_size, randomness.noise, grouped)
     model.train()
+    device = device_of(model)
     stats = []
     # With frozen embeddings no module input requires a gradient, and torch
     # warns on every backward hook; the per-example gradients are still right
@@ -327,7 +336,8 @@ def train_private(
                     owner = torch.repeat_interleave(
                         torch.arange(len(members)), torch.tensor([len(m) for m in members])
                     )
-                    batch = task.collate(dataset[part.tolist()])
+                    batch = to_device(task.collate(dataset[part.tolist()]), device)
+                    owner = owner.to(device)
                     losses = task.example_losses(model(**task.model_inputs(batch)), batch)
                     if private.backward(losses, owner, last=number == len(groups) - 1):
                         private.step(extra_grad)

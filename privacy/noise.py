@@ -63,8 +63,10 @@ def add_noise(
             p.grad = torch.zeros_like(p)
     sizes = [p.numel() for p in params]
     noise = secure_gaussian(noise_std(noise_multiplier, max_grad_norm), sum(sizes), generator)
+    # Drawn on the CPU whatever the device: the same noise from the same
+    # generator state on every device (--reproducible-noise runs compare).
     for p, part in zip(params, noise.split(sizes), strict=True):
-        p.grad.add_(part.view_as(p)).div_(expected_batch)
+        p.grad.add_(part.view_as(p).to(p.grad.device)).div_(expected_batch)
 
 
 def secure_gaussian(std: float, size: int, generator: torch.Generator) -> torch.Tensor:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from clinfed.device import device_of
 from clinfed.tasks.base import Task
 from clinfed.training import batches, split_batches
 
@@ -58,7 +59,8 @@ def profile(
     encoder.set_attn_implementation("eager")
     try:
         rows = []
-        for batch in batches(examples, task, split_batches(np.arange(len(examples)), batch_size)):
+        order = split_batches(np.arange(len(examples)), batch_size)
+        for batch in batches(examples, task, order, device_of(model)):
             ids, mask = batch["input_ids"], batch["attention_mask"]
             flat_ids, flat_mask = ids.reshape(-1, ids.shape[-1]), mask.reshape(-1, mask.shape[-1])
             out = encoder(**model._inputs(flat_ids, flat_mask), output_attentions=True)
@@ -69,7 +71,7 @@ def profile(
                 real = (mask.sum(-1) > 0).to(scores.dtype).unsqueeze(-1)
                 per_example = (per_example * real).sum(1) / real.sum(1).clamp(min=1.0)
             rows.append(per_example)
-        return torch.cat(rows).double().numpy()
+        return torch.cat(rows).double().cpu().numpy()
     finally:
         encoder.set_attn_implementation(implementation)
         model.train(was_training)

@@ -34,6 +34,7 @@ class LocalSettings:
     head_lr: float | None = None
     weight_decay: float = 0.01
     max_grad_norm: float | None = 1.0
+    precision: str = "fp32"  # bf16 autocast for training without DP only
 
 
 @dataclass
@@ -180,6 +181,7 @@ def client_update(work: LocalWork, objective: Any = None) -> ClientResult:
                 max_grad_norm=settings.max_grad_norm,
                 extra_loss=objective.loss if objective is not None else None,
                 on_step=_progress(work.on_step, len(work.dataset) * settings.epochs),
+                precision=settings.precision,
             )
             for _ in range(settings.epochs)
         ]

@@ -65,6 +65,10 @@ A node is configured by its operator, not by the server (``--node-config``):
 ``share-ledger``
     Whether the site reports its ledger lines to the server for the run's
     privacy report (default true). The ledger that counts stays at the site.
+``device``
+    Where this node computes: ``auto`` (CUDA when available, the default),
+    ``cpu``, ``cuda`` or ``cuda:N``. The node's choice: the server's run
+    settings never name a node's device.
 ``threads``
     Torch threads for this node's work (default: all cores).
 ``require-secure-aggregation``
@@ -100,6 +104,7 @@ from typing import Any
 import datasets
 import torch
 
+from clinfed.device import resolve_device
 from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.federated.site import SiteRunner
 from clinfed.flower.cache import (
@@ -148,6 +153,7 @@ class NodeConfig:
     model: str | None = None
     model_sha256: str | None = None
     secure_min_sites: int = 3
+    device: str = "auto"
 
     @classmethod
     def parse(cls, values: Mapping[str, Any]) -> NodeConfig:
@@ -172,6 +178,7 @@ class NodeConfig:
             "model",
             "model-sha256",
             "secure-min-sites",
+            "device",
         }
         unknown = sorted(set(values) - known)
         if unknown:
@@ -237,6 +244,7 @@ class NodeConfig:
             max_evaluations=max_evaluations,
             model=model,
             secure_min_sites=secure_min_sites,
+            device=str(values.get("device", "auto")),
             model_sha256=str(values["model-sha256"]).lower()
             if values.get("model-sha256")
             else None,
@@ -400,6 +408,7 @@ class NodeSite:
         torch.set_num_threads(node.threads or config.threads or os.cpu_count() or 1)
         # The site's own policy, whatever the server's run config says.
         node.check(config)
+        device = resolve_device(node.device)  # the node's; one it lacks: refused now
         # The site's own model: never a folder the server names.
         config = replace(config, model=node.model_for(config))
         folder = node.state / safe_run_name(run_name)
@@ -429,7 +438,7 @@ class NodeSite:
                     f"the run asks for delta {config.delta:g}, above this site's cap {cap:.3g} "
                     f"(node config max-delta; default 1/(10 n), n = {units} units): refused"
                 )
-            model = make_model(config, task)
+            model = make_model(config, task).to(device)
             strategy = make_strategy(config, task, tokenizer, cache_dir)
             privacy = None
             if config.dp and units:  # an evaluation site trains nothing to account
@@ -462,7 +471,7 @@ class NodeSite:
                 name,
                 task,
                 model,
-                {k: v.detach().clone() for k, v in model.state_dict().items()},
+                {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
                 strategy,
                 train,
                 test,

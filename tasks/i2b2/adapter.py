@@ -294,7 +294,7 @@ class I2b2Task(Task):
         if self.partial_labels and len(declared) < len(sites):
             log.info(
                 "partial labels under DP need each site's annotated types declared "
-                "(--annotated-types); %s trains its O tokens as plain O",
+                "(--annotated-types); without them these sites train O tokens as plain O: %s",
                 ", ".join(s for s in sites if s not in declared),
             )
         return declared

@@ -1,0 +1,66 @@
+"""Where a process computes: ``--device auto|cpu|cuda|cuda:N``.
+
+A site or a simulator moves its model to its device once and each batch as
+it is drawn; what leaves a process (uploads, checkpoints, digests, secure
+aggregation's fixed-point sums) is always moved to the CPU first, so it is
+the same bytes whatever device computed it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from clinfed.errors import ClinfedError
+
+DEVICES = "auto, cpu, cuda or cuda:N"
+
+
+def resolve_device(spec: str = "auto") -> torch.device:
+    """The device ``spec`` names on this machine; a :class:`ClinfedError`
+    (one line, exit 2) for a device this machine does not have."""
+    spec = str(spec).strip().lower()
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if spec == "cpu":
+        return torch.device("cpu")
+    if spec == "cuda" or spec.startswith("cuda:"):
+        index = spec.partition(":")[2]
+        if index and not index.isdigit():
+            raise ClinfedError(f"--device {spec}: expected {DEVICES}")
+        if not torch.cuda.is_available():
+            raise ClinfedError(
+                f"--device {spec}: this machine has no CUDA device that torch "
+                f"{torch.__version__} can use; use --device cpu (or auto)"
+            )
+        if index and int(index) >= torch.cuda.device_count():
+            raise ClinfedError(
+                f"--device {spec}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
+        return torch.device(spec)
+    raise ClinfedError(f"--device {spec}: expected {DEVICES}")
+
+
+def device_of(model: nn.Module) -> torch.device:
+    """The device a model's parameters are on (CPU for a model without any)."""
+    for param in model.parameters():
+        return param.device
+    return torch.device("cpu")
+
+
+def to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    """A collated batch with its tensors on ``device`` (other values as they are)."""
+    return {
+        k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+        for k, v in batch.items()
+    }
+
+
+def autocast(device: torch.device, precision: str):
+    """The autocast context of ``precision`` (``fp32``: none) on ``device``."""
+    return torch.autocast(
+        device_type=device.type, dtype=torch.bfloat16, enabled=precision == "bf16"
+    )

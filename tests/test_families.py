@@ -1,0 +1,107 @@
+"""Any local Hugging Face encoder checkpoint: tiny random RoBERTa and
+DeBERTa-v2 checkpoints (built from configs, with the bundled tokenizer)
+train under every plan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .test_cli import run_cli
+
+PLANS = {
+    "centralized": ("--strategy", "centralized", "--epochs", "1"),
+    "fedavg": ("--strategy", "fedavg"),
+    "fedprox": ("--strategy", "fedprox"),
+    "fedadam": ("--strategy", "fedadam"),
+    "ditto": ("--strategy", "ditto"),
+    "local": ("--strategy", "local"),
+    "fedfrozen": ("--strategy", "fedfrozen", "--freeze-from", "2"),
+    "safl": ("--strategy", "safl", "--top-layers", "1"),
+    "safl+fedfrozen": ("--strategy", "safl+fedfrozen", "--top-layers", "1", "--freeze-from", "2"),
+    "pfeddc": ("--strategy", "pfeddc"),
+    "lora": ("--strategy", "fedavg", "--adapter", "lora"),
+    "bias": ("--strategy", "fedavg", "--adapter", "bias"),
+}
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    from transformers import (
+        AutoTokenizer,
+        DebertaV2Config,
+        DebertaV2Model,
+        RobertaConfig,
+        RobertaModel,
+    )
+
+    from clinfed.models import checkpoint_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir("tiny"), local_files_only=True)
+    size = dict(
+        vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=2, intermediate_size=37, max_position_embeddings=160,
+        pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    models = {
+        "roberta": RobertaModel(RobertaConfig(**size), add_pooling_layer=False),
+        "deberta-v2": DebertaV2Model(
+            DebertaV2Config(
+                **size,
+                relative_attention=True,
+                position_buckets=16,
+                pos_att_type=["p2c", "c2p"],
+                type_vocab_size=0,
+            )  # fmt: skip
+        ),
+    }
+    folders = {}
+    for name, model in models.items():
+        folders[name] = tmp_path_factory.mktemp(name)
+        model.save_pretrained(folders[name])
+        tokenizer.save_pretrained(folders[name])
+    return folders
+
+
+def _train(checkpoint, data, out, *extra):
+    return run_cli("train", "--task", "i2b2", "--model", str(checkpoint), "--rounds", "2",
+                   "--max-length", "32", "--threads", "1", "--data", str(data),
+                   "--out", str(out), *extra)  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["roberta", "deberta-v2"])
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_every_plan_trains_a_roberta_and_a_deberta_v2_checkpoint(
+    checkpoints, i2b2_corpus, tmp_path, family, plan
+):
+    result = _train(checkpoints[family], i2b2_corpus, tmp_path / "run", *PLANS[plan])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "run" / "model" / "model.safetensors").is_file()
+
+
+def test_roberta_trains_under_dp_and_deberta_v2_is_refused_with_the_reason(
+    checkpoints, i2b2_corpus, tmp_path
+):
+    dp = ("--strategy", "safl+fedfrozen", "--top-layers", "1", "--freeze-from", "2",
+          "--target-epsilon", "8")  # fmt: skip
+    trained = _train(checkpoints["roberta"], i2b2_corpus, tmp_path / "roberta", *dp)
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    refused = _train(checkpoints["deberta-v2"], i2b2_corpus, tmp_path / "deberta", *dp)
+    assert refused.returncode == 2 and "DP-SGD does not support relative attention" in (
+        refused.stderr
+    )
+    assert not (tmp_path / "deberta").exists()
+
+
+@pytest.mark.parametrize("family", ["roberta", "deberta-v2"])
+def test_every_parameter_has_its_block_and_each_layer_its_query_key(checkpoints, family):
+    from clinfed.blocks import parameter_blocks
+    from clinfed.models import load_encoder
+
+    names = [f"encoder.{n}" for n, _ in load_encoder(str(checkpoints[family])).named_parameters()]
+    blocks = parameter_blocks(names)  # raises for a name no rule knows
+    kinds = {(b.kind, b.layer) for b in blocks.values()}
+    assert {("query_key", 0), ("query_key", 1), ("value", 0), ("value", 1)} <= kinds
+    if family == "deberta-v2":  # the relative-position table is an embedding
+        assert str(blocks["encoder.encoder.rel_embeddings.weight"]) == "embeddings"
