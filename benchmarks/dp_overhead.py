@@ -32,6 +32,7 @@ import transformers
 
 from clinfed.adapters import add_bias, add_lora, shared_names
 from clinfed.blocks import HEAD, Block
+from clinfed.device import resolve_device
 from clinfed.errors import ProblemLog
 from clinfed.federated.client import LocalSettings, LocalWork, client_update
 from clinfed.federated.plan import Plan, full_plan, names_in
@@ -54,7 +55,10 @@ def main() -> None:
         help="comma-separated; DP-SGD's per-step cost (noise over every trainable "
         "parameter) is fixed, so the overhead per token falls as the batch grows",
     )
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     args = parser.parse_args()
+    device = resolve_device(args.device)
+    print(f"device: {device}", flush=True)
     datasets.disable_progress_bars()
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
@@ -63,9 +67,10 @@ def main() -> None:
         task = I2b2Task()
         records = task.read_documents(Path(work) / "data" / "train", ProblemLog())
         examples = task.encode(records, load_tokenizer("minilm"), 128, work)
-        model = build_model("token", "minilm", len(task.labels), seed=0)
+        model = build_model("token", "minilm", len(task.labels), seed=0).to(device)
         adapted = add_lora(build_model("token", "minilm", len(task.labels), seed=0), 8, 16, "b", 0)
-        biased = add_bias(build_model("token", "minilm", len(task.labels), seed=0))
+        adapted = adapted.to(device)
+        biased = add_bias(build_model("token", "minilm", len(task.labels), seed=0)).to(device)
         top_two = {Block(k, layer) for layer in (4, 5) for k in ("query_key", "value", "rest")}
 
         def plan_of(names, blocks=None):

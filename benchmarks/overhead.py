@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import transformers
 
+from clinfed.device import device_of, resolve_device, to_device
 from clinfed.errors import ProblemLog
 from clinfed.federated.client import LocalSettings
 from clinfed.federated.engine import RoundEngine
@@ -54,7 +55,8 @@ def bare_loop_seconds(model, task, dataset, batch_size, generator, lr, head_lr):
     """Forward, backward and AdamW over pre-collated batches: compute only.
     Returns (seconds, tokens)."""
     plan = length_grouped_batches(np.asarray(dataset["n_tokens"]), batch_size, generator)
-    tensors = [task.collate(dataset[idx.tolist()]) for idx in plan]
+    device = device_of(model)
+    tensors = [to_device(task.collate(dataset[idx.tolist()]), device) for idx in plan]
     optimizer = make_optimizer(model, lr, 0.01, head_lr)
     model.train()
     tokens, started = 0, time.perf_counter()
@@ -100,7 +102,10 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--model", default="minilm")
     parser.add_argument("--docs", type=int, default=20, help="documents per site")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     args = parser.parse_args()
+    device = resolve_device(args.device)
+    print(f"device: {device}", flush=True)
     datasets.disable_progress_bars()
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
@@ -118,8 +123,8 @@ def main() -> None:
         settings = LocalSettings(batch_size=16, lr=1e-4, head_lr=1e-3)
 
         # (a), (b): one FedAvg round, then the same batches in a bare loop
-        model = build_model(task.head, args.model, len(task.labels), seed=0)
-        start_state = {k: v.clone() for k, v in model.state_dict().items()}
+        model = build_model(task.head, args.model, len(task.labels), seed=0).to(device)
+        start_state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
         strategy = get_strategy("fedavg")
         runners = {
             name: SiteRunner(
