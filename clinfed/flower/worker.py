@@ -173,19 +173,34 @@ def ask(
         folder = _private_folder(state)
     except OSError as exc:
         raise Unavailable(f"state folder: {exc.strerror}") from None
+    parent = os.getppid() if parent is None else parent
     address = _address(folder)
     conn = _connect(address)
-    if conn is None:
-        conn, address = _start(folder, state, os.getppid() if parent is None else parent)
+    started = conn is None
+    if started:
+        conn, address = _start(folder, state, parent)
     records, body = _to_wire(content)
-    request = {"token": address["token"], "node": dict(node_values), "records": records}
-    request = json.dumps(request, default=str)
-    with conn:
-        try:
-            _send(conn, request.encode())
-            _send(conn, body)
-        except OSError as exc:
+
+    def send(conn: socket.socket, address: dict[str, Any]) -> None:
+        request = {"token": address["token"], "node": dict(node_values), "records": records}
+        _send(conn, json.dumps(request, default=str).encode())
+        _send(conn, body)
+
+    try:
+        send(conn, address)
+    except OSError as exc:
+        conn.close()
+        if started:
             raise Unavailable(f"worker did not take the message: {exc}") from None
+        # The worker we reached was dying (killed, or ending as idle): it took
+        # nothing, so the message goes to a fresh one.
+        conn, address = _start(folder, state, parent)
+        try:
+            send(conn, address)
+        except OSError as exc:
+            conn.close()
+            raise Unavailable(f"worker did not take the message: {exc}") from None
+    with conn:
         try:
             conn.settimeout(None)  # training takes as long as it takes
             header = json.loads(_receive(conn))
