@@ -466,3 +466,25 @@ def test_a_full_disk_names_the_file_it_could_not_write(tmp_path, monkeypatch):
         with pytest.raises(OSError) as raised:
             write(path, {"x": 1})
         assert raised.value.filename == str(path) and raised.value.errno == errno.ENOSPC
+
+
+def test_a_folder_that_cannot_be_written_is_one_error_line(i2b2_corpus, tmp_path, monkeypatch):
+    import errno
+    from pathlib import Path
+
+    from .test_cli import TINY_FEDERATED, run_cli
+
+    out = tmp_path / "locked" / "run"
+    original = Path.mkdir
+
+    def mkdir(self, *args, **kwargs):
+        if self == out or out in self.parents or self == out.parent:
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    result = run_cli("train", *TINY_FEDERATED, "--strategy", "fedavg", "--rounds", "1",
+                     "--data", str(i2b2_corpus), "--out", str(out))  # fmt: skip
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and "Permission denied" in errors[0], result.stderr
