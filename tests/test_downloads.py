@@ -64,13 +64,11 @@ class MirrorSites:
             yield (
                 site,
                 Reply(
-                    site,
-                    upload,
-                    record,
-                    evaluation if message.evaluate else None,
-                    None,
-                    None,
-                    received,
+                    site=site,
+                    upload=upload,
+                    record=record,
+                    evaluation=evaluation if message.evaluate else None,
+                    received=received,
                 ),
             )
 

@@ -48,10 +48,11 @@ class ScriptedTransport:
 def good(site, message, value=1.0, examples=10, names=tuple(NAMES)):
     evaluation = {"counts": {"": {"hits": [1, 2]}}, "examples": 2, "seconds": 0.0}
     if message.kind == "evaluate":
-        return Reply(site, {}, None, evaluation, None)
+        return Reply(site=site, evaluation=evaluation)
     upload = {n: torch.full((2,), value) for n in names}
     record = {"round": message.round, "client": site, "examples": examples, "bytes_up": 16}
-    return Reply(site, upload, record, evaluation if message.evaluate else None, None)
+    evaluated = evaluation if message.evaluate else None
+    return Reply(site=site, upload=upload, record=record, evaluation=evaluated)
 
 
 def engine(tmp_path, strategy="fedavg", options=None, rounds=2, **deployment):
@@ -208,13 +209,14 @@ def test_records_written_after_the_last_commit_are_cut_back_on_resume(tmp_path, 
 def test_an_evaluation_site_is_evaluated_never_trained_and_no_f1_without_evaluation(tmp_path):
     def trains_only(site, message, attempt):  # holds no held-out data
         reply = good(site, message)
-        return Reply(site, reply.upload, reply.record, None, None)
+        return Reply(site=site, upload=reply.upload, record=reply.record)
 
     def behave(site, message, attempt):
         if site == "external":  # held-out notes only
             evaluation = {"counts": {"": {"hits": [3, 4]}}, "examples": 4}
             record = {"round": message.round, "client": site, "evaluation_only": True}
-            return Reply(site, {}, record if message.kind == "train" else None, evaluation, None)
+            record = record if message.kind == "train" else None
+            return Reply(site=site, record=record, evaluation=evaluation)
         return trains_only(site, message, attempt)
 
     transport = ScriptedTransport(["a", "external"], behave)

@@ -174,7 +174,7 @@ def test_a_site_weighs_its_update_by_units_whatever_the_window(
 def test_the_server_bounds_a_site_s_claimed_weight():
     def reply(examples: int, declared: int | None = None) -> Reply:
         ledger = {"site": {"examples": declared}} if declared is not None else None
-        return Reply("beth", {}, {"examples": examples}, None, ledger)
+        return Reply(site="beth", record={"examples": examples}, ledger=ledger)
 
     assert check_record(reply(100)) is None
     assert check_record(reply(100, declared=100)) is None

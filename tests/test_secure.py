@@ -49,10 +49,10 @@ class SecureSites:
         folder = self.root / site
         if message.kind == "secure":
             tensors, part = secure.site_stage(folder, message.round, message.secure)
-            return Reply(site, tensors, None, None, None, part)
+            return Reply(site=site, upload=tensors, secure=part)
         evaluation = {"counts": {"": {"hits": [1, 2]}}, "examples": 2, "seconds": 0.0}
         if message.kind == "evaluate":
-            return Reply(site, {}, None, evaluation, None)
+            return Reply(site=site, evaluation=evaluation)
         upload = upload_of(site, message.round, self.names.get(site, NAMES))
         record = {
             "round": message.round,
@@ -64,7 +64,8 @@ class SecureSites:
         if message.secure is not None:
             part = secure.hold_upload(folder, site, message.round, upload, self.examples[site])
             upload = {}
-        return Reply(site, upload, record, evaluation if message.evaluate else None, None, part)
+        evaluated = evaluation if message.evaluate else None
+        return Reply(site=site, upload=upload, record=record, evaluation=evaluated, secure=part)
 
     def exchange(self, messages, timeout):
         for address in sorted(messages):

@@ -89,16 +89,17 @@ class Message:
     expect: str | None = None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Reply:
     """What a site sends back (``secure``: its part of a secure
-    aggregation stage; ``upload`` then holds masked input, if any)."""
+    aggregation stage; ``upload`` then holds masked input, if any).
+    Built with keywords only: which field is which is never a position."""
 
     site: str
-    upload: dict[str, torch.Tensor]
-    record: dict[str, Any] | None  # training (or refusal) record; None: evaluated only
-    evaluation: dict[str, Any] | None  # {"counts": {variant: counts}, "examples", "seconds"}
-    ledger: dict[str, Any] | None  # the site's privacy ledger, if it shares it
+    upload: dict[str, torch.Tensor] = field(default_factory=dict)
+    record: dict[str, Any] | None = None  # training (or refusal) record; None: evaluated only
+    evaluation: dict[str, Any] | None = None  # {"counts": {variant: counts}, "examples"}
+    ledger: dict[str, Any] | None = None  # the site's privacy ledger, if it shares it
     secure: dict[str, Any] | None = None
     # Digest of the shared model the site rebuilt from the message (the
     # previous global round, if all went well); None for a model of its own.

@@ -176,7 +176,7 @@ class SiteRunner:
                 else f"the copy rebuilt is not global round {message.round - 1}",
             )
             ledger = self.privacy.report() if self.privacy is not None else None
-            return Reply(self.name, {}, None, None, ledger, None, proof if rebuilt else "")
+            return Reply(site=self.name, ledger=ledger, received=proof if rebuilt else "")
         evaluation = None
         if message.evaluate and self._meter(message.round - 1):
             evaluation = self.evaluate(message.write_predictions)
@@ -220,7 +220,15 @@ class SiteRunner:
         if release and message.kind == "train":
             self.release(message.round)
         ledger = self.privacy.report() if self.privacy is not None else None
-        return Reply(self.name, upload, record, evaluation, ledger, secure_part, proof)
+        return Reply(
+            site=self.name,
+            upload=upload,
+            record=record,
+            evaluation=evaluation,
+            ledger=ledger,
+            secure=secure_part,
+            received=proof,
+        )
 
     def release(self, round_number: int) -> dict[str, Any] | None:
         """Write-ahead: the round's charge is marked released (fsynced)
@@ -518,4 +526,4 @@ def secure_reply(state_dir: Path, message: Any, min_group: int = 2) -> Any:
 
     name = secure.site_name(state_dir, message.round)
     tensors, part = secure.site_stage(state_dir, message.round, message.secure or {}, min_group)
-    return Reply(name, tensors, None, None, None, part)
+    return Reply(site=name, upload=tensors, secure=part)

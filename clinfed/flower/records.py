@@ -99,11 +99,11 @@ def read_reply(content: RecordDict) -> Reply:
     if not isinstance(info.get("site"), str):
         raise ValueError("reply without a site name")
     return Reply(
-        info["site"],
-        tensors,
-        info.get("record"),
-        info.get("evaluation"),
-        info.get("ledger"),
-        info.get("secure"),
-        info.get("received"),
+        site=info["site"],
+        upload=tensors,
+        record=info.get("record"),
+        evaluation=info.get("evaluation"),
+        ledger=info.get("ledger"),
+        secure=info.get("secure"),
+        received=info.get("received"),
     )
