@@ -586,3 +586,64 @@ def test_a_node_answers_a_replayed_round_with_the_same_bytes_and_no_charge(i2b2_
     assert [x["round"] for x in charges] == [1]
     kept = list((tmp_path / "state" / "run").glob("released.r*.safetensors"))
     assert kept and all(p.stat().st_mode & 0o777 == 0o600 for p in kept)
+
+
+NODE_KILLER = """
+import os, signal, sys
+from pathlib import Path
+from clinfed.adapters import shared_state
+from clinfed.federated import payload
+from clinfed.federated.engine import Message
+from clinfed.flower.deploy import flower_run_config
+from clinfed.flower.node import NodeConfig, NodeSite
+from clinfed.privacy.ledger import Ledger
+
+data, tmp, stage = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+charge = Ledger.charge
+
+
+def charging(self, round_number, mechanisms):
+    if stage == "before-charge":
+        os.kill(os.getpid(), signal.SIGKILL)
+    spent = charge(self, round_number, mechanisms)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+Ledger.charge = charging
+config = flower_run_config(
+    {"task": "i2b2", "model": "tiny", "strategy": "fedavg", "max_length": 32,
+     "target_epsilon": 8.0, "rounds": 3},
+    tmp / "run",
+)
+site = NodeSite(config, NodeConfig(data, tmp / "state", site="beth", max_epsilon=10.0), "run")
+expect = payload.digest(shared_state(site.runner.model))
+site.runner.handle(Message("train", 1, {}, False, False, base=0, expect=expect))
+"""
+
+
+@pytest.mark.parametrize("stage", ["before-charge", "after-charge"])
+def test_a_node_killed_around_its_charge_charges_the_round_once(i2b2_corpus, tmp_path, stage):
+    import subprocess
+    import sys
+
+    from clinfed.adapters import shared_state
+    from clinfed.federated import payload
+    from clinfed.federated.engine import Message
+
+    killed = subprocess.run(
+        [sys.executable, "-c", NODE_KILLER, str(i2b2_corpus), str(tmp_path), stage],
+        capture_output=True, timeout=600,
+    )  # fmt: skip
+    assert killed.returncode == -9, killed.stderr.decode()[-2000:]
+    # The SuperNode restarts; the server sends round 1 again.
+    site = _node_site(i2b2_corpus, tmp_path, target_epsilon=8.0, rounds=3)
+    try:
+        expect = payload.digest(shared_state(site.runner.model))
+        reply = site.runner.handle(Message("train", 1, {}, False, False, base=0, expect=expect))
+        assert reply.upload and "refused" not in reply.record
+    finally:
+        site.close()
+    (ledger,) = (tmp_path / "state" / "ledger").glob("beth-*.jsonl")
+    lines = read_jsonl(ledger)
+    assert [x["round"] for x in lines if x.get("state") == "charged"] == [1]
+    assert [x["round"] for x in lines if x.get("released")] == [1]
