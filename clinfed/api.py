@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from clinfed.errors import ClinfedError
+from clinfed.errors import USER_ERRORS, ClinfedError, worded
 
 _FLAG = re.compile(r"--([a-z][a-z0-9-]*)")
 
@@ -44,8 +44,8 @@ def _library_call() -> Iterator[None]:
     try:
         with private_scratch():
             yield
-    except ClinfedError as exc:
-        raise ClinfedError(_FLAG.sub(_as_setting, str(exc))) from None
+    except USER_ERRORS as exc:
+        raise ClinfedError(_FLAG.sub(_as_setting, worded(exc, flags=False))) from None
 
 
 def train(
@@ -114,7 +114,7 @@ def report(run: str | Path, reference: str | Path | None = None) -> Path:
     """Write ``run/report/`` (HTML, Markdown, JSON) and return the HTML
     page's path. ``reference``: the same run without DP, for the F1 plot."""
     with _library_call():
-        from clinfed.privacy.report import write_report
+        from clinfed.reporting.report import write_report
 
         folder = write_report(Path(run), Path(reference) if reference else None)
         return folder / "report.html"

@@ -64,8 +64,8 @@ def run_demo(
     (a new folder); returns the summary the command prints (also
     ``out/demo.json``)."""
     from clinfed.pipeline import RunConfig, run_training
-    from clinfed.privacy.audit import audit
-    from clinfed.privacy.report import write_report
+    from clinfed.reporting.audit import audit
+    from clinfed.reporting.report import write_report
     from clinfed.runs import atomic_write_json, ensure_new_run_folder
     from clinfed.tasks.i2b2.synth import generate
 

@@ -12,11 +12,25 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from clinfed.privacy.errors import PrivacyError, SettingError
+
 EXIT_USAGE = 2
 
 
 class ClinfedError(Exception):
     """An error caused by input or flags; printed on one line, exit status 2."""
+
+
+# Everything a user can fix: clinfed's own errors and the privacy library's.
+USER_ERRORS = (ClinfedError, PrivacyError)
+
+
+def worded(exc: BaseException, flags: bool = True) -> str:
+    """A user error's one line, its setting named as a command-line flag
+    (``flags``) or by its Python name."""
+    if isinstance(exc, SettingError):
+        return exc.worded(flag=flags)
+    return str(exc)
 
 
 @dataclass

@@ -24,6 +24,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, AutoTokenizer, BertConfig, BertModel
 
 from clinfed.errors import ClinfedError
+from clinfed.privacy import bookkeeping
 from clinfed.prompts import DualPrompt, encode_with_prompt
 
 MINILM = "minilm"
@@ -175,8 +176,8 @@ class LabelwiseLinear(nn.Module):
     """One linear score per label over that label's own summary vector:
     ``logit_l = <w_l, v_l> + b_l`` for ``v`` of shape ``(B, L, H)``.
 
-    A module of its own so DP-SGD can register its per-example gradient
-    (``clinfed.privacy.dpsgd``)."""
+    A module of its own so DP-SGD knows its per-example gradient (registered
+    below with ``clinfed.privacy.bookkeeping.register``)."""
 
     def __init__(self, hidden: int, num_labels: int):
         super().__init__()
@@ -186,6 +187,22 @@ class LabelwiseLinear(nn.Module):
 
     def forward(self, summary: torch.Tensor) -> torch.Tensor:
         return (summary * self.weight).sum(-1) + self.bias
+
+
+def _labelwise_per_example(
+    layer: LabelwiseLinear, summary: torch.Tensor, backprop: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    # logit_bl = <w_l, v_bl> + b_l, so d logit_bl / d w_l = v_bl per example.
+    grads = {}
+    if layer.weight.requires_grad:
+        grads["weight"] = backprop.unsqueeze(-1) * summary
+    if layer.bias.requires_grad:
+        grads["bias"] = backprop
+    return grads
+
+
+# DP-SGD's clipping learns this layer's per-example gradient from here.
+bookkeeping.register(LabelwiseLinear, _labelwise_per_example)
 
 
 class ChunkedLabelAttentionClassifier(nn.Module):

@@ -54,7 +54,6 @@ from clinfed.federated.site import SiteRunner
 from clinfed.federated.state import check_metrics
 from clinfed.federated.strategies import STRATEGIES, Strategy, StrategyContext
 from clinfed.models import build_model, load_tokenizer, save_model
-from clinfed.privacy.dpsgd import unit_rows
 from clinfed.privacy.policy import PrivacyPolicy
 from clinfed.privacy.site import SitePrivacy
 from clinfed.runs import (
@@ -71,7 +70,7 @@ from clinfed.training import linear_schedule, make_optimizer, predict, train_epo
 __all__ = ["RunConfig", "run_training", "make_model", "make_task", "make_strategy"]
 
 Reporter = Callable[[str, dict[str, Any]], None]
-# What an auditing run keeps for ``clinfed audit`` (clinfed.privacy.audit).
+# What an auditing run keeps for ``clinfed audit`` (clinfed.reporting.audit).
 AUDIT_HOLDOUT = Path("audit") / "holdout.json"
 AUDIT_UPDATES = Path("audit") / "updates"
 
@@ -260,7 +259,7 @@ def _audit_holdout(
     rng = np.random.default_rng([config.seed, 2718])
     parts = {}
     for client, idx in sorted(clients.items()):
-        units = unit_rows(task, train.select(idx), config.privacy_unit)
+        units = task.unit_rows(train.select(idx), config.privacy_unit)
         held = int(round(config.audit_holdout * len(units)))
         if held == 0 or held == len(units):
             raise ClinfedError(
@@ -428,7 +427,7 @@ def privacy_policy(
     units only, so it gets the same noise in every transport."""
     target = config.target_epsilon
     unit = config.privacy_unit
-    sites_units = {site: unit_rows(task, data, unit) for site, data in train.items()}
+    sites_units = {site: task.unit_rows(data, unit) for site, data in train.items()}
     sizes = {site: len(units) for site, units in sites_units.items()}
     policy = PrivacyPolicy.build(
         folder,

@@ -1,16 +1,20 @@
 """Local training and prediction: the loops every runner shares.
 
-``train_epoch`` is the unit of local work (centralized training runs it over
-the pooled data; a federated client update will run it over one site's data
-with the round's trainable parameters). ``predict`` runs the model over a
+``run_epoch`` is the one training loop: centralized training runs it over
+the pooled data, a federated client update over one site's data with the
+round's trainable parameters; under DP-SGD the same loop runs with the
+private steps and update of ``clinfed.privacy.dpsgd.make_private`` (Poisson
+batches of privacy units; per-unit clipping and noise), as Opacus's
+``make_private`` wraps a data loader and an optimizer. ``predict`` runs the model over a
 dataset in length-sorted batches and returns outputs in dataset order.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import datasets
 import numpy as np
@@ -94,6 +98,132 @@ def make_optimizer(
         return torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay)
 
 
+# One step of local training: the passes whose gradients make it (each the
+# dataset rows it collates and, under DP, the privacy unit of each row,
+# numbered from 0 within the pass), the units it covers (progress), and what
+# its summed pass losses are divided by for the reported loss.
+Pass = tuple[np.ndarray, "torch.Tensor | None"]
+Step = tuple[list[Pass], int, int]
+
+
+class Update(Protocol):
+    """How a step's gradient becomes a parameter update: plain
+    (:class:`PlainUpdate`) or private (``clinfed.privacy.dpsgd.PrivateStep``,
+    which clips per unit and adds noise). :func:`run_epoch` drives either."""
+
+    precision: str
+
+    def zero_grad(self) -> None: ...
+
+    def loss(self, task: Task, outputs: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...
+
+    def backward(self, loss: torch.Tensor, owner: torch.Tensor | None, last: bool) -> None: ...
+
+    def step(self) -> None: ...
+
+    def empty(self) -> None: ...
+
+
+class PlainUpdate:
+    """Training without DP: the batch's mean loss (plus ``extra_loss``,
+    FedProx's proximal term), its gradient clipped to ``max_grad_norm`` as a
+    whole, the optimizer's step, then the schedule's."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler=None,
+        max_grad_norm: float | None = 1.0,
+        extra_loss: Callable[[], torch.Tensor] | None = None,
+        precision: str = "fp32",
+    ):
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.max_grad_norm, self.extra_loss = max_grad_norm, extra_loss
+        self.precision = precision
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def loss(self, task: Task, outputs: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        loss = task.loss(outputs, batch)
+        return loss + self.extra_loss() if self.extra_loss is not None else loss
+
+    def backward(self, loss: torch.Tensor, owner: torch.Tensor | None, last: bool) -> None:
+        del owner, last
+        loss.backward()
+
+    def step(self) -> None:
+        if self.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def empty(self) -> None:  # pragma: no cover - plain batches are never empty
+        raise AssertionError("a plain step has at least one row")
+
+
+def plain_steps(
+    dataset: datasets.Dataset, batch_size: int, generator: np.random.Generator
+) -> Iterator[Step]:
+    """One epoch of non-private steps: length-grouped batches of rows in a
+    seeded random order, one pass each."""
+    order = length_grouped_batches(np.asarray(dataset["n_tokens"]), batch_size, generator)
+    for rows in order:
+        yield [(rows, None)], len(rows), 1
+
+
+def run_epoch(
+    model: nn.Module,
+    task: Task,
+    dataset: datasets.Dataset,
+    steps: Iterable[Step],
+    update: Update,
+    on_step: Callable[[int], None] | None = None,
+) -> EpochStats:
+    """The training loop every runner shares, private or not.
+
+    Parameters
+    ----------
+    steps
+        One epoch of steps: :func:`plain_steps`, or DP-SGD's Poisson batches
+        (``clinfed.privacy.dpsgd.make_private``), which may be empty.
+    update
+        :class:`PlainUpdate`, or DP-SGD's ``PrivateStep``.
+    on_step
+        Called with the units (rows without DP) of each step: progress bars.
+    """
+    model.train()
+    device = device_of(model)
+    total_loss, tokens, done = 0.0, 0, 0
+    start = time.perf_counter()
+    for passes, units, divisor in steps:
+        update.zero_grad()
+        if not passes:
+            update.empty()  # DP-SGD: a Poisson draw with no unit still steps, on noise
+            if on_step:
+                on_step(0)
+            continue
+        step_loss = 0.0
+        for number, (rows, owner) in enumerate(passes):
+            batch = to_device(task.collate(dataset[rows.tolist()]), device)
+            with autocast(device, update.precision):
+                loss = update.loss(task, model(**task.model_inputs(batch)), batch)
+            update.backward(
+                loss, None if owner is None else owner.to(device), last=number == len(passes) - 1
+            )
+            step_loss += float(loss.detach().sum())
+            tokens += int(batch["attention_mask"].sum())
+        update.step()
+        total_loss += step_loss / divisor
+        done += 1
+        if on_step:
+            on_step(units)
+    return EpochStats(total_loss / max(done, 1), len(dataset), tokens, time.perf_counter() - start)
+
+
 def train_epoch(
     model: nn.Module,
     task: Task,
@@ -107,7 +237,8 @@ def train_epoch(
     extra_loss: Callable[[], torch.Tensor] | None = None,
     precision: str = "fp32",
 ) -> EpochStats:
-    """One pass over ``dataset`` in a seeded random order.
+    """One non-private pass over ``dataset`` in a seeded random order
+    (:func:`run_epoch` over :func:`plain_steps` with a :class:`PlainUpdate`).
 
     Parameters
     ----------
@@ -121,32 +252,10 @@ def train_epoch(
     precision
         ``fp32``, or ``bf16`` autocast (training without DP only).
     """
-    model.train()
-    device = device_of(model)
-    plan = length_grouped_batches(np.asarray(dataset["n_tokens"]), batch_size, generator)
-    total_loss, tokens, steps = 0.0, 0, 0
-    start = time.perf_counter()
-    for batch in batches(dataset, task, plan, device):
-        with autocast(device, precision):
-            logits = model(**task.model_inputs(batch))
-            loss = task.loss(logits, batch)
-        if extra_loss is not None:
-            loss = loss + extra_loss()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(
-                [p for p in model.parameters() if p.requires_grad], max_grad_norm
-            )
-        optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
-        total_loss += loss.item()
-        tokens += int(batch["attention_mask"].sum())
-        steps += 1
-        if on_step:
-            on_step(batch["input_ids"].shape[0])
-    return EpochStats(total_loss / max(steps, 1), len(dataset), tokens, time.perf_counter() - start)
+    update = PlainUpdate(model, optimizer, scheduler, max_grad_norm, extra_loss, precision)
+    return run_epoch(
+        model, task, dataset, plain_steps(dataset, batch_size, generator), update, on_step
+    )
 
 
 @torch.no_grad()

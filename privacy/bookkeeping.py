@@ -18,36 +18,29 @@ large model at small cost", the FastDP library) runs it once:
    as the non-private weight gradient.
 
 Layer types covered: ``nn.Linear`` (peft's LoRA factors are linear layers),
-``nn.LayerNorm``, ``nn.Embedding`` and clinfed's ``LabelwiseLinear``. A model
-with any other trainable parameter (pfeddc's prompts) uses hooks. Rows of one
+``nn.LayerNorm``, ``nn.Embedding``, one :class:`LayerRule` each, and any
+layer registered with its per-example gradient (:func:`register`; clinfed's
+``LabelwiseLinear`` registers itself). A model with any other trainable
+parameter (pfeddc's prompts) uses hooks. Rows of one
 example must be contiguous and equally many (MIMIC-III's chunks are); units
 spanning several examples use hooks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from clinfed.models import LabelwiseLinear
-
-SUPPORTED = (nn.Linear, nn.LayerNorm, nn.Embedding, LabelwiseLinear)
-
 
 def supports(model: nn.Module) -> bool:
-    """Whether every trainable parameter belongs to a layer type covered here."""
+    """Whether every trainable parameter belongs to a layer type with a rule."""
     for module in model.modules():
         own = [p for p in module.parameters(recurse=False) if p.requires_grad]
-        if not own:
-            continue
-        if not isinstance(module, SUPPORTED):
-            return False
-        if isinstance(module, nn.Embedding) and (
-            module.max_norm is not None or module.scale_grad_by_freq or module.sparse
-        ):
+        if own and _rule(module) is None:
             return False
     return True
 
@@ -92,84 +85,181 @@ def _per_example_ids(ids: torch.Tensor, examples: int) -> torch.Tensor:
     return ids.reshape(examples, -1)
 
 
-class _Layer:
-    """Per-example squared norms and the clipped sum of one layer's
-    parameters, from its inputs and output gradients.
+class LayerRule:
+    """Book-keeping for one layer type: each example's squared gradient norm
+    and the clipped sum of the layer's parameters, from the layer's inputs
+    and output gradients (``calls``: one pair per time the layer ran in the
+    forward pass, laid end to end as more tokens of each example; pfeddc's
+    fusion runs once per prompted encoder layer).
 
-    A layer that runs several times in one forward pass (pfeddc's fusion,
-    once per prompted encoder layer) contributes the sum of its calls'
-    gradients: its calls are laid end to end as more tokens of each example.
+    Subclasses fill :attr:`kept` with per-example gradients by parameter
+    name (where building them is cheapest) and may add a norm computed
+    without them (:meth:`ghost_norms`) and sums computed in one product
+    (:meth:`product_sums`). One rule per layer type, registered with
+    :func:`register`, as Opacus registers its grad samplers.
     """
 
     def __init__(self, module: nn.Module, calls: list[tuple[torch.Tensor, torch.Tensor]], n: int):
         self.module, self.examples = module, n
         self.device = calls[0][1].device  # where the output gradients are
-        self.kept: dict[str, torch.Tensor] = {}  # per-example gradients, where built
-        if isinstance(module, nn.Embedding):
-            ids = torch.cat([a.reshape(n, -1) for a, _ in calls], dim=1)
-            g = torch.cat([_per_example(g, n) for _, g in calls], dim=1)
-            if module.padding_idx is not None:  # its row never trains
-                g = g * (ids != module.padding_idx).unsqueeze(-1)
-            self.a, self.g = ids, g
-        elif isinstance(module, LabelwiseLinear):
-            # logit_bl = <w_l, v_bl> + b_l: the gradient of w_l is g_bl v_bl.
-            if module.weight.requires_grad:
-                self.kept["weight"] = sum(g.unsqueeze(-1) * a for a, g in calls)
-            if module.bias.requires_grad:
-                self.kept["bias"] = sum(g for _, g in calls)
-        else:
-            if isinstance(module, nn.LayerNorm):  # its weight multiplies the normalised input
-                calls = [
-                    (F.layer_norm(a, module.normalized_shape, eps=module.eps), g) for a, g in calls
-                ]
-            self.a = torch.cat([_per_example(a, n) for a, _ in calls], dim=1)
-            self.g = torch.cat([_per_example(g, n) for _, g in calls], dim=1)
+        self.kept: dict[str, torch.Tensor] = {}
+
+    def ghost_norms(self) -> torch.Tensor | None:
+        """Squared norms of the gradients not in :attr:`kept` (``None``: none)."""
+        return None
+
+    def product_sums(self, factors: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Clipped sums of the parameters not in :attr:`kept`."""
+        del factors
+        return {}
 
     def norms(self) -> torch.Tensor:
-        module = self.module
-        if isinstance(module, nn.Linear) and module.weight.requires_grad:
-            a, g = self.a, self.g
-            tokens, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
-            if tokens * (d_in + d_out) < d_in * d_out:  # ghost norm
-                gram = torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))
-                total = gram.sum((1, 2))
-            else:  # the example's gradient is smaller than its Gram matrices
-                self.kept["weight"] = torch.bmm(g.transpose(1, 2), a)
-                total = torch.zeros(self.examples, device=self.device)
-        elif isinstance(module, nn.Embedding):
-            same = self.a.unsqueeze(2) == self.a.unsqueeze(1)
-            total = (torch.bmm(self.g, self.g.transpose(1, 2)) * same).sum((1, 2))
-        else:
+        total = self.ghost_norms()
+        if total is None:
             total = torch.zeros(self.examples, device=self.device)
-        if isinstance(module, nn.LayerNorm) and module.weight is not None:
-            if module.weight.requires_grad:
-                self.kept["weight"] = (self.g * self.a).sum(1)
-        if isinstance(module, (nn.Linear, nn.LayerNorm)) and module.bias is not None:
-            if module.bias.requires_grad:
-                self.kept["bias"] = self.g.sum(1)
         for grad in self.kept.values():
             total = total + grad.pow(2).flatten(1).sum(1)
         return total
 
     def accumulate(self, factors: torch.Tensor) -> None:
         """Add ``sum_i factors[i] * grad_i`` into each parameter's ``.grad``."""
-        module = self.module
         sums = {name: torch.tensordot(factors, grad, dims=1) for name, grad in self.kept.items()}
-        if isinstance(module, (nn.Linear, nn.Embedding)) and "weight" not in sums:
-            if module.weight.requires_grad:
-                weighted = (self.g * factors.view(-1, 1, 1)).reshape(-1, self.g.shape[-1])
-                if isinstance(module, nn.Linear):
-                    sums["weight"] = weighted.t() @ self.a.reshape(-1, self.a.shape[-1])
-                else:
-                    sums["weight"] = torch.zeros_like(module.weight).index_add_(
-                        0, self.a.reshape(-1), weighted
-                    )
+        sums |= self.product_sums(factors)
         for name, total in sums.items():
-            param = getattr(module, name)
+            param = getattr(self.module, name)
             if param.grad is None:
                 param.grad = total.view_as(param)
             else:
                 param.grad.add_(total.view_as(param))
+
+
+def _trains(module: nn.Module, name: str) -> bool:
+    param = getattr(module, name, None)
+    return param is not None and param.requires_grad
+
+
+class LinearRule(LayerRule):
+    """``y = x W^T + b``: the weight's norm as a ghost norm
+    ``sum_ts <a_t, a_s> <g_t, g_s>`` (cost ``T^2 (in + out)`` per example) or
+    from the example's gradient where that is smaller (LoRA's rank-``r``
+    factors); its clipped sum in one product."""
+
+    def __init__(self, module, calls, n):
+        super().__init__(module, calls, n)
+        self.a = torch.cat([_per_example(a, n) for a, _ in calls], dim=1)
+        self.g = torch.cat([_per_example(g, n) for _, g in calls], dim=1)
+        if _trains(module, "bias"):
+            self.kept["bias"] = self.g.sum(1)
+        self.ghost = False
+        if _trains(module, "weight"):
+            tokens, d_in, d_out = self.a.shape[1], self.a.shape[2], self.g.shape[2]
+            self.ghost = tokens * (d_in + d_out) < d_in * d_out
+            if not self.ghost:  # the example's gradient is smaller than its Gram matrices
+                self.kept["weight"] = torch.bmm(self.g.transpose(1, 2), self.a)
+
+    def ghost_norms(self) -> torch.Tensor | None:
+        if not self.ghost:
+            return None
+        a, g = self.a, self.g
+        return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
+
+    def product_sums(self, factors: torch.Tensor) -> dict[str, torch.Tensor]:
+        if not self.ghost:
+            return {}
+        weighted = (self.g * factors.view(-1, 1, 1)).reshape(-1, self.g.shape[-1])
+        return {"weight": weighted.t() @ self.a.reshape(-1, self.a.shape[-1])}
+
+
+class LayerNormRule(LayerRule):
+    """The weight multiplies the normalised input: per-example gradients
+    ``sum_t g_t * x_hat_t`` and ``sum_t g_t``."""
+
+    def __init__(self, module, calls, n):
+        super().__init__(module, calls, n)
+        shape, eps = module.normalized_shape, module.eps
+        a = torch.cat([_per_example(F.layer_norm(x, shape, eps=eps), n) for x, _ in calls], dim=1)
+        g = torch.cat([_per_example(g, n) for _, g in calls], dim=1)
+        if _trains(module, "weight"):
+            self.kept["weight"] = (g * a).sum(1)
+        if _trains(module, "bias"):
+            self.kept["bias"] = g.sum(1)
+
+
+class EmbeddingRule(LayerRule):
+    """A lookup: an example's gradient norm from the Gram matrix of its
+    output gradients over the positions holding the same id; the clipped sum
+    scattered into the looked-up rows (the padding row never trains)."""
+
+    def __init__(self, module, calls, n):
+        super().__init__(module, calls, n)
+        ids = torch.cat([a.reshape(n, -1) for a, _ in calls], dim=1)
+        g = torch.cat([_per_example(g, n) for _, g in calls], dim=1)
+        if module.padding_idx is not None:
+            g = g * (ids != module.padding_idx).unsqueeze(-1)
+        self.a, self.g = ids, g
+
+    def ghost_norms(self) -> torch.Tensor | None:
+        same = self.a.unsqueeze(2) == self.a.unsqueeze(1)
+        return (torch.bmm(self.g, self.g.transpose(1, 2)) * same).sum((1, 2))
+
+    def product_sums(self, factors: torch.Tensor) -> dict[str, torch.Tensor]:
+        weighted = (self.g * factors.view(-1, 1, 1)).reshape(-1, self.g.shape[-1])
+        rows = torch.zeros_like(self.module.weight).index_add_(0, self.a.reshape(-1), weighted)
+        return {"weight": rows}
+
+    @staticmethod
+    def applies(module: nn.Module) -> bool:
+        return not (module.max_norm is not None or module.scale_grad_by_freq or module.sparse)
+
+
+# Per-example gradient of one call of a layer: (module, its input, its
+# output's gradient) -> {parameter name: (examples, *shape)}.
+PerExample = Callable[[nn.Module, torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]
+
+
+def per_example_rule(grads: PerExample) -> type[LayerRule]:
+    """A rule from a layer's per-example gradient (the gradients are built
+    and kept; summed over the layer's calls)."""
+
+    class PerExampleRule(LayerRule):
+        def __init__(self, module, calls, n):
+            super().__init__(module, calls, n)
+            for activation, backprop in calls:
+                for name, grad in grads(module, activation, backprop).items():
+                    self.kept[name] = self.kept[name] + grad if name in self.kept else grad
+
+    return PerExampleRule
+
+
+RULES: dict[type[nn.Module], type[LayerRule]] = {
+    nn.Linear: LinearRule,  # peft's LoRA factors are linear layers
+    nn.LayerNorm: LayerNormRule,
+    nn.Embedding: EmbeddingRule,
+}
+# The same per-example gradients as Opacus grad samplers (hooks clipping).
+GRAD_SAMPLERS: dict[type[nn.Module], PerExample] = {}
+
+
+def register(layer: type[nn.Module], grads: PerExample) -> None:
+    """Teach DP-SGD a layer type of the model's own from its per-example
+    gradient: book-keeping clipping keeps those gradients, hooks clipping
+    registers them with Opacus. (The layer's module calls this.)"""
+    RULES[layer] = per_example_rule(grads)
+    GRAD_SAMPLERS[layer] = grads
+
+
+def covered() -> str:
+    """The layer types book-keeping has a rule for, in words."""
+    return ", ".join(sorted(t.__name__ for t in RULES))
+
+
+def _rule(module: nn.Module) -> type[LayerRule] | None:
+    rule = RULES.get(type(module))
+    if rule is None:  # a subclass of a covered type
+        rule = next((r for t, r in RULES.items() if isinstance(module, t)), None)
+    if rule is EmbeddingRule and not EmbeddingRule.applies(module):
+        return None
+    return rule
 
 
 class BookKeepingClipping:
@@ -239,7 +329,7 @@ class BookKeepingClipping:
             if r.backprop is not None:  # else nothing below the loss used it
                 calls.setdefault(id(r.module), []).append((r.activation, r.backprop))
                 modules[id(r.module)] = r.module
-        layers = [_Layer(modules[key], found, examples) for key, found in calls.items()]
+        layers = [_rule(modules[k])(modules[k], found, examples) for k, found in calls.items()]
         norms = torch.zeros(examples, device=self.params[0].device if self.params else "cpu")
         for layer in layers:
             norms += layer.norms()

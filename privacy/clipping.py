@@ -24,16 +24,11 @@ unit is one row, else hooks.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
-from clinfed.blocks import EMBEDDINGS, block_of
-from clinfed.errors import ClinfedError
-from clinfed.models import LabelwiseLinear
 from clinfed.privacy import bookkeeping
-from clinfed.tasks.base import Task
+from clinfed.privacy.errors import SettingError
 
 CLIPPINGS = ("auto", "hooks", "ghost", "bk")
 
@@ -43,53 +38,58 @@ CLIPPINGS = ("auto", "hooks", "ghost", "bk")
 # Flower message (a fresh process each) that never uses it.
 
 
-@functools.cache
-def _opacus_with_labelwise() -> None:
-    """Import Opacus and register the label-wise head's per-example gradient."""
+def _opacus_with_own_layers() -> None:
+    """Import Opacus and register the per-example gradient of every layer
+    type registered with :func:`clinfed.privacy.bookkeeping.register`."""
     from opacus.grad_sample import register_grad_sampler
 
-    register_grad_sampler(LabelwiseLinear)(_labelwise_grad_sample)
+    for layer, grads in bookkeeping.GRAD_SAMPLERS.items():
+        register_grad_sampler(layer)(_as_grad_sampler(grads))
 
 
-def _labelwise_grad_sample(
-    layer: LabelwiseLinear, activations: list[torch.Tensor], backprops: torch.Tensor
-) -> dict[nn.Parameter, torch.Tensor]:
-    # logit_bl = <w_l, v_bl> + b_l, so d logit_bl / d w_l = v_bl per example.
-    summary = activations[0]  # (B, L, H)
-    grads = {}
-    if layer.weight.requires_grad:
-        grads[layer.weight] = backprops.unsqueeze(-1) * summary
-    if layer.bias.requires_grad:
-        grads[layer.bias] = backprops
-    return grads
+def _as_grad_sampler(grads: bookkeeping.PerExample):
+    def grad_sampler(
+        layer: nn.Module, activations: list[torch.Tensor], backprops: torch.Tensor
+    ) -> dict[nn.Parameter, torch.Tensor]:
+        per_name = grads(layer, activations[0], backprops)
+        return {getattr(layer, name): grad for name, grad in per_name.items()}
+
+    return grad_sampler
 
 
-def choose_clipping(model: nn.Module, task: Task, requested: str, grouped: bool = False) -> str:
-    """``hooks`` or ``ghost`` for the parameters trainable now (``grouped``:
-    some privacy unit spans several rows)."""
+def choose_clipping(
+    model: nn.Module, requested: str, one_row_per_example: bool = True, grouped: bool = False
+) -> str:
+    """The clipping mode for the parameters trainable now.
+
+    ``one_row_per_example``: a model row is a whole example (a token task's
+    sentence; not a chunked note); ``grouped``: some privacy unit spans
+    several examples."""
     if requested not in CLIPPINGS:
-        raise ClinfedError(f"--clipping must be one of {', '.join(CLIPPINGS)}")
-    one_row_per_example = task.head == "token" and not grouped
-    if requested == "ghost" and not one_row_per_example:
-        raise ClinfedError(
-            f"--clipping ghost needs one encoder row per privacy unit; here a unit spans "
-            f"several rows ({task.name}): use hooks (or auto)"
+        raise SettingError("clipping", f"must be one of {', '.join(CLIPPINGS)}")
+    one_row_per_unit = one_row_per_example and not grouped
+    if requested == "ghost" and not one_row_per_unit:
+        raise SettingError(
+            "clipping",
+            "ghost needs one encoder row per privacy unit; here a unit spans several rows: "
+            "use hooks (or auto)",
         )
     if requested == "bk" and (grouped or not bookkeeping.supports(model)):
-        raise ClinfedError(
-            "--clipping bk needs one example per privacy unit and only linear, LayerNorm, "
-            "embedding or label-wise layers training: use hooks (or auto)"
+        raise SettingError(
+            "clipping",
+            "bk needs one example per privacy unit and only layers with a book-keeping rule "
+            f"({bookkeeping.covered()}) training: use hooks (or auto)",
         )
     if requested != "auto":
         return requested
     if not grouped and bookkeeping.supports(model):
         return "bk"
     embeddings = any(
-        p.requires_grad and block_of(n) == EMBEDDINGS for n, p in model.named_parameters()
+        isinstance(m, nn.Embedding) and m.weight.requires_grad for m in model.modules()
     )
-    # Measured on MiniLM (DESIGN.md 6): ghost wins with trainable embeddings,
-    # hooks without.
-    return "ghost" if embeddings and one_row_per_example else "hooks"
+    # Measured on MiniLM (DESIGN.md 6): ghost wins with a trainable
+    # embedding matrix, hooks without.
+    return "ghost" if embeddings and one_row_per_unit else "hooks"
 
 
 def _fold_rows(params: list[nn.Parameter], owner: torch.Tensor) -> None:
@@ -117,7 +117,7 @@ class HooksClipping:
     mode = "hooks"
 
     def __init__(self, model: nn.Module, max_grad_norm: float):
-        _opacus_with_labelwise()
+        _opacus_with_own_layers()
         from opacus.grad_sample import GradSampleHooks
         from opacus.optimizers import DPOptimizer
 
@@ -140,7 +140,7 @@ class GhostClipping:
     mode = "ghost"
 
     def __init__(self, model: nn.Module, max_grad_norm: float):
-        _opacus_with_labelwise()
+        _opacus_with_own_layers()
         from opacus.grad_sample import GradSampleHooksFastGradientClipping
         from opacus.optimizers import DPOptimizerFastGradientClipping
 

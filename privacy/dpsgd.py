@@ -13,39 +13,42 @@ Opacus's ``make_private``:
   optimizer; a noise-only step for an empty batch);
 * the optimizer step (the round's AdamW, wrapped for the round).
 
-Per round the plan decides which parameters train before anything here
-runs; :func:`make_private` attaches clipping to exactly those, the round
-trains, and :meth:`PrivateStep.detach` takes it off again, so the same model
-object can serve the next site with another plan. Each step is exactly the
+:func:`make_private` returns the two things the one training loop
+(``clinfed.training.run_epoch``) needs in place of its plain ones: the
+steps (:class:`PoissonSteps`: which units each step draws, cut into passes)
+and the update (:class:`PrivateStep`: per-unit clipping and noise before the
+optimizer's step). Per round the plan decides which parameters train before
+anything here runs; clipping is attached to exactly those, the round trains,
+and :meth:`PrivateStep.detach` takes it off again, so the same model object
+can serve the next site with another plan. Each step is exactly the
 subsampled Gaussian mechanism the ledger accounts.
+
+This package is a leaf: it knows tasks only as objects with
+``example_losses``, and data only as row indices.
 """
 
 from __future__ import annotations
 
-import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import datasets
 import numpy as np
 import torch
 from torch import nn
 
-from clinfed.device import device_of, to_device
 from clinfed.privacy.accountants import Mechanism
 from clinfed.privacy.clipping import CLIPPERS, CLIPPINGS, choose_clipping
 from clinfed.privacy.noise import add_noise, noise_only_step
 from clinfed.privacy.randomness import SiteRandomness
 from clinfed.privacy.sampler import PoissonSampler, sample_rate, steps_per_epoch
-from clinfed.tasks.base import Task
-from clinfed.training import EpochStats
 
 __all__ = [
     "CLIPPINGS",
     "MICROBATCH_OVERHEAD_TOKENS",
     "DPSettings",
+    "PoissonSteps",
     "PrivateStep",
     "choose_clipping",
     "make_private",
@@ -53,7 +56,6 @@ __all__ = [
     "round_mechanism",
     "sample_rate",
     "steps_per_epoch",
-    "train_private",
 ]
 
 
@@ -88,24 +90,6 @@ class DPSettings:
     unit: str = "example"
     batch_size: int | None = None
     lr_scale: float = 1.0
-
-
-def unit_rows(task: Task, dataset: datasets.Dataset, unit: str) -> list[np.ndarray]:
-    """The rows of each privacy unit of ``dataset`` (in first-seen order)."""
-    index: dict[Any, int] = {}
-    rows: list[list[int]] = []
-    for row, key in enumerate(task.unit_keys(dataset, unit)):
-        if key not in index:
-            index[key] = len(rows)
-            rows.append([])
-        rows[index[key]].append(row)
-    return [np.asarray(r, dtype=np.int64) for r in rows]
-
-
-def count_units(task: Task, dataset: datasets.Dataset, unit: str) -> int:
-    """How many privacy units ``dataset`` holds (what a site's sampling rate
-    and accounting are over)."""
-    return len(unit_rows(task, dataset, unit))
 
 
 def round_mechanism(examples: int, batch_size: int, epochs: int, noise: float) -> Mechanism:
@@ -154,14 +138,62 @@ def microbatches(lengths: np.ndarray, overhead_tokens: int) -> list[np.ndarray]:
     return groups
 
 
+class PoissonSteps:
+    """DP-SGD's steps over one site's privacy units, an epoch at a time.
+
+    Each step draws a Poisson batch of units from the site's secret sampling
+    generator (every unit joins with probability ``batch_size / n``, as the
+    accountant assumes) and cuts it into length-grouped passes
+    (:func:`microbatches`). A step is ``(passes, units, units)`` with each
+    pass ``(rows, owner)``: the dataset rows of its units and the unit of
+    each row, numbered from 0 within the pass. A draw with no unit is a step
+    with no pass (the loop steps on noise alone).
+    """
+
+    def __init__(
+        self,
+        units: Sequence[np.ndarray],
+        row_lengths: np.ndarray,
+        batch_size: int,
+        sampling: np.random.Generator,
+        microbatch_overhead: int = MICROBATCH_OVERHEAD_TOKENS,
+    ):
+        self.units = list(units)
+        self.sampler = PoissonSampler(len(self.units), batch_size, sampling)
+        # A pass pads to its longest row: a unit costs like its longest row.
+        self.lengths = np.asarray([row_lengths[rows].max() for rows in self.units])
+        self.overhead = microbatch_overhead
+        self.grouped = any(len(rows) > 1 for rows in self.units)
+
+    def __len__(self) -> int:
+        return self.sampler.steps_per_epoch
+
+    def __iter__(self) -> Iterator[tuple[list[tuple[np.ndarray, torch.Tensor]], int, int]]:
+        for _ in range(self.sampler.steps_per_epoch):
+            idx = self.sampler.draw()
+            passes = []
+            if len(idx):
+                for group in microbatches(self.lengths[idx], self.overhead):
+                    members = [self.units[u] for u in idx[group]]
+                    owner = torch.repeat_interleave(
+                        torch.arange(len(members)), torch.tensor([len(m) for m in members])
+                    )
+                    passes.append((np.concatenate(members), owner))
+            yield passes, len(idx), len(idx)
+
+
 class PrivateStep:
     """One round's DP-SGD machinery on a model: clipping attached to the
     trainable parameters and the optimizer wrapped to noise and step.
 
-    Use :meth:`backward` for every pass of a drawn batch, :meth:`step` after
-    its last pass, :meth:`noise_only` for an empty batch, and
-    :meth:`detach` when the round is over.
+    The update of ``clinfed.training.run_epoch`` under DP: :meth:`loss` is
+    each example's loss, :meth:`backward` clips every pass of a drawn batch
+    into the step's sum, :meth:`step` steps on the noisy sum after its last
+    pass, :meth:`empty` steps on noise alone for an empty batch, and
+    :meth:`detach` takes the machinery off when the round is over.
     """
+
+    precision = "fp32"  # the clipped sums and the noise are exact fp32
 
     def __init__(
         self,
@@ -171,10 +203,13 @@ class PrivateStep:
         dp: DPSettings,
         expected_batch: int,
         noise: torch.Generator,
+        extra_grad: Callable[[], None] | None = None,
     ):
         self.mode, self.dp, self.expected_batch = mode, dp, expected_batch
         self.noise = noise
         self.optimizer = optimizer
+        self.extra_grad = extra_grad
+        self.ready = False
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.clipper = CLIPPERS[mode](model, dp.max_grad_norm)
         self.dp_optimizer = None
@@ -205,11 +240,16 @@ class PrivateStep:
         else:
             self.dp_optimizer.zero_grad(set_to_none=True)
 
-    def backward(self, losses: torch.Tensor, owner: torch.Tensor, last: bool) -> bool:
+    def loss(self, task: Any, outputs: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Each example's loss (``task.example_losses``): clipping needs them apart."""
+        return task.example_losses(outputs, batch)
+
+    def backward(self, losses: torch.Tensor, owner: torch.Tensor | None, last: bool) -> None:
         """Clip this pass's per-unit gradients (``owner[i]``: the unit of
         example ``i``, numbered from 0 in this pass) into the step's sum
-        (every pass but the last accumulates; the last adds the noise once).
-        Returns whether the step is ready."""
+        (every pass but the last accumulates; the last adds the noise once)."""
+        if owner is None:
+            owner = torch.arange(len(losses), device=losses.device)
         self.clipper.backward(losses, self.dp_optimizer, owner)
         if self.dp_optimizer is None:  # the clipper summed into .grad itself
             if last:
@@ -220,20 +260,27 @@ class PrivateStep:
                     self.expected_batch,
                     self.noise,
                 )
-            return last
+            self.ready = last
+            return
         # Opacus's virtual steps.
         self.dp_optimizer.signal_skip_step(not last)
-        ready = self.dp_optimizer.pre_step()
-        if not ready and not last:
+        self.ready = self.dp_optimizer.pre_step()
+        if not self.ready and not last:
             self.dp_optimizer.zero_grad(set_to_none=True)
-        return ready
 
-    def step(self, extra_grad: Callable[[], None] | None = None) -> None:
+    def step(self) -> None:
         """The optimizer step on the noisy mean, plus a data-independent
         gradient (FedProx's proximal term) that costs no privacy."""
-        if extra_grad is not None:
-            extra_grad()
+        if not self.ready:
+            return
+        self.ready = False
+        if self.extra_grad is not None:
+            self.extra_grad()
         self.optimizer.step()
+
+    def empty(self) -> None:
+        """The step of an empty Poisson draw: noise alone."""
+        self.noise_only()
 
     def noise_only(self) -> None:
         noise_only_step(
@@ -253,103 +300,45 @@ class PrivateStep:
 def make_private(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    task: Task,
+    units: Sequence[np.ndarray],
+    row_lengths: np.ndarray,
     dp: DPSettings,
-    expected_batch: int,
-    noise: torch.Generator,
-    grouped: bool = False,
-) -> PrivateStep:
-    """Attach per-unit clipping and noise (drawn from ``noise``) for the
-    parameters trainable now (``grouped``: some unit spans several rows)."""
-    mode = choose_clipping(model, task, dp.clipping, grouped)
-    return PrivateStep(model, optimizer, mode, dp, expected_batch, noise)
-
-
-def train_private(
-    model: nn.Module,
-    task: Task,
-    dataset: datasets.Dataset,
-    optimizer: torch.optim.Optimizer,
     batch_size: int,
-    epochs: int,
-    dp: DPSettings,
     randomness: SiteRandomness,
+    one_row_per_example: bool = True,
     extra_grad: Callable[[], None] | None = None,
     microbatch_overhead: int = MICROBATCH_OVERHEAD_TOKENS,
-    on_step: Callable[[int, int], None] | None = None,
-) -> tuple[list[EpochStats], str]:
-    """DP-SGD over the trainable parameters of ``model``.
+) -> tuple[PoissonSteps, PrivateStep]:
+    """DP-SGD's steps and update for the parameters trainable now, in place
+    of the plain ones of ``clinfed.training.run_epoch``.
 
     Parameters
     ----------
-    optimizer
-        Built over the trainable parameters; wrapped here for the round.
+    units
+        The dataset rows of each privacy unit (a site's sampling rate and
+        accounting are over these).
+    row_lengths
+        Tokens of each dataset row (to cut a drawn batch into passes).
+    batch_size
+        The expected Poisson batch, in units.
     randomness
         The site's privacy-protecting randomness: Poisson sampling and noise
         (secret unless ``dp.reproducible``; see ``clinfed.privacy.randomness``).
+    one_row_per_example
+        Whether a model row is a whole example (token tasks: yes; chunked
+        notes: no): ghost clipping needs it.
     extra_grad
         Adds a data-independent gradient after clipping and noise (FedProx's
         proximal term), so it costs no privacy.
     microbatch_overhead
         Per-pass cost in tokens used to cut each sampled batch into
-        length-grouped passes (see ``microbatches``); the step is the same.
-    on_step
-        Called after each step with (units in the batch, units expected over
-        every epoch): a local progress bar, never released.
-
-    Returns
-    -------
-    (stats per epoch, clipping mode used)
+        length-grouped passes (see :func:`microbatches`); the step is the same.
     """
-    n = len(dataset)
-    units = unit_rows(task, dataset, dp.unit)
-    sampler = PoissonSampler(len(units), batch_size, randomness.sampling)
-    row_lengths = np.asarray(dataset["n_tokens"])
-    # A pass pads to its longest row: a unit costs like its longest row.
-    lengths = np.asarray([row_lengths[rows].max() for rows in units])
-    grouped = any(len(rows) > 1 for rows in units)
-    private = make_private(model, optimizer, task, dp, batch_size, randomness.noise, grouped)
-    model.train()
-    device = device_of(model)
-    stats = []
+    steps = PoissonSteps(units, row_lengths, batch_size, randomness.sampling, microbatch_overhead)
+    mode = choose_clipping(model, dp.clipping, one_row_per_example, steps.grouped)
     # With frozen embeddings no module input requires a gradient, and torch
     # warns on every backward hook; the per-example gradients are still right
     # (tests/test_privacy.py checks them against one-example backward passes).
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
-    try:
-        for _ in range(epochs):
-            started = time.perf_counter()
-            total_loss, tokens, steps = 0.0, 0, 0
-            for _ in range(sampler.steps_per_epoch):
-                private.zero_grad()
-                idx = sampler.draw()
-                if len(idx) == 0:
-                    private.noise_only()
-                    if on_step is not None:
-                        on_step(0, len(units) * epochs)
-                    continue
-                groups = microbatches(lengths[idx], microbatch_overhead)
-                batch_loss = 0.0
-                for number, group in enumerate(groups):
-                    members = [units[u] for u in idx[group]]
-                    part = np.concatenate(members)
-                    owner = torch.repeat_interleave(
-                        torch.arange(len(members)), torch.tensor([len(m) for m in members])
-                    )
-                    batch = to_device(task.collate(dataset[part.tolist()]), device)
-                    owner = owner.to(device)
-                    losses = task.example_losses(model(**task.model_inputs(batch)), batch)
-                    if private.backward(losses, owner, last=number == len(groups) - 1):
-                        private.step(extra_grad)
-                    batch_loss += float(losses.detach().sum())
-                    tokens += int(batch["attention_mask"].sum())
-                total_loss += batch_loss / len(idx)
-                if on_step is not None:
-                    on_step(len(idx), len(units) * epochs)
-                steps += 1
-            stats.append(
-                EpochStats(total_loss / max(steps, 1), n, tokens, time.perf_counter() - started)
-            )
-    finally:
-        private.detach()
-    return stats, private.mode
+    update = PrivateStep(model, optimizer, mode, dp, batch_size, randomness.noise, extra_grad)
+    return steps, update

@@ -65,9 +65,9 @@ import secrets
 from collections.abc import Sequence
 from pathlib import Path
 
-from clinfed.errors import ClinfedError
 from clinfed.privacy.accountants import BUDGET, Accountant, Mechanism
-from clinfed.runs import append_jsonl, atomic_write_json, exclusive_lock
+from clinfed.privacy.durable import append_jsonl, atomic_write_json, exclusive_lock
+from clinfed.privacy.errors import PrivacyError
 
 log = logging.getLogger("clinfed.privacy")
 
@@ -150,13 +150,13 @@ class Ledger:
         marked = self._marked()
         if not self.path.exists():
             if marked is not None and marked["bytes"] > 0:
-                raise ClinfedError(
+                raise PrivacyError(
                     f"{self.path}: the ledger is missing but the node's high-water mark "
                     f"({self.mark_path}) records {marked['bytes']} bytes of it: it was deleted; "
                     "it cannot be trusted"
                 )
             if self.seal_path.exists():
-                raise ClinfedError(
+                raise PrivacyError(
                     f"{self.path}: the ledger is missing but its seal "
                     f"({self.seal_path.name}) remains: it was deleted; it cannot be trusted"
                 )
@@ -182,7 +182,7 @@ class Ledger:
                 seal = json.loads(self.seal_path.read_text())
                 self._check(data, int(seal["bytes"]), str(seal["sha256"]), self.seal_path.name)
             except (ValueError, KeyError, TypeError):
-                raise ClinfedError(
+                raise PrivacyError(
                     f"{self.seal_path}: not a ledger seal; the ledger cannot be trusted"
                 ) from None
         if marked is not None:
@@ -198,7 +198,7 @@ class Ledger:
                     continue
                 _mechanism(line)
             except (ValueError, KeyError, TypeError, AttributeError):
-                raise ClinfedError(
+                raise PrivacyError(
                     f"{self.path}:{number}: not a ledger line; the ledger cannot be trusted"
                 ) from None
             self.lines.append(line)
@@ -206,12 +206,12 @@ class Ledger:
 
     def _check(self, data: bytes, size: int, sha256: str, source: str) -> None:
         if len(data) < size:
-            raise ClinfedError(
+            raise PrivacyError(
                 f"{self.path}: {len(data)} bytes, but {source} records {size}: the ledger was "
                 "shortened; it cannot be trusted"
             )
         if hashlib.sha256(data[:size]).hexdigest() != sha256:
-            raise ClinfedError(
+            raise PrivacyError(
                 f"{self.path}: its first {size} bytes differ from what {source} records: the "
                 "ledger was altered; it cannot be trusted"
             )
@@ -227,7 +227,7 @@ class Ledger:
         if size == 0:
             return
         if not self.path.exists():
-            raise ClinfedError(
+            raise PrivacyError(
                 f"{self.path}: the ledger is missing but {source} records {size} bytes of it: "
                 "it was deleted; it cannot be trusted"
             )
@@ -245,7 +245,7 @@ class Ledger:
                 entry = {"bytes": int(entry["bytes"]), "sha256": str(entry["sha256"])}
             return entry
         except (ValueError, KeyError, TypeError, AttributeError):
-            raise ClinfedError(
+            raise PrivacyError(
                 f"{self.mark_path}: not a high-water mark; the ledgers cannot be trusted"
             ) from None
 
@@ -379,7 +379,7 @@ class Ledger:
             attempt = secrets.token_hex(8)
             fd = self._try_claim(attempt)
             if fd is None:  # 64 random bits: never expected
-                raise ClinfedError(f"{self._claim_path(attempt)}: claimed by another process")
+                raise PrivacyError(f"{self._claim_path(attempt)}: claimed by another process")
             self._claims.setdefault(round_number, []).append([attempt, fd, True])
             return self.record(round_number, mechanisms, attempt)
 

@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clinfed.errors import ClinfedError
 from clinfed.privacy.accountant import ACCOUNTANT, RELATION, Mechanism, calibrate_noise, epsilon
 from clinfed.privacy.dpsgd import CLIPPINGS, DPSettings, round_mechanism
+from clinfed.privacy.durable import atomic_write_json
+from clinfed.privacy.errors import PrivacyError, SettingError
 from clinfed.privacy.ledger import Ledger
 from clinfed.privacy.randomness import NOT_PRIVATE
 from clinfed.privacy.recipe import dp_batch_size, lr_scale
-from clinfed.runs import atomic_write_json
 
 UNIT = "one training example (an i2b2 sentence, its windows folded; a MIMIC-III admission)"
 RELATION_REASON = (
@@ -55,15 +55,15 @@ def check_settings(
 ) -> None:
     """Reject impossible privacy settings with a one-line error."""
     if target_epsilon is not None and not target_epsilon > 0:
-        raise ClinfedError(f"--target-epsilon must be positive, not {target_epsilon}")
+        raise SettingError("target_epsilon", f"must be positive, not {target_epsilon}")
     if not 0 < delta < 1:
-        raise ClinfedError(f"--delta must be in (0, 1), not {delta}")
+        raise SettingError("delta", f"must be in (0, 1), not {delta}")
     if noise_multiplier is not None and not noise_multiplier > 0:
-        raise ClinfedError(f"--noise-multiplier must be positive, not {noise_multiplier}")
+        raise SettingError("noise_multiplier", f"must be positive, not {noise_multiplier}")
     if not max_grad_norm > 0:
-        raise ClinfedError(f"--max-grad-norm must be positive, not {max_grad_norm}")
+        raise SettingError("max_grad_norm", f"must be positive, not {max_grad_norm}")
     if clipping not in CLIPPINGS:
-        raise ClinfedError(f"--clipping must be one of {', '.join(CLIPPINGS)}")
+        raise SettingError("clipping", f"must be one of {', '.join(CLIPPINGS)}")
 
 
 def _calibrated(
@@ -182,7 +182,7 @@ class PrivacyPolicy:
             batch_sizes = dict.fromkeys(sizes, batch_size)
             lr_scales = dict.fromkeys(sizes, 1.0)
         if target_epsilon is None and noise_multiplier is None:
-            raise ClinfedError("DP needs --target-epsilon or --noise-multiplier")
+            raise PrivacyError("DP needs --target-epsilon or --noise-multiplier")
         warnings = [
             f"--delta {delta:g} is not below 1/n = {1 / n:.2g} for {site} ({n} examples): "
             "a delta that large allows releasing an example outright"
@@ -204,7 +204,7 @@ class PrivacyPolicy:
             try:
                 noise[site] = _calibrated(target_epsilon, delta, per_round, rounds, memo)
             except ValueError as err:
-                raise ClinfedError(f"{site}: {err}") from None
+                raise PrivacyError(f"{site}: {err}") from None
         policy = cls(
             Path(folder),
             dict(sizes),

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import datasets
+import numpy as np
 import torch
 
 from clinfed.errors import ClinfedError, ProblemLog
@@ -205,6 +206,23 @@ class Task(ABC):
         if unit not in self.units:
             raise ClinfedError(f"--privacy-unit {unit}: {self.name} offers {', '.join(self.units)}")
         return list(range(len(examples)))
+
+    def unit_rows(self, examples: datasets.Dataset, unit: str) -> list[np.ndarray]:
+        """The rows of each privacy unit of ``examples`` (in first-seen order):
+        what DP-SGD samples and clips, and what a site's weight counts."""
+        index: dict[Any, int] = {}
+        rows: list[list[int]] = []
+        for row, key in enumerate(self.unit_keys(examples, unit)):
+            if key not in index:
+                index[key] = len(rows)
+                rows.append([])
+            rows[index[key]].append(row)
+        return [np.asarray(r, dtype=np.int64) for r in rows]
+
+    def count_units(self, examples: datasets.Dataset, unit: str) -> int:
+        """How many privacy units ``examples`` holds (what a site's sampling
+        rate and accounting are over, and its update's weight)."""
+        return len(self.unit_rows(examples, unit))
 
     def group_keys(self, examples: datasets.Dataset) -> list[Any] | None:
         """The document or patient of each row, for the group-privacy caveat

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from clinfed.commands import main
-from clinfed.errors import ClinfedError, ProblemLog
+from clinfed.errors import USER_ERRORS, ClinfedError, ProblemLog
 from clinfed.federated.engine import Message, check_upload
 from clinfed.federated.strategies import get_strategy
 from clinfed.flower.deploy import (
@@ -435,10 +435,10 @@ def test_a_node_refuses_a_deleted_or_shortened_ledger(i2b2_corpus, tmp_path):
     (ledger,) = (tmp_path / "state" / "ledger").glob("beth-*.jsonl")
     whole = ledger.read_bytes()
     ledger.write_bytes(whole[: whole.index(b"\n") + 1])  # cut back to round 1
-    with pytest.raises(ClinfedError, match="shortened"):
+    with pytest.raises(USER_ERRORS, match="shortened"):
         _train_and_release(_site(i2b2_corpus, tmp_path, 100.0, target_epsilon=8.0, rounds=3), 3)
     ledger.unlink()
-    with pytest.raises(ClinfedError, match="deleted"):
+    with pytest.raises(USER_ERRORS, match="deleted"):
         _train_and_release(_site(i2b2_corpus, tmp_path, 100.0, target_epsilon=8.0, rounds=3), 3)
 
 

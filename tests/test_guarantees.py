@@ -376,7 +376,7 @@ def test_in_process_sites_release_before_the_round_is_written(i2b2_corpus, tmp_p
 
 @pytest.mark.parametrize("target_epsilon", [None, 8.0])
 def test_the_release_table_covers_every_field_a_site_sends(i2b2_corpus, tmp_path, target_epsilon):
-    from clinfed.privacy.report import RECORD_FIELDS, build
+    from clinfed.reporting.report import RECORD_FIELDS, build
 
     out = tmp_path / "run"
     config = RunConfig.of(
@@ -401,7 +401,7 @@ def test_the_release_table_covers_every_field_a_site_sends(i2b2_corpus, tmp_path
 def test_the_audit_interval_resamples_whole_units():
     import numpy as np
 
-    from clinfed.privacy.audit import auc_with_interval
+    from clinfed.reporting.audit import auc_with_interval
 
     scores = np.random.default_rng(0)
     members, non_members = scores.normal(0.2, 1, 40), scores.normal(0, 1, 40)
@@ -527,7 +527,7 @@ def test_a_dp_run_killed_at_any_stage_resumes_charging_each_round_once(
 
     from safetensors.torch import load_file
 
-    from clinfed.privacy.report import build
+    from clinfed.reporting.report import build
 
     from .test_cli import run_cli
 

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from clinfed.errors import ClinfedError
 from clinfed.privacy.accountant import Mechanism
+from clinfed.privacy.errors import PrivacyError
 from clinfed.privacy.ledger import Ledger
 
 ROUND = [Mechanism("dp-sgd", 1.0, 0.05, 20)]
@@ -58,7 +58,7 @@ def test_a_complete_line_that_does_not_parse_is_an_error_naming_the_line(tmp_pat
     Ledger(path, "beth", 1e-5).charge(1, ROUND)
     with open(path, "ab") as fh:
         fh.write(b"not json\n")
-    with pytest.raises(ClinfedError, match=r"beth.jsonl:2: not a ledger line"):
+    with pytest.raises(PrivacyError, match=r"beth.jsonl:2: not a ledger line"):
         Ledger(path, "beth", 1e-5)
 
 
@@ -88,7 +88,7 @@ def test_a_second_process_cannot_charge_the_ledger_at_the_same_time(tmp_path):
     )
     try:
         assert process.stdout.readline().strip() == "locked"
-        with pytest.raises(ClinfedError, match="another process is charging"):
+        with pytest.raises(PrivacyError, match="another process is charging"):
             Ledger(path, "beth", 1e-5).charge(1, ROUND)
         assert not path.exists()  # nothing was charged
     finally:
@@ -127,18 +127,18 @@ def test_a_ledger_shortened_altered_or_deleted_is_refused(tmp_path):
     committed = ledger.digest()  # what a run's commit keeps
     whole = path.read_bytes()
     path.write_bytes(whole[: len(whole) // 2].rsplit(b"\n", 1)[0] + b"\n")
-    with pytest.raises(ClinfedError, match="shortened"):
+    with pytest.raises(PrivacyError, match="shortened"):
         Ledger(path, "beth", 1e-5)
     path.write_bytes(whole.replace(b'"round": 1', b'"round": 7'))
-    with pytest.raises(ClinfedError, match="altered"):
+    with pytest.raises(PrivacyError, match="altered"):
         Ledger(path, "beth", 1e-5)
     path.unlink()
-    with pytest.raises(ClinfedError, match="deleted"):
+    with pytest.raises(PrivacyError, match="deleted"):
         Ledger(path, "beth", 1e-5)
     # Seal and ledger both gone: the commit's digest still notices.
     (tmp_path / "beth.jsonl.seal").unlink()
     fresh = Ledger(path, "beth", 1e-5)
-    with pytest.raises(ClinfedError, match="deleted"):
+    with pytest.raises(PrivacyError, match="deleted"):
         fresh.verify(committed, "state.json")
     path.write_bytes(whole)
     Ledger(path, "beth", 1e-5).verify(committed, "state.json")  # intact: accepted
@@ -187,11 +187,11 @@ def test_a_ledger_restored_or_deleted_with_its_seal_is_refused_by_the_node_mark(
     # Ledger and seal restored together from the older backup: the mark stays.
     path.write_bytes(backup[0])
     path.with_name("beth.jsonl.seal").write_bytes(backup[1])
-    with pytest.raises(ClinfedError, match="shortened"):
+    with pytest.raises(PrivacyError, match="shortened"):
         Ledger(path, "beth", 1e-5, mark=mark)
     path.unlink()
     path.with_name("beth.jsonl.seal").unlink()
-    with pytest.raises(ClinfedError, match="high-water mark"):
+    with pytest.raises(PrivacyError, match="high-water mark"):
         Ledger(path, "beth", 1e-5, mark=mark)
 
 

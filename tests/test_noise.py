@@ -32,7 +32,8 @@ def one_noisy_step(randomness, sigma=1.7, clip=0.5, batch=8, mode="hooks") -> to
         step.zero_grad()
         x = torch.randn(batch, 200)
         losses = (model(x) * 0.0).sum(dim=1)
-        assert step.backward(losses, torch.arange(batch), last=True)
+        step.backward(losses, torch.arange(batch), last=True)
+        assert step.ready
         step.step()
     finally:
         step.detach()

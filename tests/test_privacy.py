@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import dp_accounting
 import numpy as np
@@ -27,15 +28,15 @@ from clinfed.privacy.dpsgd import (
     MICROBATCH_OVERHEAD_TOKENS,
     DPSettings,
     choose_clipping,
+    make_private,
     microbatches,
-    train_private,
-    unit_rows,
 )
 from clinfed.privacy.ledger import Ledger
 from clinfed.privacy.randomness import reproducible
 from clinfed.runs import read_jsonl
 from clinfed.tasks.i2b2.adapter import I2b2Task
 from clinfed.tasks.mimic3.adapter import Mimic3Task
+from clinfed.training import run_epoch
 
 from .test_cli import run_cli
 
@@ -131,7 +132,7 @@ def _expected_update(model, task, examples, params, clip, unit="example"):
     """sum_u clip(g_u) / U, each g_u the gradient of unit u's rows alone
     (one backward pass per row, summed: no row sees another)."""
     total = [torch.zeros_like(p) for p in params]
-    units = unit_rows(task, examples, unit)
+    units = task.unit_rows(examples, unit)
     for rows in units:
         grads = [torch.zeros_like(p) for p in params]
         for i in rows.tolist():
@@ -199,7 +200,7 @@ def test_dp_step_clips_each_unit_jointly(
         folded = [] if clipping in ("ghost", "bk") else [split - 1, split]
         examples = encoded.select(rows + folded)
         if folded:
-            assert len(unit_rows(task, examples, unit)) < len(examples)  # something folds
+            assert len(task.unit_rows(examples, unit)) < len(examples)  # something folds
     else:
         task = Mimic3Task(top_k=5, max_chunks=3, cache_dir=str(tmp_path))
         corpus = task.load(mimic_corpus, ProblemLog())
@@ -241,9 +242,9 @@ def test_dp_step_clips_each_unit_jointly(
         chosen = PFedDC().plan(1, "s", names).trainable
         assert any(n.startswith("prompt.local_prompt.") for n in chosen)
     apply_plan(model, Plan(chosen, chosen, frozenset(names)))
-    units = unit_rows(task, examples, unit)
+    units = task.unit_rows(examples, unit)
     grouped = any(len(rows) > 1 for rows in units)
-    assert choose_clipping(model, task, "auto", grouped) == auto
+    assert choose_clipping(model, "auto", task.head == "token", grouped) == auto
     if overhead == 0:  # the step below really runs in several passes
         assert len(microbatches(np.asarray(examples["n_tokens"]), 0)) > 1
     params = [p for p in model.parameters() if p.requires_grad]
@@ -252,17 +253,22 @@ def test_dp_step_clips_each_unit_jointly(
     before = [p.detach().clone() for p in params]
     optimizer = torch.optim.SGD(params, lr=1.0)
     # batch = units: every unit is sampled (q = 1) and one step makes the epoch
-    stats, mode = train_private(
+    steps, update = make_private(
         model,
-        task,
-        examples,
         optimizer,
+        units,
+        np.asarray(examples["n_tokens"]),
+        DPSettings(noise_multiplier=0.0, max_grad_norm=clip, clipping=clipping, unit=unit),
         batch_size=len(units),
-        epochs=1,
-        dp=DPSettings(noise_multiplier=0.0, max_grad_norm=clip, clipping=clipping, unit=unit),
         randomness=reproducible(np.random.default_rng(0)),
+        one_row_per_example=task.head == "token",
         microbatch_overhead=overhead,
     )
+    try:
+        stats = [run_epoch(model, task, examples, steps, update)]
+    finally:
+        update.detach()
+    mode = update.mode
     assert mode == clipping and stats[0].examples == len(examples)
     for b, p, e in zip(before, params, expected):
         torch.testing.assert_close(b - p.detach(), e, rtol=1e-3, atol=1e-6)
@@ -288,11 +294,11 @@ def test_bookkeeping_leaves_the_trainable_parameters_trainable_after_a_failed_pa
 
 
 def test_ghost_clipping_is_refused_for_chunked_examples():
-    from clinfed.errors import ClinfedError
+    from clinfed.privacy.errors import SettingError
 
     model = build_model("multilabel", "tiny", 3)
-    with pytest.raises(ClinfedError, match="ghost"):
-        choose_clipping(model, Mimic3Task(top_k=3), "ghost")
+    with pytest.raises(SettingError, match="ghost"):
+        choose_clipping(model, "ghost", one_row_per_example=False)
 
 
 def test_target_epsilon_run_ends_just_under_it_at_every_site(i2b2_corpus, tmp_path):
@@ -641,3 +647,27 @@ def test_resume_refuses_a_site_ledger_that_was_deleted_or_shortened(i2b2_corpus,
     deleted = run_cli(*args, "--resume")
     assert deleted.returncode == 2 and "deleted" in deleted.stderr
     assert "state.json" in deleted.stderr
+
+
+def test_the_privacy_package_is_a_leaf_library():
+    """clinfed.privacy imports the standard library, numpy, torch, Opacus,
+    dp-accounting and its own modules only: never the pipeline, tasks,
+    models or run folders (so it can be read, tested and reused alone)."""
+    import ast
+    import sys
+
+    allowed = {"numpy", "torch", "opacus", "dp_accounting"} | set(sys.stdlib_module_names)
+    root = Path(__file__).resolve().parents[1] / "privacy"
+    outside = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            for name in names:
+                top = name.split(".")[0]
+                if not (name.startswith("clinfed.privacy") or top in allowed):
+                    outside.append(f"{path.name}: {name}")
+    assert not outside, outside

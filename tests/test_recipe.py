@@ -43,13 +43,13 @@ def _run(corpus, out, **extra):
 def trained(monkeypatch):
     """What each DP-SGD training was given: its batch and encoder rate."""
     seen = []
-    real = client.train_private
+    real = client.make_private
 
-    def spy(model, task, dataset, optimizer, batch_size, *args, **kwargs):
-        seen.append((len(dataset), batch_size, optimizer.param_groups[0]["lr"]))
-        return real(model, task, dataset, optimizer, batch_size, *args, **kwargs)
+    def spy(model, optimizer, units, row_lengths, dp, batch_size, *args, **kwargs):
+        seen.append((len(units), batch_size, optimizer.param_groups[0]["lr"]))
+        return real(model, optimizer, units, row_lengths, dp, batch_size, *args, **kwargs)
 
-    monkeypatch.setattr(client, "train_private", spy)
+    monkeypatch.setattr(client, "make_private", spy)
     return seen
 
 

@@ -15,7 +15,6 @@ from clinfed.federated.plan import full_plan
 from clinfed.federated.strategies import get_strategy
 from clinfed.models import build_model, load_tokenizer
 from clinfed.pipeline import RunConfig, run_training
-from clinfed.privacy.dpsgd import unit_rows
 from clinfed.tasks.i2b2.adapter import I2b2Task
 
 
@@ -121,7 +120,7 @@ def test_private_selection_counts_each_privacy_unit_once(i2b2_corpus, tmp_path):
         {"top_layers": 1, "selection": "private", "selection_noise": 1e-9, "profile_examples": 99},
     )
     for unit in ("example", "document"):
-        units = unit_rows(task, local, unit)
+        units = task.unit_rows(local, unit)
         assert any(len(r) > 1 for r in units)
         info = strategy.select(1, "s", model, task, local, np.random.default_rng(0), unit)
         clipped = np.clip(profile(model, task, local), 0.0, 1.0)

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from clinfed.errors import ClinfedError
+from clinfed.errors import USER_ERRORS, ClinfedError
 from clinfed.federated.engine import Message
 from clinfed.flower import client, handler, worker
 from clinfed.flower.deploy import flower_run_config
@@ -108,7 +108,7 @@ def test_a_kept_site_refuses_a_ledger_shortened_behind_it(i2b2_corpus, tmp_path)
         whole = ledger.read_bytes()
         ledger.write_bytes(whole[: whole.index(b"\n") + 1])  # cut back to round 1
         # The kept site checks the file before it charges round 3.
-        with pytest.raises(ClinfedError, match="shortened"):
+        with pytest.raises(USER_ERRORS, match="shortened"):
             handler.answer(_records(config, 3), values, cache)
     finally:
         cache.drop()

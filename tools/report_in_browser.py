@@ -2,7 +2,7 @@
 renders and save a screenshot.
 
 The check reads the DOM the browser built (``--dump-dom``) with the same
-outline the tests use (:func:`clinfed.privacy.report.page_outline`): the
+outline the tests use (:func:`clinfed.reporting.report.page_outline`): the
 header, one verdict per site, and a "what each site sent" grid with a
 column for every encoder layer (plus embeddings and head).
 
@@ -104,7 +104,7 @@ def model_layers(run: Path) -> int:
 
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from clinfed.privacy.report import page_outline
+    from clinfed.reporting.report import page_outline
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run", type=Path)

@@ -15,14 +15,16 @@ import typer
 
 from clinfed.commands import data, demo, flower, privacy, train  # noqa: F401  (registration)
 from clinfed.commands.common import MAX_PROBLEMS_SHOWN, app, err
-from clinfed.errors import EXIT_USAGE, ClinfedError, DataError
+from clinfed.errors import EXIT_USAGE, USER_ERRORS, ClinfedError, DataError, worded
 from clinfed.quiet import quiet_libraries
 from clinfed.scratch import private_scratch
 
 
 # ----------------------------------------------------------------- main
-def _report_error(exc: ClinfedError) -> None:
-    lines = [str(p) for p in exc.problems] if isinstance(exc, DataError) else str(exc).splitlines()
+def _report_error(exc: Exception) -> None:
+    lines = (
+        [str(p) for p in exc.problems] if isinstance(exc, DataError) else worded(exc).splitlines()
+    )
     for line in lines[:MAX_PROBLEMS_SHOWN]:
         err.print(f"[red]error:[/] {line}", highlight=False, soft_wrap=True)
     if len(lines) > MAX_PROBLEMS_SHOWN:
@@ -39,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         with private_scratch():
             result = command.main(args=argv, prog_name="clinfed", standalone_mode=False)
         return result if isinstance(result, int) else 0
-    except ClinfedError as exc:
+    except USER_ERRORS as exc:
         _report_error(exc)
         return EXIT_USAGE
     except OSError as exc:

@@ -28,7 +28,7 @@ def privacy_epsilon(
     as_json: bool = typer.Option(False, "--json", help="Print JSON (key: epsilon)."),
 ) -> None:
     """Epsilon spent by STEPS steps of DP-SGD at rate Q and noise S."""
-    from clinfed.privacy.calculator import epsilon_for
+    from clinfed.reporting.calculator import epsilon_for
 
     result = epsilon_for(sample_rate, noise_multiplier, steps, delta)
     if as_json:
@@ -51,7 +51,7 @@ def privacy_noise(
     ),
 ) -> None:
     """The smallest noise multiplier that keeps STEPS steps within the target."""
-    from clinfed.privacy.calculator import noise_for
+    from clinfed.reporting.calculator import noise_for
 
     result = noise_for(target_epsilon, delta, sample_rate, steps)
     if as_json:
@@ -80,7 +80,7 @@ def report_cmd(
     site, epsilon in plain words, what left each hospital, layers sent, F1."""
     import json
 
-    from clinfed.privacy.report import write_report
+    from clinfed.reporting.report import write_report
 
     folder = write_report(run, reference)
     if as_json:
@@ -101,7 +101,7 @@ def audit_cmd(
     initial model) on the final model and each site's last update, members
     against the training rows the run set aside (--audit-holdout); writes
     RUN/audit.json (shown by clinfed report)."""
-    from clinfed.privacy.audit import audit
+    from clinfed.reporting.audit import audit
 
     result = audit(run, max_examples)
     if as_json:

@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from clinfed.federated.plan import Plan
-from clinfed.privacy.dpsgd import DPSettings, count_units, train_private
+from clinfed.privacy.dpsgd import DPSettings, make_private
 from clinfed.privacy.randomness import SiteRandomness
 from clinfed.tasks.base import Task
-from clinfed.training import EpochStats, make_optimizer, train_epoch
+from clinfed.training import EpochStats, PlainUpdate, make_optimizer, plain_steps, run_epoch
 
 
 @dataclass
@@ -153,38 +153,52 @@ def client_update(work: LocalWork, objective: Any = None) -> ClientResult:
     scale = dp.lr_scale if dp is not None else 1.0
     head_lr = settings.head_lr * scale if settings.head_lr is not None else None
     optimizer = make_optimizer(model, settings.lr * scale, settings.weight_decay, head_lr)
-    clipping = None
+    unit = dp.unit if dp is not None else "example"
+    units = work.task.unit_rows(work.dataset, unit)
     if dp is not None:
+        # DP-SGD wraps the one loop: Poisson steps over the site's privacy
+        # units and a private update (per-unit clipping, then noise).
         if work.randomness is None:
             raise ValueError("DP-SGD needs the site's randomness (LocalWork.randomness)")
-        stats, clipping = train_private(
+        steps, update = make_private(
             model,
-            work.task,
-            work.dataset,
             optimizer,
-            dp.batch_size or settings.batch_size,
-            settings.epochs,
+            units,
+            np.asarray(work.dataset["n_tokens"]),
             dp,
+            dp.batch_size or settings.batch_size,
             work.randomness,
-            objective.grad if objective is not None else None,
-            on_step=work.on_step,
+            one_row_per_example=work.task.head == "token",
+            extra_grad=objective.grad if objective is not None else None,
         )
+        # Each pass over the Poisson steps draws a fresh epoch of batches.
+        epochs = [steps] * settings.epochs
+        total = len(units) * settings.epochs
     else:
-        stats = [
-            train_epoch(
-                model,
-                work.task,
-                work.dataset,
-                optimizer,
-                settings.batch_size,
-                work.generator,
-                max_grad_norm=settings.max_grad_norm,
-                extra_loss=objective.loss if objective is not None else None,
-                on_step=_progress(work.on_step, len(work.dataset) * settings.epochs),
-                precision=settings.precision,
-            )
+        update = PlainUpdate(
+            model,
+            optimizer,
+            max_grad_norm=settings.max_grad_norm,
+            extra_loss=objective.loss if objective is not None else None,
+            precision=settings.precision,
+        )
+        # Each epoch draws its order from the generator when it starts.
+        epochs = (
+            plain_steps(work.dataset, settings.batch_size, work.generator)
             for _ in range(settings.epochs)
+        )
+        total = len(work.dataset) * settings.epochs
+    try:
+        progress = _progress(work.on_step, total)
+        stats = [
+            run_epoch(model, work.task, work.dataset, steps_of_epoch, update, progress)
+            for steps_of_epoch in epochs
         ]
+    finally:
+        if dp is not None:
+            update.detach()
+    clipping = update.mode if dp is not None else None
     upload = {n: p.detach().clone() for n, p in model.named_parameters() if n in work.plan.uploaded}
-    units = count_units(work.task, work.dataset, dp.unit if dp is not None else "example")
-    return ClientResult(upload, units, stats, time.perf_counter() - started, trainable, clipping)
+    return ClientResult(
+        upload, len(units), stats, time.perf_counter() - started, trainable, clipping
+    )

@@ -26,7 +26,7 @@ from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
-from clinfed.errors import ClinfedError
+from clinfed.errors import USER_ERRORS
 from clinfed.flower import worker
 
 app = ClientApp()
@@ -44,7 +44,7 @@ def redact_paths(error: object) -> str:
 def _handle(msg: Message, context: Context) -> Message:
     try:
         content = _answer(msg.content, dict(context.node_config))
-    except ClinfedError as exc:
+    except USER_ERRORS as exc:
         # The site's own policy or data said no: the reason, on one line,
         # in the node's log and in the reply the server logs.
         # The server gets the reason with the site's paths left out: a

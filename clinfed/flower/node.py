@@ -123,7 +123,6 @@ from clinfed.pipeline import (
     make_task,
     privacy_policy,
 )
-from clinfed.privacy.dpsgd import count_units
 from clinfed.privacy.ledger import Ledger
 from clinfed.privacy.site import SitePrivacy
 from clinfed.provenance import data_fingerprint
@@ -431,7 +430,7 @@ class NodeSite:
             encoded = _encoded(config, node, task, tokenizer, cache_dir, data_fp)
             name, train, test = encoded.site, encoded.train, encoded.test
             test_records = encoded.test_records
-            units = count_units(task, train, config.privacy_unit)
+            units = task.count_units(train, config.privacy_unit)
             cap = node.max_delta if node.max_delta is not None else 1 / (10 * max(units, 1))
             if config.dp and units and config.delta > cap:
                 raise ClinfedError(

@@ -47,7 +47,7 @@ from typing import Any
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
-from clinfed.errors import ClinfedError
+from clinfed.errors import USER_ERRORS, ClinfedError, worded
 from clinfed.scratch import process_alive
 
 FOLDER = ".worker"
@@ -321,8 +321,8 @@ def _serve_one(conn, token: str, state: Path, cache, answer, handled: int) -> in
         try:
             reply = answer(_from_wire(request["records"], body), node_values, cache)
             header["records"], payload = _to_wire(reply)
-        except ClinfedError as exc:
-            header["refused"] = str(exc)
+        except USER_ERRORS as exc:
+            header["refused"] = worded(exc)
         except Exception as exc:  # noqa: BLE001 - reported to the client, not hidden
             # Where, not what: an unexpected error's message could quote
             # data, so neither the server nor the log gets it.

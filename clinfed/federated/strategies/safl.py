@@ -48,7 +48,6 @@ from clinfed.federated.strategies.fedfrozen import (
     FedFrozenOptions,
 )
 from clinfed.privacy.accountant import Mechanism
-from clinfed.privacy.dpsgd import unit_rows
 from clinfed.settings import setting
 from clinfed.tasks.base import Task
 
@@ -177,7 +176,7 @@ class SAFL(Strategy):
             # Whole privacy units are profiled, each contributing the mean
             # of its rows' clipped scores: one unit moves the sum by at most
             # sqrt(L), however many rows (windows, sentences) it has.
-            units = unit_rows(task, local, unit)
+            units = task.unit_rows(local, unit)
             idx = rng.choice(len(units), size=min(self.profile_examples, len(units)), replace=False)
             chosen = [units[u] for u in np.sort(idx)]
             rows = np.concatenate(chosen)

@@ -1,0 +1,33 @@
+"""The privacy library's errors: a bad setting, named by its field.
+
+The library knows settings by their names (``target_epsilon``); whoever
+shows the error to a person words the name their way (the command line as
+``--target-epsilon``, the Python API as ``target_epsilon``).
+"""
+
+from __future__ import annotations
+
+
+class PrivacyError(Exception):
+    """An error a user can fix (bad input, a refused budget); one line."""
+
+
+class SettingError(PrivacyError):
+    """A setting with a value the library refuses.
+
+    Attributes
+    ----------
+    setting
+        The setting's name, with underscores (``noise_multiplier``).
+    reason
+        What is wrong, without the name (``must be positive, not -1``).
+    """
+
+    def __init__(self, setting: str, reason: str):
+        self.setting, self.reason = setting, reason
+        super().__init__(self.worded(flag=True))
+
+    def worded(self, flag: bool) -> str:
+        """The message with the setting as a command-line flag or by its name."""
+        name = "--" + self.setting.replace("_", "-") if flag else self.setting
+        return f"{name} {self.reason}"
