@@ -82,7 +82,7 @@ def main() -> None:
 
     from flwr.common.serde import recorddict_to_proto
 
-    from clinfed.federated.engine import Message
+    from clinfed.federated.messages import Message
     from clinfed.flower.deploy import flower_run_config
     from clinfed.flower.records import message_records
     from clinfed.flower.worker import FOLDER

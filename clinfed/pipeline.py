@@ -53,6 +53,7 @@ from clinfed.federated.partition import partition
 from clinfed.federated.site import SiteRunner
 from clinfed.federated.state import check_metrics
 from clinfed.federated.strategies import STRATEGIES, Strategy, StrategyContext
+from clinfed.federated.summation import PlainSummation, Summation
 from clinfed.models import build_model, load_tokenizer, save_model
 from clinfed.privacy.policy import PrivacyPolicy
 from clinfed.privacy.site import SitePrivacy
@@ -463,6 +464,16 @@ def privacy_policy(
     return policy
 
 
+def summation(config: RunConfig) -> Summation:
+    """How the server sums each round's uploads: in the clear, or under
+    secure aggregation at the run's threshold."""
+    if config.secure_aggregation:
+        from clinfed.federated.secure_summation import SecureSummation
+
+        return SecureSummation(config.secure_threshold)
+    return PlainSummation()
+
+
 def local_settings(config: RunConfig) -> LocalSettings:
     """How every site trains in a round (``config`` resolved)."""
     return LocalSettings(
@@ -571,7 +582,7 @@ def _federated(
         config.seed,
         report=report,
         full_bytes=fedavg_bytes(model),
-        secure=config.secure_threshold if config.secure_aggregation else None,
+        summation=summation(config),
     )
     if config.resume:
         engine.resume()
@@ -648,7 +659,7 @@ def _serve(
         deployment,
         log=log,
         full_bytes=fedavg_bytes(model),
-        secure=config.secure_threshold if config.secure_aggregation else None,
+        summation=summation(config),
     )
     if config.resume:
         engine.resume()

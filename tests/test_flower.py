@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from clinfed.commands import main
 from clinfed.errors import USER_ERRORS, ClinfedError, ProblemLog
 from clinfed.federated.engine import Message, check_upload
+from clinfed.federated.messages import Reply, encode_reply
 from clinfed.federated.strategies import get_strategy
 from clinfed.flower.deploy import (
     flower_run_config,
@@ -29,7 +30,7 @@ from clinfed.flower.deploy import (
     register_command,
 )
 from clinfed.flower.node import NodeConfig, NodeSite
-from clinfed.flower.records import PACKED, message_records, read_message, read_reply, to_records
+from clinfed.flower.records import PACKED, _records, message_records, read_message, read_reply
 from clinfed.pipeline import RunConfig, run_training
 from clinfed.privacy.accountant import Mechanism, epsilon
 from clinfed.runs import read_jsonl
@@ -72,7 +73,7 @@ def test_records_carry_every_tensor_in_one_packed_array_and_refuse_garbage():
         torch.equal(back.download[k], v) and back.download[k].dtype == v.dtype
         for k, v in tensors.items()
     )
-    garbage = to_records({}, {"site": "beth"})
+    garbage = _records(encode_reply(Reply(site="beth")))
     from flwr.app import Array
 
     garbage.array_records["tensors"][PACKED] = Array(np.frombuffer(b"not tensors", np.uint8))

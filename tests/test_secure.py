@@ -13,7 +13,9 @@ import torch
 
 from clinfed.errors import ClinfedError
 from clinfed.federated import secure
-from clinfed.federated.engine import Deployment, Message, Reply, RoundEngine
+from clinfed.federated.engine import Deployment, RoundEngine
+from clinfed.federated.messages import Message, Reply
+from clinfed.federated.secure_summation import SecureSummation
 from clinfed.federated.strategies import get_strategy
 from clinfed.runs import read_jsonl
 
@@ -103,7 +105,7 @@ def engine(out: Path, secure_threshold=0.5, rounds=1):
         out,
         rounds,
         deployment=Deployment(wait_for_sites=0.0, round_retries=0),
-        secure=secure_threshold,
+        summation=SecureSummation(secure_threshold),
     )
 
 

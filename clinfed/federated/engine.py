@@ -28,103 +28,27 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
 from clinfed.errors import ClinfedError
 from clinfed.federated import payload, state
+from clinfed.federated.messages import Message, Reply, Transport
 from clinfed.federated.strategies import Strategy
+from clinfed.federated.summation import PlainSummation, RoundContext, Summation
 from clinfed.runs import append_jsonl, atomic_write_json, atomic_write_text
 from clinfed.tasks.base import Task
-
-
-@dataclass
-class Message:
-    """What the server sends one site.
-
-    Attributes
-    ----------
-    kind
-        ``train`` or ``evaluate``.
-    round
-        The round being run; the download is global round ``round - 1``.
-    download
-        Tensors to load (the whole model when ``full``, else to overlay).
-    evaluate
-        Evaluate the received model first (the previous round's record).
-    write_predictions
-        Write predictions of the received model where the site keeps them.
-    strategy_state
-        The strategy's JSON state (FedFrozen's freeze round).
-    base
-        For a partial download: the global round of the site's copy it
-        overlays (everything that changed since then is in the download);
-        0 is the run's starting model, which every site builds itself from
-        the run's configuration and seed.
-    expect
-        The digest of global round ``round - 1`` (:func:`payload.digest`):
-        a site whose rebuilt copy does not match neither evaluates nor
-        trains on it, and says so.
-    secure
-        Secure aggregation: on a ``train`` message, ``{"stage": "train"}``
-        (keep the upload, reply with keys); on a ``secure`` message, the
-        stage's request (:mod:`clinfed.federated.secure`).
-    """
-
-    kind: str
-    round: int
-    download: dict[str, torch.Tensor]
-    full: bool
-    evaluate: bool
-    write_predictions: bool = False
-    strategy_state: dict[str, Any] = field(default_factory=dict)
-    secure: dict[str, Any] | None = None
-    # A partial download overlays the site's copy of this global round.
-    base: int | None = None
-    expect: str | None = None
-
-
-@dataclass(kw_only=True)
-class Reply:
-    """What a site sends back (``secure``: its part of a secure
-    aggregation stage; ``upload`` then holds masked input, if any).
-    Built with keywords only: which field is which is never a position."""
-
-    site: str
-    upload: dict[str, torch.Tensor] = field(default_factory=dict)
-    record: dict[str, Any] | None = None  # training (or refusal) record; None: evaluated only
-    evaluation: dict[str, Any] | None = None  # {"counts": {variant: counts}, "examples"}
-    ledger: dict[str, Any] | None = None  # the site's privacy ledger, if it shares it
-    secure: dict[str, Any] | None = None
-    # Digest of the shared model the site rebuilt from the message (the
-    # previous global round, if all went well); None for a model of its own.
-    received: str | None = None
-
 
 # Digests of this many recent global rounds are kept: a site that lags
 # further gets the whole model.
 KEPT_DIGESTS = 8
 # The hold of a site whose copy failed its proof: it gets the whole model.
 WHOLE = -1
-
-
-class Transport(Protocol):
-    """Moves messages; knows nothing of rounds, strategies or tasks."""
-
-    def addresses(self) -> list[str]:
-        """The sites reachable now (in-process: site names; Flower: node ids)."""
-
-    def exchange(
-        self, messages: Mapping[str, Message], timeout: float
-    ) -> Iterator[tuple[str, Reply | str]]:
-        """Send each address its message; yield ``(address, reply)`` as
-        replies come, or ``(address, why)`` for one that did not (an error,
-        a timeout)."""
 
 
 @dataclass(frozen=True)
@@ -241,6 +165,8 @@ class RoundEngine:
         The run folder (created by the caller, with ``config.json``).
     rounds, fraction, seed
         The federation's settings.
+    summation
+        How each round's uploads are summed (default: in the clear).
     """
 
     def __init__(
@@ -257,15 +183,16 @@ class RoundEngine:
         report: Reporter = _quiet,
         log: Callable[[str], None] = lambda line: None,
         full_bytes: int | None = None,
-        secure: float | None = None,
+        summation: Summation | None = None,
     ):
         self.task, self.strategy, self.names = task, strategy, names
         self.global_state = {k: v.detach().clone() for k, v in global_state.items()}
         self.out, self.rounds, self.fraction = Path(out), rounds, fraction
         self.deployment = deployment or Deployment()
         self.report, self.log = report, log
-        # Secure aggregation's threshold (a share of a round's sites), or None.
-        self.secure = secure
+        # How a round's uploads become its mean (in the clear, or a protocol
+        # of its own: clinfed.federated.summation).
+        self.summation = summation or PlainSummation()
         self.sampling = np.random.default_rng([seed, 1])
         self.first_round = 1
         self.holds: dict[str, int] = {}  # site -> global round its copy holds
@@ -391,17 +318,18 @@ class RoundEngine:
                 # per distinct set of tensors.
                 sizes[key] = len(payload.encode(download)) if names else 0
             bytes_down[address] = sizes[key]
-            messages[address] = Message(
-                kind,
-                round_number,
-                download,
-                full,
-                evaluate=round_number > 1,
-                write_predictions=predictions,
-                strategy_state=self.strategy.state_dict(),
-                secure={"stage": "train"} if self.secure is not None and kind == "train" else None,
-                base=base,
-                expect=self.digests.get(str(round_number - 1)),
+            messages[address] = self.summation.prepare(
+                Message(
+                    kind,
+                    round_number,
+                    download,
+                    full,
+                    evaluate=round_number > 1,
+                    write_predictions=predictions,
+                    strategy_state=self.strategy.state_dict(),
+                    base=base,
+                    expect=self.digests.get(str(round_number - 1)),
+                )
             )
         return messages, bytes_down
 
@@ -436,17 +364,12 @@ class RoundEngine:
     ) -> bool | None:
         """Send, fold replies in, write records; ``None``: too few replies (retry)."""
         allowed = self.strategy.envelope(round_number, self.names).uploaded
-        aggregator = self.strategy.aggregator(round_number)
-        session = None
-        if self.secure is not None:
-            from clinfed.federated.secure import SecureRound
-
-            shapes = {n: tuple(self.global_state[n].shape) for n in allowed}
-            session = SecureRound(shapes, allowed, self.secure)
+        summed = self.summation.open(
+            self.strategy.aggregator(round_number), allowed, self.global_state
+        )
         evaluations: list[tuple[str, dict[str, Any]]] = []
         records: list[dict[str, Any]] = []
         holds: dict[str, int] = {}
-        sent: set[str] = set()
         trained = refused = 0
         for address, reply in transport.exchange(messages, self.deployment.round_timeout):
             site = self.site_of.get(address, f"node {address}")
@@ -492,46 +415,43 @@ class RoundEngine:
                 self.report("site_refused", record)
                 continue
             record["bytes_down"] = bytes_down[address]
-            if session is not None and reply.secure is not None:
-                reason = session.join(address, reply.secure)
-                if reason is not None:
-                    record = {"round": round_number, "client": site, "rejected": reason}
-                    records.append(record)
-                    self.log(f"round {round_number}: {site}: update rejected ({reason})")
-                    continue
-            elif reply.upload:
-                aggregator.add(reply.upload, record["examples"])
-                sent |= set(reply.upload)
+            reason = summed.add(address, reply, record["examples"])
+            if reason is not None:
+                record = {"round": round_number, "client": site, "rejected": reason}
+                records.append(record)
+                self.log(f"round {round_number}: {site}: update rejected ({reason})")
+                continue
             trained += 1
             records.append(record)
-        secured = True
-        if session is not None and session.members:
-            in_sum = self._secure_sum(transport, session, round_number, records)
-            secured = bool(in_sum)
-            for address in set(session.members) - in_sum:
-                # Its copy holds its own training on top of the old round,
-                # and the aggregate does not: not in sync.
-                holds.pop(self.site_of.get(address, ""), None)
-            trained -= len(session.members) - len(in_sum)
+        closed = summed.close(
+            RoundContext(
+                round_number,
+                lambda messages: transport.exchange(messages, self.deployment.round_timeout),
+                lambda address: self.site_of.get(address, f"node {address}"),
+                records,
+                self.log,
+            )
+        )
+        for address in closed.dropped:
+            # Its copy holds its own training on top of the old round, and
+            # the aggregate does not: not in sync.
+            holds.pop(self.site_of.get(address, ""), None)
+        trained -= len(closed.dropped)
         releasing = getattr(transport, "releasing", None)
         if releasing is not None:
             # Write-ahead: the sites mark their charges released before any
             # of this round's results are written.
             trainers = [r["client"] for r in records if "bytes_up" in r]
             self.ledger_digests |= releasing(round_number, trainers)
-        if trained + refused < self.deployment.min_sites or not secured:
+        if trained + refused < self.deployment.min_sites or closed.failure is not None:
             for record in records:
                 self._metrics(record)
-            self._short = (
-                f"fewer than {self.deployment.min_sites} sites replied"
-                if secured
-                else "too few sites stayed to the end of secure aggregation"
-            )
+            self._short = closed.failure or f"fewer than {self.deployment.min_sites} sites replied"
             self.log(
-                f"round {round_number}: {trained + refused} of the "
+                f"round {round_number}: {closed.failure}"
+                if closed.failure is not None
+                else f"round {round_number}: {trained + refused} of the "
                 f"{self.deployment.min_sites} sites needed replied"
-                if secured
-                else f"round {round_number}: {self._short}"
             )
             return None
         if round_number > 1:
@@ -549,14 +469,9 @@ class RoundEngine:
             self.report("stopped", {"round": round_number, "reason": self.stopped})
             return False
         self.holds |= holds
-        if session is not None and session.members:
-            mean, sent = session.mean, set(session.sent)
-        else:
-            mean = aggregator.result(self.global_state)
+        mean, sent = summed.mean(self.global_state)
         previous = self.global_state
-        self.global_state = self.strategy.apply(
-            round_number, self.global_state, mean, frozenset(sent)
-        )
+        self.global_state = self.strategy.apply(round_number, self.global_state, mean, sent)
         for name, value in self.global_state.items():
             if not torch.equal(value, previous[name]):
                 self.changed[name] = round_number
@@ -580,82 +495,6 @@ class RoundEngine:
             f"its copy did not rebuild global round {round_number - 1} (stale or corrupt); "
             "it gets the whole model next round"
         )
-
-    def _secure_sum(
-        self,
-        transport: Transport,
-        session: Any,
-        round_number: int,
-        records: list[dict[str, Any]],
-    ) -> set[str]:
-        """Secure aggregation's stages 2-4 with the sites that joined; the
-        addresses whose input is in the sum (empty: the round's updates are
-        lost, too few sites stayed). A site that drops out is marked in its
-        record; every byte of the stages is counted in ``bytes_up``."""
-        by_site = {r["client"]: r for r in records if "bytes_up" in r}
-        extra: dict[str, int] = {}
-
-        def stage(requests: dict[str, dict[str, Any]], take: Callable) -> set[str]:
-            messages = {
-                a: Message("secure", round_number, {}, False, False, secure=request)
-                for a, request in requests.items()
-            }
-            done = set()
-            for address, reply in transport.exchange(messages, self.deployment.round_timeout):
-                site = self.site_of.get(address, f"node {address}")
-                why = reply if isinstance(reply, str) else take(address, reply)
-                if why is not None:
-                    step = requests[address]["stage"]
-                    self.log(f"round {round_number}: {site}: dropped out at {step} ({why})")
-                    if site in by_site:
-                        by_site[site]["secure_dropped"] = f"{step}: {why}"
-                    continue
-                extra[address] = (
-                    extra.get(address, 0)
-                    + len(json.dumps(reply.secure or {}).encode())
-                    + (len(payload.encode(reply.upload)) if reply.upload else 0)
-                )
-                done.add(address)
-            return done
-
-        def shares(address: str, reply: Reply) -> str | None:
-            return session.take_shares(address, reply.secure)
-
-        def masked(address: str, reply: Reply) -> str | None:
-            return session.add_masked(address, reply.upload)
-
-        def unmasked(address: str, reply: Reply) -> str | None:
-            return session.take_unmask(address, reply.secure)
-
-        joined = set(session.members)
-        in_sum: set[str] = set()
-        # One site alone would hand the server its own update: no stages.
-        if len(joined) >= 2 and len(stage(session.share_requests(), shares)) >= session.t:
-            in_sum = stage(session.mask_requests(), masked)
-            if len(in_sum) >= session.t:
-                stage(session.unmask_requests(), unmasked)
-                try:
-                    session.mean = session.result(self.global_state)
-                except ValueError as exc:  # too few answers, or shares that do not combine
-                    self.log(f"round {round_number}: secure aggregation: {exc}")
-                    in_sum = set()
-            else:
-                in_sum = set()
-        if not in_sum:
-            self.log(
-                f"round {round_number}: secure aggregation needs {max(session.t, 2)} of the "
-                f"{len(joined)} sites that trained; too few stayed: no update this round"
-            )
-        for address, member in session.members.items():
-            site = self.site_of.get(address, f"node {address}")
-            record = by_site.get(site)
-            if record is not None:
-                # What left the site: its keys and names, then the stages
-                # (the plain upload never did).
-                keys = json.dumps(member.keys | {"names": member.names}).encode()
-                record["bytes_up"] = len(keys) + extra.get(address, 0)
-                record["secure"] = address in in_sum
-        return in_sum
 
     def _evaluation_record(
         self, round_number: int, evaluations: list[tuple[str, dict[str, Any]]]

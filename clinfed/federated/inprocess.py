@@ -2,18 +2,25 @@
 
 Sites share one model object (weights are loaded into it, never copied per
 site) and one optimizer is alive at a time, so memory does not grow with
-the number of sites. Messages still go through their wire form: the
-download and the upload are serialized and read back, so a site gets
-exactly what a remote site would and the bytes counted are the bytes sent.
+the number of sites. Messages and replies still go through their wire
+form, the codec Flower uses too (:mod:`clinfed.federated.messages`): each is
+encoded and read back, so a site gets exactly what a remote site would, the
+server reads exactly what a remote site would send, and the bytes counted
+are the bytes sent.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import replace
 
-from clinfed.federated import payload
-from clinfed.federated.engine import Message, Reply
+from clinfed.federated.messages import (
+    Message,
+    Reply,
+    decode_message,
+    decode_reply,
+    encode_message,
+    encode_reply,
+)
 from clinfed.federated.site import SiteRunner
 
 
@@ -31,12 +38,11 @@ class InProcessTransport:
     ) -> Iterator[tuple[str, Reply | str]]:
         del timeout  # a site in this process answers or raises
         for address in sorted(messages):
-            message = messages[address]
-            sent = replace(message, download=payload.decode(payload.encode(message.download)))
+            sent, _ = decode_message(encode_message(messages[address]))
             # Nothing leaves a site here until the engine writes the round:
             # the release is marked then (:meth:`releasing`).
             reply = self.runners[address].handle(sent, release=False)
-            yield address, replace(reply, upload=payload.decode(payload.encode(reply.upload)))
+            yield address, decode_reply(encode_reply(reply))
 
     def releasing(self, round_number: int, sites: list[str]) -> dict[str, dict]:
         """The engine is about to write round ``round_number``'s results:

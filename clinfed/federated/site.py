@@ -153,7 +153,7 @@ class SiteRunner:
         reply is returned (it leaves the site now). The in-process
         transport passes ``False`` and calls :meth:`release` once the
         round's results are about to be written."""
-        from clinfed.federated.engine import Reply
+        from clinfed.federated.messages import Reply
 
         if message.kind == "secure":
             return secure_reply(self.state_dir, message)
@@ -522,7 +522,7 @@ class SiteRunner:
 def secure_reply(state_dir: Path, message: Any, min_group: int = 2) -> Any:
     """A secure aggregation stage at a site (:mod:`clinfed.federated.secure`):
     needs only the site's state folder, not its data or model."""
-    from clinfed.federated.engine import Reply
+    from clinfed.federated.messages import Reply
 
     name = secure.site_name(state_dir, message.round)
     tensors, part = secure.site_stage(state_dir, message.round, message.secure or {}, min_group)

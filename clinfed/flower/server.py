@@ -13,7 +13,8 @@ from flwr.app import Message as FlowerMessage
 from flwr.serverapp import Grid, ServerApp
 
 from clinfed.errors import ClinfedError
-from clinfed.federated.engine import Deployment, Message, Reply
+from clinfed.federated.engine import Deployment
+from clinfed.federated.messages import Message, Reply
 from clinfed.flower.records import message_records, read_reply
 from clinfed.quiet import quiet_libraries
 from clinfed.scratch import private_scratch
@@ -84,6 +85,15 @@ class GridTransport:
         yield from sorted(results.items(), key=order)
 
 
+def node_run(settings: Mapping[str, Any], out: str) -> dict[str, Any]:
+    """What every node is told of a run: its name (the node's state folder
+    for it) and its settings, less where the server keeps its run folder."""
+    return {
+        "name": Path(out).name,
+        "config": {k: v for k, v in settings.items() if k != "run"},
+    }
+
+
 quiet_libraries()
 app = ServerApp()
 
@@ -103,12 +113,7 @@ def main(grid: Grid, context: Context) -> None:
         round_retries=int(values["round-retries"]),
         wait_for_sites=float(values["wait-for-sites"]),
     )
-    # What every node is told: the run's name (its state folder) and its
-    # settings, less where the server keeps its run folder.
-    run = {
-        "name": Path(config.out).name,
-        "config": {k: v for k, v in settings.items() if k != "run"},
-    }
+    run = node_run(settings, config.out)
     with private_scratch():
         summary = run_federation(
             config,

@@ -1,0 +1,150 @@
+"""The same run through both transports: in-process, and Flower's message
+path (records, node config, the node's site builder) over a grid in this
+process. Records and weights must be the same."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from clinfed.federated.engine import Deployment
+from clinfed.flower.deploy import flower_run_config
+from clinfed.flower.handler import SiteCache, answer
+from clinfed.flower.server import GridTransport, node_run
+from clinfed.pipeline import run_federation, run_training
+from clinfed.runs import read_jsonl
+from clinfed.tasks.i2b2.synth import generate
+
+SITES = ("beth", "partners", "site3")
+
+
+@dataclass
+class _Metadata:
+    reply_to_message_id: str
+
+
+@dataclass
+class _Reply:
+    """What Grid.pull_messages gives back: a reply's content, or an error."""
+
+    metadata: _Metadata
+    content: object = None
+    error: object = None
+
+    def has_error(self) -> bool:
+        return self.error is not None
+
+
+@dataclass
+class InProcessGrid:
+    """Flower's Grid, as GridTransport uses it, over nodes in this process:
+    each node answers with the ClientApp's own handler (``answer``), from
+    its node config, a site cache of its own like a node's worker."""
+
+    nodes: dict[int, dict]
+    replies: dict[str, _Reply] = field(default_factory=dict)
+    ids: itertools.count = field(default_factory=itertools.count)
+    caches: dict[int, SiteCache] = field(default_factory=dict)
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.nodes)
+
+    def push_messages(self, messages) -> list[str]:
+        ids = []
+        for message in messages:
+            node = message.metadata.dst_node_id
+            mid = f"m{next(self.ids)}"
+            cache = self.caches.setdefault(node, SiteCache())
+            content = answer(message.content, self.nodes[node], cache)
+            self.replies[mid] = _Reply(_Metadata(mid), content)
+            ids.append(mid)
+        return ids
+
+    def pull_messages(self, ids) -> list[_Reply]:
+        return [self.replies.pop(mid) for mid in ids if mid in self.replies]
+
+    def close(self) -> None:
+        for cache in self.caches.values():
+            cache.drop()
+
+
+def _run_both(tmp_path: Path, **settings):
+    data = tmp_path / "data"
+    generate(data, sites=3, docs=6, seed=0)
+    values = {
+        "task": "i2b2",
+        "model": "tiny",
+        "strategy": "fedavg",
+        "rounds": 2,
+        "max_length": 32,
+        "batch_size": 8,
+        "threads": 1,
+    } | settings
+    config = flower_run_config(values, tmp_path / "flower")
+    run_training(config.replace(data=str(data), out=str(tmp_path / "inprocess")))
+    nodes = {
+        index: {
+            "data": str(data),
+            "state": str(tmp_path / "state" / site),
+            "site": site,
+            "allow-no-dp": True,
+            "max-epsilon": 100.0,
+            "share-ledger": True,
+            "threads": 1,
+        }
+        for index, site in enumerate(SITES, start=11)
+    }
+    grid = InProcessGrid(nodes)
+    # The settings as the ServerApp reads them from its run config (JSON).
+    run = node_run(json.loads(json.dumps(config.to_dict())), config.out)
+    try:
+        run_federation(
+            config,
+            Deployment(min_sites=3, wait_for_sites=0.0, round_retries=0),
+            GridTransport(grid, run),
+        )
+    finally:
+        grid.close()
+    return tmp_path / "inprocess", tmp_path / "flower"
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        pytest.param({}, id="fedavg"),
+        pytest.param(
+            {"target_epsilon": 8.0, "reproducible_noise": True, "secure_aggregation": True},
+            id="dp-secure",
+        ),
+    ],
+)
+def test_a_run_gives_the_same_records_and_weights_through_either_transport(
+    tmp_path, settings, monkeypatch
+):
+    from flwr.supercore.task_identity import TaskIdentity
+
+    # Who builds Flower messages (a ServerApp's run, on the SuperLink's node).
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+    inprocess, flower = _run_both(tmp_path, **settings)
+    ours = load_file(str(flower / "model" / "model.safetensors"))
+    theirs = load_file(str(inprocess / "model" / "model.safetensors"))
+    assert ours.keys() == theirs.keys()
+    worst = max((ours[k].double() - theirs[k].double()).abs().max().item() for k in ours)
+    assert worst <= 1e-5
+
+    timing = {"wall_s", "eval_seconds"}
+
+    def records(path: Path) -> list[dict]:
+        return [{k: v for k, v in r.items() if k not in timing} for r in read_jsonl(path)]
+
+    assert records(flower / "metrics.jsonl") == records(inprocess / "metrics.jsonl")
+    if settings.get("secure_aggregation"):
+        trained = [r for r in read_jsonl(flower / "metrics.jsonl") if "bytes_up" in r]
+        assert trained and all(r["secure"] for r in trained)
