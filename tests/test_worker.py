@@ -164,7 +164,7 @@ def test_the_worker_serves_its_clientapps_only_is_replaced_and_ends_with_its_sup
         info = json.loads(bad.config_records["info"]["json"])
         info["round"] = "quoted note text"  # int() fails and quotes it
         bad.config_records["info"]["json"] = json.dumps(info)
-        with pytest.raises(worker.Failed, match="ValueError at records.py") as failed:
+        with pytest.raises(worker.Failed, match="ValueError at messages.py") as failed:
             worker.ask(values, bad, parent=supernode.pid)
         assert "quoted" not in str(failed.value)
         log = (folder / "worker.log").read_text()
