@@ -35,6 +35,17 @@ datasets.disable_progress_bars()
 transformers.logging.set_verbosity_error()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_scratch():
+    """The whole session inside a private scratch folder, as every clinfed
+    process runs: what tests build directly (a node's site, its encoded
+    data) lands there and is removed at the end, never loose in $TMPDIR."""
+    from clinfed.scratch import private_scratch
+
+    with private_scratch():
+        yield
+
+
 def _fixture_dir(name: str) -> Path:
     path = FIXTURES / name
     if not path.is_dir():
@@ -106,3 +117,43 @@ def traffic(monkeypatch) -> Traffic:
 
     monkeypatch.setattr(InProcessTransport, "exchange", exchange)
     return seen
+
+
+# The smallest run that still exercises a federation: the tiny random BERT,
+# one round of FedAvg over windows of 32 tokens, one thread.
+TINY_RUN = {
+    "task": "i2b2",
+    "strategy": "fedavg",
+    "model": "tiny",
+    "rounds": 1,
+    "max_length": 32,
+    "threads": 1,
+}
+
+
+@pytest.fixture
+def tiny_config(i2b2_corpus, tmp_path):
+    """``tiny_config(out=None, data=None, **settings)``: a RunConfig for
+    :data:`TINY_RUN` with ``settings`` on top (``out`` defaults to
+    ``tmp_path/run``, ``data`` to the synthetic i2b2 corpus)."""
+    from clinfed.settings import RunConfig
+
+    def make(out=None, data=None, **settings):
+        values = TINY_RUN | settings
+        return RunConfig.of(
+            data=str(data or i2b2_corpus), out=str(out or tmp_path / "run"), **values
+        )
+
+    return make
+
+
+@pytest.fixture
+def tiny_run(tiny_config):
+    """``tiny_run(out=None, data=None, **settings)``: train
+    :func:`tiny_config`'s run in process; returns its summary."""
+    from clinfed.pipeline import run_training
+
+    def run(out=None, data=None, **settings):
+        return run_training(tiny_config(out, data, **settings))
+
+    return run

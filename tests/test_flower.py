@@ -742,6 +742,10 @@ def test_a_node_evaluates_each_round_of_the_run_once(i2b2_corpus, tmp_path):
         site.close()
 
 
+# Slow: real SuperLink and SuperNode processes. The same protocol through
+# Flower's message path (records, the node's handler and site) runs in the
+# default suite: tests/test_transports.py (dp-secure).
+@pytest.mark.slow
 def test_secure_aggregation_on_flower_equals_plain_aggregation(tmp_path, monkeypatch):
     """SecAgg over Flower (TLS, three SuperNodes, DP at each site): the final
     weights equal the simulator's plain aggregation, and no site's upload is

@@ -16,7 +16,7 @@ from scipy.stats import norm
 from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.federated.engine import MAX_UNITS, Reply, check_record
 from clinfed.models import load_tokenizer
-from clinfed.pipeline import RunConfig, run_training
+from clinfed.pipeline import RunConfig
 from clinfed.privacy.accountant import Mechanism
 from clinfed.privacy.accountants import ACCOUNTANTS
 from clinfed.runs import read_jsonl
@@ -146,24 +146,13 @@ def _count_sentences(data: Path) -> dict[str, int]:
 
 @pytest.mark.parametrize("target_epsilon", [None, 8.0])
 def test_a_site_weighs_its_update_by_units_whatever_the_window(
-    i2b2_corpus, tmp_path, target_epsilon
+    i2b2_corpus, tmp_path, tiny_run, target_epsilon
 ):
     sentences = _count_sentences(i2b2_corpus)
     released = {}
     for max_length in (8, 64):
         out = tmp_path / f"run-{max_length}"
-        config = RunConfig.of(
-            task="i2b2",
-            data=str(i2b2_corpus),
-            out=str(out),
-            strategy="fedavg",
-            model="tiny",
-            rounds=1,
-            max_length=max_length,
-            target_epsilon=target_epsilon,
-            threads=1,
-        )
-        run_training(config)
+        tiny_run(out, max_length=max_length, target_epsilon=target_epsilon)
         records = [r for r in read_jsonl(out / "metrics.jsonl") if "bytes_up" in r]
         released[max_length] = {r["client"]: r["examples"] for r in records}
     # Windows of 8 tokens cut many sentences into several rows; the weight
@@ -344,7 +333,7 @@ def test_the_charge_is_on_disk_before_any_batch_is_drawn(i2b2_corpus, tmp_path, 
     assert seen and min(seen) == 1
 
 
-def test_in_process_sites_release_before_the_round_is_written(i2b2_corpus, tmp_path, monkeypatch):
+def test_in_process_sites_release_before_the_round_is_written(tmp_path, monkeypatch, tiny_run):
     from clinfed.federated.engine import RoundEngine
 
     out = tmp_path / "run"
@@ -361,11 +350,7 @@ def test_in_process_sites_release_before_the_round_is_written(i2b2_corpus, tmp_p
         return original(self, record)
 
     monkeypatch.setattr(RoundEngine, "_metrics", metrics)
-    config = RunConfig.of(
-        task="i2b2", data=str(i2b2_corpus), out=str(out), strategy="fedavg", model="tiny",
-        rounds=2, max_length=32, target_epsilon=8.0, threads=1,
-    )  # fmt: skip
-    run_training(config)
+    tiny_run(out, rounds=2, target_epsilon=8.0)
     assert len(written) == 6 and all(released for _, _, released in written)
     for site in {site for site, _, _ in written}:
         lines = read_jsonl(out / "sites" / site / "privacy" / f"{site}.jsonl")
@@ -375,16 +360,11 @@ def test_in_process_sites_release_before_the_round_is_written(i2b2_corpus, tmp_p
 
 
 @pytest.mark.parametrize("target_epsilon", [None, 8.0])
-def test_the_release_table_covers_every_field_a_site_sends(i2b2_corpus, tmp_path, target_epsilon):
+def test_the_release_table_covers_every_field_a_site_sends(tmp_path, tiny_run, target_epsilon):
     from clinfed.reporting.report import RECORD_FIELDS, build
 
     out = tmp_path / "run"
-    config = RunConfig.of(
-        task="i2b2", data=str(i2b2_corpus), out=str(out), strategy="safl", model="tiny",
-        rounds=1, max_length=32, top_layers=1, selection="private",
-        target_epsilon=target_epsilon, threads=1,
-    )  # fmt: skip
-    run_training(config)
+    tiny_run(out, strategy="safl", top_layers=1, selection="private", target_epsilon=target_epsilon)
     sent = set()
     for record in read_jsonl(out / "metrics.jsonl"):
         if "client" in record:
@@ -430,9 +410,7 @@ def test_the_audit_interval_resamples_whole_units():
     assert by_unit == pytest.approx(one_row_each, abs=1e-12)
 
 
-def test_the_audit_copy_of_an_update_is_written_after_its_release(
-    i2b2_corpus, tmp_path, monkeypatch
-):
+def test_the_audit_copy_of_an_update_is_written_after_its_release(tmp_path, monkeypatch, tiny_run):
     import clinfed.federated.site as site_module
 
     out = tmp_path / "run"
@@ -447,11 +425,7 @@ def test_the_audit_copy_of_an_update_is_written_after_its_release(
         return original(path, tensors)
 
     monkeypatch.setattr(site_module, "save_tensors", save_tensors)
-    config = RunConfig.of(
-        task="i2b2", data=str(i2b2_corpus), out=str(out), strategy="fedavg", model="tiny",
-        rounds=1, max_length=32, target_epsilon=8.0, audit_holdout=0.25, threads=1,
-    )  # fmt: skip
-    run_training(config)
+    tiny_run(out, target_epsilon=8.0, audit_holdout=0.25)
     assert len(checked) == 3 and all(checked)
 
 

@@ -12,7 +12,6 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from clinfed.pipeline import RunConfig, run_training
 from clinfed.privacy.dpsgd import DPSettings, PrivateStep
 from clinfed.privacy.randomness import NOT_PRIVATE, reproducible, secret
 from clinfed.runs import read_jsonl
@@ -71,29 +70,12 @@ def test_noise_is_secret_by_default_and_reproducible_only_when_asked():
     assert torch.equal(*replay)
 
 
-def _dp_run(i2b2_corpus, out, **extra):
-    config = RunConfig.of(
-        task="i2b2",
-        data=str(i2b2_corpus),
-        out=str(out),
-        strategy="fedavg",
-        model="tiny",
-        rounds=1,
-        max_length=32,
-        batch_size=8,
-        noise_multiplier=50.0,
-        threads=1,
-        **extra,
-    )
-    return run_training(config)
-
-
-def test_a_replay_with_the_public_seed_does_not_reproduce_the_release(i2b2_corpus, tmp_path):
+def test_a_replay_with_the_public_seed_does_not_reproduce_the_release(tmp_path, tiny_run):
     # The same public settings (seed included) twice: the model the server
     # built from the sites' uploads differs, so knowing the seed does not
     # let anyone regenerate a site's noise and subtract it.
-    _dp_run(i2b2_corpus, tmp_path / "a")
-    _dp_run(i2b2_corpus, tmp_path / "b")
+    tiny_run(tmp_path / "a", batch_size=8, noise_multiplier=50.0)
+    tiny_run(tmp_path / "b", batch_size=8, noise_multiplier=50.0)
     a = load_file(str(tmp_path / "a" / "model" / "model.safetensors"))
     b = load_file(str(tmp_path / "b" / "model" / "model.safetensors"))
     assert not all(torch.equal(a[k], b[k]) for k in a)
@@ -105,8 +87,8 @@ def test_a_replay_with_the_public_seed_does_not_reproduce_the_release(i2b2_corpu
     assert sites and not any({"train_loss", "train_tokens", "wall_s"} & set(r) for r in sites)
 
     # Only --reproducible-noise replays, and such a run says it is not private.
-    _dp_run(i2b2_corpus, tmp_path / "c", reproducible_noise=True)
-    summary = _dp_run(i2b2_corpus, tmp_path / "d", reproducible_noise=True)
+    tiny_run(tmp_path / "c", batch_size=8, noise_multiplier=50.0, reproducible_noise=True)
+    summary = tiny_run(tmp_path / "d", batch_size=8, noise_multiplier=50.0, reproducible_noise=True)
     c = load_file(str(tmp_path / "c" / "model" / "model.safetensors"))
     d = load_file(str(tmp_path / "d" / "model" / "model.safetensors"))
     assert all(torch.equal(c[k], d[k]) for k in c)

@@ -10,7 +10,6 @@ import math
 import pytest
 
 import clinfed.federated.client as client
-from clinfed.pipeline import RunConfig, run_training
 from clinfed.privacy.recipe import MAX_BATCH, MIN_BATCH, dp_batch_size, lr_scale
 from clinfed.tasks.i2b2.adapter import I2b2Task
 
@@ -21,22 +20,6 @@ def test_the_batch_grows_with_the_site_and_stays_in_bounds():
     assert dp_batch_size(3200) == 200
     assert dp_batch_size(10**7) == MAX_BATCH
     assert lr_scale(64, 16) == 2.0
-
-
-def _run(corpus, out, **extra):
-    config = RunConfig.of(
-        task="i2b2",
-        data=str(corpus),
-        out=str(out),
-        strategy="fedavg",
-        model="tiny",
-        rounds=1,
-        max_length=32,
-        noise_multiplier=5.0,
-        threads=1,
-        **extra,
-    )
-    return run_training(config)
 
 
 @pytest.fixture
@@ -53,8 +36,8 @@ def trained(monkeypatch):
     return seen
 
 
-def test_a_private_site_trains_and_accounts_at_its_derived_batch(i2b2_corpus, tmp_path, trained):
-    _run(i2b2_corpus, tmp_path / "run")
+def test_a_private_site_trains_and_accounts_at_its_derived_batch(tmp_path, trained, tiny_run):
+    tiny_run(noise_multiplier=5.0)
     base = I2b2Task.defaults
     policy = json.loads((tmp_path / "run" / "privacy" / "policy.json").read_text())
     assert len(trained) == len(policy["sites"]) == 3
@@ -70,8 +53,8 @@ def test_a_private_site_trains_and_accounts_at_its_derived_batch(i2b2_corpus, tm
     assert sorted((batch, lr) for _, batch, lr in trained) == sorted(expected, key=lambda e: e[0])
 
 
-def test_a_given_batch_size_is_used_as_is(i2b2_corpus, tmp_path, trained):
-    _run(i2b2_corpus, tmp_path / "run", batch_size=8, lr=3e-4)
+def test_a_given_batch_size_is_used_as_is(tmp_path, trained, tiny_run):
+    tiny_run(noise_multiplier=5.0, batch_size=8, lr=3e-4)
     policy = json.loads((tmp_path / "run" / "privacy" / "policy.json").read_text())
     assert [(b, lr) for _, b, lr in trained] == [(8, pytest.approx(3e-4))] * 3
     assert all(
