@@ -21,12 +21,13 @@ import datasets
 import torch
 import transformers
 
-from clinfed.baselines import i2b2_dictionary, mimic3_frequency, mimic3_keyword
 from clinfed.errors import ProblemLog
 from clinfed.pipeline import RunConfig, run_training
 from clinfed.runs import atomic_write_json, atomic_write_text, read_jsonl
 from clinfed.tasks import get_task
+from clinfed.tasks.i2b2.baselines import i2b2_dictionary
 from clinfed.tasks.i2b2.synth import generate as synth_i2b2
+from clinfed.tasks.mimic3.baselines import mimic3_frequency, mimic3_keyword
 from clinfed.tasks.mimic3.synth import generate as synth_mimic3
 
 

@@ -41,12 +41,12 @@ from pathlib import Path
 
 import torch
 
-from clinfed.baselines import i2b2_dictionary
 from clinfed.errors import ProblemLog
 from clinfed.inference import evaluate_run
 from clinfed.pipeline import RunConfig, run_training
 from clinfed.runs import atomic_write_json, atomic_write_text
 from clinfed.tasks.i2b2.adapter import I2b2Task
+from clinfed.tasks.i2b2.baselines import i2b2_dictionary
 
 CORPORA = Path(__file__).resolve().parents[2] / "shared" / "corpora"
 CORPUS = CORPORA / "bc5cdr"

@@ -125,12 +125,10 @@ def synthesize(
 ) -> Path:
     """Write a synthetic multi-site corpus in the task's real format
     (never real patients); returns ``out``."""
+    from clinfed.tasks import TASKS
+
     with _library_call():
-        if task == "i2b2":
-            from clinfed.tasks.i2b2.synth import generate
-        elif task == "mimic3":
-            from clinfed.tasks.mimic3.synth import generate
-        else:
-            raise ClinfedError(f"task must be i2b2 or mimic3, not {task!r}")
-        generate(Path(out), sites=sites, docs=docs, seed=seed)
+        if task not in TASKS:
+            raise ClinfedError(f"task must be one of {', '.join(TASKS)}, not {task!r}")
+        TASKS[task].synthesize(Path(out), sites=sites, docs=docs, seed=seed)
         return Path(out)

@@ -419,13 +419,12 @@ class RunConfig(
             check_bounds(f, getattr(self, f.name))
         strategy = STRATEGIES[self.strategy]
         strategy.make_options(self.strategy_options, self.strategy)  # raises on bad options
+        strategy.check_config(self)
         task = TASKS[self.task]
         if self.labels is not None and not task.accepts_fixed_labels:
             raise ClinfedError(
                 f"--labels (a fixed label list) does not apply to --task {self.task}"
             )
-        if self.adapter != "none" and self.strategy == "pfeddc":
-            raise ClinfedError("--adapter: pfeddc trains prompts on a frozen encoder already")
         if self.partition != "sites" and self.clients < 1:
             raise ClinfedError(f"--partition {self.partition} needs --clients N")
         if self.partition == "sites" and self.clients:

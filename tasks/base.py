@@ -98,6 +98,15 @@ class Corpus:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class ScoreTable:
+    """A table of scores for a person (``clinfed score`` prints it)."""
+
+    title: str
+    columns: tuple[str, ...]
+    rows: list[tuple[str, ...]]
+
+
 class Task(ABC):
     """A clinical task: formats in, examples, metrics and formats out."""
 
@@ -114,6 +123,48 @@ class Task(ABC):
     labels_from_data: ClassVar[bool] = False
     # Where the label set comes from, in words (the report states it).
     label_source: str = "fixed by the task"
+    # The task in words (the report's header).
+    description: ClassVar[str] = ""
+    # What one record of its corpus is, plural (``clinfed data synth``).
+    records: ClassVar[str] = "documents"
+    # The model-free baselines it offers (``clinfed baseline --kind``).
+    baselines: ClassVar[tuple[str, ...]] = ()
+
+    # The parts of the command line a task owns: the CLI and the Python API
+    # dispatch to these through :data:`clinfed.tasks.TASKS`, never by name.
+    @classmethod
+    def synthesize(cls, out: Path, *, sites: int, docs: int, seed: int, **options) -> dict:
+        """Write a synthetic multi-site corpus in the task's real format
+        (``options``: the generator's own, such as ``heterogeneity``);
+        returns ``{"train": n, "test": m}`` records written."""
+        raise ClinfedError(f"task {cls.name} has no synthetic corpus")
+
+    @classmethod
+    def score(cls, gold: Path, pred: Path, problems: ProblemLog, **options) -> dict[str, Any]:
+        """Score prediction files in the task's format against a gold corpus
+        (``options``: the task's settings, such as ``types`` or ``codes``)."""
+        raise ClinfedError(f"task {cls.name} cannot score prediction files")
+
+    @classmethod
+    def score_tables(cls, result: dict[str, Any]) -> tuple[list[ScoreTable], list[str]]:
+        """``result`` of :meth:`score` as tables for a person, and warnings."""
+        rows = [(k, f"{v:.4f}") for k, v in result.items() if isinstance(v, float)]
+        return [ScoreTable(f"{cls.name} scores", ("metric", "value"), rows)], []
+
+    def baseline(self, kind: str, corpus: Corpus) -> dict[str, Any]:
+        """Score model-free baseline ``kind`` (one of :attr:`baselines`) on
+        ``corpus``'s held-out split."""
+        raise ClinfedError(f"baseline {kind} does not apply to {self.name}")
+
+    @classmethod
+    def check_deployment(cls, config: Any) -> None:
+        """Refuse settings a Flower run cannot honour (no server sees the
+        sites' data); ``config`` is the run's resolved settings."""
+        if cls.labels_from_data and not config.labels:
+            raise ClinfedError(
+                f"--task {cls.name} on Flower needs --labels FILE (the labels to predict): "
+                "otherwise they come from pooled training data, which no server sees"
+            )
 
     @abstractmethod
     def load(self, data: Path, problems: ProblemLog) -> Corpus:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from clinfed.baselines import i2b2_dictionary
 from clinfed.errors import ProblemLog
 from clinfed.pipeline import RunConfig, run_training
 from clinfed.tasks.i2b2.adapter import I2b2Task
+from clinfed.tasks.i2b2.baselines import i2b2_dictionary
 from clinfed.tasks.i2b2.synth import generate
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import filecmp
 from collections import Counter
 
-from clinfed.baselines import dictionary_concepts
 from clinfed.errors import ProblemLog
 from clinfed.tasks.i2b2 import synth as i2b2_synth
+from clinfed.tasks.i2b2.baselines import dictionary_concepts
 from clinfed.tasks.i2b2.format import read_corpus
 from clinfed.tasks.i2b2.metrics import score_concepts
 from clinfed.tasks.mimic3 import synth as mimic_synth

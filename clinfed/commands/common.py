@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 
 from clinfed.settings import schema_fields
+from clinfed.tasks import TASKS
 
 app = typer.Typer(
     help="Federated training of clinical NLP models with privacy accounting.",
@@ -88,9 +89,9 @@ def progress_disabled() -> bool:
     return log.getEffectiveLevel() > logging.INFO or not err.is_terminal
 
 
-class TaskName(str, Enum):
-    i2b2 = "i2b2"
-    mimic3 = "mimic3"
+# The task names and baselines, from the task registry (clinfed.tasks.TASKS).
+TaskName = Enum("TaskName", {name: name for name in TASKS}, type=str)
+TASK_HELP = f"The task: {', '.join(TASKS)}."
 
 
 class OnError(str, Enum):
@@ -109,10 +110,14 @@ class Heterogeneity(str, Enum):
     strong = "strong"
 
 
-class BaselineKind(str, Enum):
-    dictionary = "dictionary"
-    frequency = "frequency"
-    keyword = "keyword"
+BaselineKind = Enum(
+    "BaselineKind",
+    {kind: kind for task in TASKS.values() for kind in task.baselines},
+    type=str,
+)
+BASELINE_HELP = "; ".join(
+    f"{name}: {' or '.join(task.baselines)}" for name, task in TASKS.items() if task.baselines
+)
 
 
 ON_ERROR = typer.Option(

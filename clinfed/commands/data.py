@@ -9,10 +9,12 @@ import typer
 from rich.table import Table
 
 from clinfed.commands.common import (
+    BASELINE_HELP,
     CODES,
     FORMAT,
     JSON,
     ON_ERROR,
+    TASK_HELP,
     TYPES,
     BaselineKind,
     CodeKind,
@@ -34,7 +36,7 @@ app.add_typer(data_app, name="data")
 # ---------------------------------------------------------------- data
 @data_app.command("synth")
 def data_synth(
-    task: TaskName = typer.Argument(..., help="i2b2 or mimic3."),
+    task: TaskName = typer.Argument(..., help=TASK_HELP),
     out_dir: Path = typer.Option(
         ..., "--out", help="Folder to write (must not hold a corpus yet)."
     ),
@@ -56,25 +58,13 @@ def data_synth(
     from clinfed.runs import ensure_new_run_folder
 
     ensure_new_run_folder(out_dir, "corpus")
-    if task is TaskName.i2b2:
-        from clinfed.tasks.i2b2.synth import generate
+    from clinfed.tasks import TASKS
 
-        counts = generate(
-            out_dir, sites=sites, docs=docs, seed=seed, heterogeneity=heterogeneity.value
-        )
-        unit = "documents"
-    else:
-        from clinfed.tasks.mimic3.synth import generate
-
-        counts = generate(
-            out_dir,
-            sites=sites,
-            docs=docs,
-            seed=seed,
-            canary=canary,
-            heterogeneity=heterogeneity.value,
-        )
-        unit = "admissions"
+    handler = TASKS[task.value]
+    counts = handler.synthesize(
+        out_dir, sites=sites, docs=docs, seed=seed, canary=canary, heterogeneity=heterogeneity.value
+    )
+    unit = handler.records
     out.print(
         f"wrote {counts['train']} training and {counts['test']} test {unit} "
         f"from {sites} sites to {out_dir}"
@@ -115,7 +105,7 @@ def data_convert(
 @data_app.command("check")
 def data_check(
     data: Path = typer.Argument(..., help="Corpus folder."),
-    task: TaskName = typer.Option(..., "--task", help="i2b2 or mimic3."),
+    task: TaskName = typer.Option(..., "--task", help=TASK_HELP),
     on_error: OnError = ON_ERROR,
     codes: CodeKind = CODES,
     annotation_format: str = FORMAT,
@@ -160,7 +150,7 @@ def data_fingerprint_command(
 # --------------------------------------------------------------- score
 @app.command("score")
 def score(
-    task: TaskName = typer.Option(..., "--task", help="i2b2 or mimic3."),
+    task: TaskName = typer.Option(..., "--task", help=TASK_HELP),
     gold: Path = typer.Option(..., "--gold", help="Gold corpus folder."),
     pred: Path = typer.Option(
         ..., "--pred", help="i2b2: folder of .con files; mimic3: predictions.csv."
@@ -170,55 +160,42 @@ def score(
     as_json: bool = JSON,
 ) -> None:
     """Score predictions: i2b2 exact/inexact P/R/F1; mimic3 F1, AUC, P@k."""
-    from clinfed.scoring import score_i2b2, score_mimic3
+    from clinfed.tasks import TASKS
 
+    handler = TASKS[task.value]
     problems = ProblemLog("strict")
-    if task is TaskName.i2b2:
-        result = score_i2b2(gold, pred, problems, types)
-    else:
-        result = score_mimic3(gold, pred, codes.value, problems)
+    result = handler.score(gold, pred, problems, types=types, codes=codes.value)
     if as_json:
         _print_json(result)
         return
-    if task is TaskName.i2b2:
-        table = Table(title=f"i2b2 concepts ({result['documents']} documents)")
-        for column in ("mode", "type", "precision", "recall", "f1", "gold", "predicted"):
-            table.add_column(column, justify="left" if column in ("mode", "type") else "right")
-        for mode in ("exact", "inexact"):
-            for kind, s in result[mode].items():
-                table.add_row(
-                    mode,
-                    kind,
-                    f"{s['precision']:.4f}",
-                    f"{s['recall']:.4f}",
-                    f"{s['f1']:.4f}",
-                    str(s["n_gold"]),
-                    str(s["n_pred"]),
-                )
+    tables, warnings = handler.score_tables(result)
+    for scores in tables:
+        table = Table(title=scores.title)
+        for number, column in enumerate(scores.columns):
+            # Names to the left, figures to the right.
+            left = all(not _is_figure(row[number]) for row in scores.rows)
+            table.add_column(column, justify="left" if left else "right")
+        for row in scores.rows:
+            table.add_row(*row)
         out.print(table)
-        if result["missing_predictions"]:
-            missing = len(result["missing_predictions"])
-            err.print(f"warning: {missing} gold documents have no prediction file")
-    else:
-        table = Table(
-            title=f"ICD-9 coding ({result['admissions']} admissions, {result['labels']} codes)"
-        )
-        table.add_column("metric")
-        table.add_column("value", justify="right")
-        for key, value in result.items():
-            if key not in ("admissions", "labels", "f1"):
-                table.add_row(key, f"{value:.4f}")
-        out.print(table)
+    for warning in warnings:
+        err.print(f"warning: {warning}")
+
+
+def _is_figure(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 # ------------------------------------------------------------- baseline
 @app.command("baseline")
 def baseline(
-    task: TaskName = typer.Option(..., "--task", help="i2b2 or mimic3."),
+    task: TaskName = typer.Option(..., "--task", help=TASK_HELP),
     data: Path = typer.Option(..., "--data", help="Corpus folder."),
-    kind: BaselineKind = typer.Option(
-        ..., "--kind", help="i2b2: dictionary; mimic3: frequency or keyword."
-    ),
+    kind: BaselineKind = typer.Option(..., "--kind", help=BASELINE_HELP + "."),
     codes: CodeKind = CODES,
     top_k: int = typer.Option(
         50, "--top-k", help="mimic3: keep the K most frequent codes (0: all)."
@@ -229,14 +206,9 @@ def baseline(
     as_json: bool = JSON,
 ) -> None:
     """Score a model-free baseline on the held-out split."""
-    from clinfed.baselines import i2b2_dictionary, mimic3_frequency, mimic3_keyword
-    from clinfed.tasks import get_task
+    from clinfed.tasks import TASKS, get_task
 
-    valid = {
-        TaskName.i2b2: {BaselineKind.dictionary},
-        TaskName.mimic3: {BaselineKind.frequency, BaselineKind.keyword},
-    }
-    if kind not in valid[task]:
+    if kind.value not in TASKS[task.value].baselines:
         raise ClinfedError(f"--kind {kind.value} does not apply to {task.value}")
     handle = get_task(
         task.value,
@@ -247,23 +219,7 @@ def baseline(
         types=types,
     )
     corpus = handle.load(data, ProblemLog("strict"))
-    if task is TaskName.i2b2:
-        result = i2b2_dictionary(corpus.train, corpus.test, handle.entity_types)
-    else:
-        ks = (5,) if len(handle.labels) <= 50 else (8, 15)
-        if kind is BaselineKind.frequency:
-            result = mimic3_frequency(
-                corpus.train["codes"], corpus.test["codes"], handle.labels, ks
-            )
-        else:
-            result = mimic3_keyword(
-                corpus.train["text"],
-                corpus.train["codes"],
-                corpus.test["text"],
-                corpus.test["codes"],
-                handle.labels,
-                ks,
-            )
+    result = handle.baseline(kind.value, corpus)
     if as_json:
         _print_json(result)
     else:

@@ -201,16 +201,8 @@ def flower_run_config(settings: dict[str, Any], out: Path, resume: bool = False)
     if config.fraction != 1.0:
         raise ClinfedError("--fraction: not a Flower setting yet (every connected node trains)")
     config = config.replace(out=str(Path(out).resolve()), resume=resume)
-    if config.task in TASKS and TASKS[config.task].labels_from_data and not config.labels:
-        raise ClinfedError(
-            f"--task {config.task} on Flower needs --labels FILE (the labels to predict): "
-            "otherwise they come from pooled training data, which no server sees"
-        )
-    if config.task == "i2b2" and config.format in ("conll", "brat") and not config.types:
-        raise ClinfedError(
-            f"--format {config.format} on Flower needs --types (the entity types to predict): "
-            "otherwise they come from pooled training data, which no server sees"
-        )
+    if config.task in TASKS:
+        TASKS[config.task].check_deployment(config)
     if config.strategy in STRATEGIES and STRATEGIES[config.strategy].pooled:
         raise ClinfedError(f"--strategy {config.strategy} pools the data: it has no Flower form")
     config.validate(check_data=False)

@@ -20,6 +20,7 @@ from typing import Any
 import matplotlib
 
 from clinfed.errors import ClinfedError
+from clinfed.federated.strategies import STRATEGIES
 from clinfed.privacy.accountant import (
     ACCOUNTANT,
     REFERENCE_ACCOUNTANT,
@@ -33,10 +34,18 @@ from clinfed.settings import read_run_config
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-TASK_WORDS = {
-    "i2b2": "i2b2 2010 concept extraction",
-    "mimic3": "MIMIC-III ICD-9 coding",
-}
+
+def _pooled(strategy: Any) -> bool:
+    """Whether the run pooled every site's data (no federation)."""
+    return strategy in STRATEGIES and STRATEGIES[strategy].pooled
+
+
+def _task_words(name: str) -> str:
+    """The task in words, as the task describes itself."""
+    from clinfed.tasks import TASKS
+
+    task = TASKS.get(name)
+    return task.description if task is not None and task.description else name
 
 
 def _load(run: Path) -> dict[str, Any]:
@@ -195,7 +204,7 @@ def _site_rows(run_data: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _selection_text(config: dict[str, Any], policy: dict[str, Any] | None) -> str:
     strategy = config.get("strategy", "")
-    if not strategy.startswith("safl"):
+    if not (strategy in STRATEGIES and STRATEGIES[strategy].selects_layers):
         return (
             f"{strategy}: what each site sends is fixed by the strategy; no data-dependent choice."
         )
@@ -234,7 +243,7 @@ def _reference_f1(run: Path, config: dict[str, Any], reference: Path | None) -> 
 
 def _header(run: Path, run_data: dict[str, Any], raw: dict[str, Any]) -> list[tuple[str, str]]:
     config, summary = run_data["config"], run_data["summary"]
-    pooled = config.get("strategy") == "centralized"
+    pooled = _pooled(config.get("strategy"))
     records = run_data["records"]
     done = max((r["round"] for r in records if "client" not in r and "round" in r), default=0)
     recorded = raw.get("versions") or {}
@@ -246,7 +255,7 @@ def _header(run: Path, run_data: dict[str, Any], raw: dict[str, Any]) -> list[tu
         ("Run folder", str(run.resolve())),
         ("Report written", datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")),
         ("Run started", str(raw.get("written", "not recorded"))),
-        ("Task", TASK_WORDS.get(str(config.get("task")), str(config.get("task")))),
+        ("Task", _task_words(str(config.get("task")))),
         ("Strategy", str(config.get("strategy"))),
         ("Model", f"{config.get('model')} (adapter: {config.get('adapter', 'none')})"),
     ]
@@ -492,7 +501,7 @@ def build(run: Path, reference: Path | None = None) -> dict[str, Any]:
     check_ledgers(run, run_data)
     config, policy, summary = run_data["config"], run_data["policy"], run_data["summary"]
     raw = json.loads((run / "config.json").read_text())
-    pooled = config.get("strategy") == "centralized"
+    pooled = _pooled(config.get("strategy"))
     private = policy is not None
     not_private = summary.get("not_private") or next(
         (

@@ -22,7 +22,7 @@ from torch.nn import functional as F
 
 from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.models import special_tokens
-from clinfed.tasks.base import SPLIT_KEY, Corpus, Task, rows_to_dataset
+from clinfed.tasks.base import SPLIT_KEY, Corpus, ScoreTable, Task, rows_to_dataset
 from clinfed.tasks.i2b2.bio import decode_tags, encode_tags
 from clinfed.tasks.i2b2.brat import read_brat
 from clinfed.tasks.i2b2.conll import conll_files, read_conll
@@ -148,6 +148,52 @@ class I2b2Task(Task):
     name = "i2b2"
     head = "token"
     defaults = {"max_length": 128, "batch_size": 16, "lr": 1e-4, "head_lr": 1e-3}
+    description = "i2b2 2010 concept extraction"
+    records = "documents"
+    baselines = ("dictionary",)
+
+    @classmethod
+    def synthesize(cls, out: Path, *, sites: int, docs: int, seed: int, **options) -> dict:
+        from clinfed.tasks.i2b2.synth import generate
+
+        heterogeneity = options.get("heterogeneity", "normal")
+        return generate(out, sites=sites, docs=docs, seed=seed, heterogeneity=heterogeneity)
+
+    @classmethod
+    def score(cls, gold: Path, pred: Path, problems: ProblemLog, **options) -> dict[str, Any]:
+        from clinfed.tasks.i2b2.scoring import score_i2b2
+
+        return score_i2b2(gold, pred, problems, options.get("types"))
+
+    @classmethod
+    def score_tables(cls, result: dict[str, Any]) -> tuple[list[ScoreTable], list[str]]:
+        rows = [
+            (mode, kind, *(f"{s[k]:.4f}" for k in ("precision", "recall", "f1")))
+            + (str(s["n_gold"]), str(s["n_pred"]))
+            for mode in ("exact", "inexact")
+            for kind, s in result[mode].items()
+        ]
+        columns = ("mode", "type", "precision", "recall", "f1", "gold", "predicted")
+        table = ScoreTable(f"i2b2 concepts ({result['documents']} documents)", columns, rows)
+        missing = len(result["missing_predictions"])
+        warnings = [f"{missing} gold documents have no prediction file"] if missing else []
+        return [table], warnings
+
+    def baseline(self, kind: str, corpus: Corpus) -> dict[str, Any]:
+        from clinfed.tasks.i2b2.baselines import i2b2_dictionary
+
+        if kind not in self.baselines:
+            return super().baseline(kind, corpus)
+        return i2b2_dictionary(corpus.train, corpus.test, self.entity_types)
+
+    @classmethod
+    def check_deployment(cls, config: Any) -> None:
+        super().check_deployment(config)
+        if config.format in ("conll", "brat") and not config.types:
+            raise ClinfedError(
+                f"--format {config.format} on Flower needs --types (the entity types to "
+                "predict): otherwise they come from pooled training data, which no server sees"
+            )
 
     def __init__(
         self,

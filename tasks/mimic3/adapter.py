@@ -33,7 +33,7 @@ from torch.nn import functional as F
 from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.models import special_tokens
 from clinfed.runs import atomic_write_text
-from clinfed.tasks.base import SPLIT_KEY, Corpus, Task
+from clinfed.tasks.base import SPLIT_KEY, Corpus, ScoreTable, Task
 from clinfed.tasks.mimic3.format import (
     find_file,
     patient_split,
@@ -127,6 +127,51 @@ class Mimic3Task(Task):
     # (more steps) and a fast head.
     defaults = {"max_length": 256, "batch_size": 8, "lr": 5e-5, "head_lr": 1e-2}
     accepts_fixed_labels = True
+    description = "MIMIC-III ICD-9 coding"
+    records = "admissions"
+    baselines = ("frequency", "keyword")
+
+    @classmethod
+    def synthesize(cls, out: Path, *, sites: int, docs: int, seed: int, **options) -> dict:
+        from clinfed.tasks.mimic3.synth import generate
+
+        return generate(
+            out,
+            sites=sites,
+            docs=docs,
+            seed=seed,
+            canary=options.get("canary"),
+            heterogeneity=options.get("heterogeneity", "normal"),
+        )
+
+    @classmethod
+    def score(cls, gold: Path, pred: Path, problems: ProblemLog, **options) -> dict[str, Any]:
+        from clinfed.tasks.mimic3.scoring import score_mimic3
+
+        return score_mimic3(gold, pred, options.get("codes") or "diagnoses", problems)
+
+    @classmethod
+    def score_tables(cls, result: dict[str, Any]) -> tuple[list[ScoreTable], list[str]]:
+        rows = [
+            (key, f"{value:.4f}")
+            for key, value in result.items()
+            if key not in ("admissions", "labels", "f1")
+        ]
+        title = f"ICD-9 coding ({result['admissions']} admissions, {result['labels']} codes)"
+        return [ScoreTable(title, ("metric", "value"), rows)], []
+
+    def baseline(self, kind: str, corpus: Corpus) -> dict[str, Any]:
+        from clinfed.tasks.mimic3.baselines import mimic3_frequency, mimic3_keyword
+
+        ks = (5,) if len(self.labels) <= 50 else (8, 15)
+        train, test = corpus.train, corpus.test
+        if kind == "frequency":
+            return mimic3_frequency(train["codes"], test["codes"], self.labels, ks)
+        if kind == "keyword":
+            return mimic3_keyword(
+                train["text"], train["codes"], test["text"], test["codes"], self.labels, ks
+            )
+        return super().baseline(kind, corpus)
 
     def __init__(
         self,

@@ -120,6 +120,9 @@ class Strategy(ABC):
     uploads
         False when sites never send anything (local): nothing to aggregate,
         securely or not.
+    selects_layers
+        True when what travels is chosen from data each round (SAFL's
+        top-K layers): the report explains how that choice was made.
     """
 
     name: ClassVar[str]
@@ -131,8 +134,15 @@ class Strategy(ABC):
     training_defaults: ClassVar[Mapping[str, Any]] = {}
     trainings_per_round: ClassVar[int] = 1
     uploads: ClassVar[bool] = True
+    selects_layers: ClassVar[bool] = False
 
     # ------------------------------------------------------------- building
+    @classmethod
+    def check_config(cls, config: Any) -> None:
+        """Refuse run settings this strategy cannot honour (``config``: the
+        run's settings, checked with the rest of them)."""
+        del config  # most strategies take any
+
     @classmethod
     def make_options(cls, values: Mapping[str, Any], name: str | None = None) -> Any:
         """The options dataclass from ``values``; a key another strategy

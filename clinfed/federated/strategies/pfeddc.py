@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -58,6 +59,12 @@ class PFedDCOptions:
 
 class PFedDC(Strategy):
     name = "pfeddc"
+
+    @classmethod
+    def check_config(cls, config: Any) -> None:
+        if config.adapter != "none":
+            raise ClinfedError("--adapter: pfeddc trains prompts on a frozen encoder already")
+
     summary = "personalized prompts on a frozen encoder; only shared prompts travel"
     options = PFedDCOptions
     shares_model = False  # each site keeps its own local prompt, fusion and head

@@ -99,6 +99,7 @@ class SAFL(Strategy):
     """
 
     name = "safl"
+    selects_layers = True
     summary = "each round only the top-K layers by attention to task tokens (and the head) travel"
     options = SAFLOptions
 

@@ -1,4 +1,4 @@
-"""Score prediction files against a gold corpus (``clinfed score``)."""
+"""Score a MIMIC-III ``predictions.csv`` against a gold corpus (``clinfed score``)."""
 
 from __future__ import annotations
 
@@ -9,59 +9,7 @@ from typing import Any
 import numpy as np
 
 from clinfed.errors import ClinfedError, ProblemLog
-from clinfed.tasks.i2b2.format import read_con, read_corpus
-from clinfed.tasks.i2b2.metrics import score_concepts
-from clinfed.tasks.i2b2.schema import CONCEPT_TYPES, PRESET, TypeNames, parse_types, run_types
-from clinfed.tasks.mimic3.adapter import Mimic3Task
 from clinfed.tasks.mimic3.metrics import multilabel_metrics
-
-
-def score_i2b2(
-    gold_dir: Path, pred_dir: Path, problems: ProblemLog, types: str | None = None
-) -> dict[str, Any]:
-    """Exact and inexact scores of the ``.con`` files under ``pred_dir``.
-
-    Types are the i2b2 preset's unless ``types`` declares others (as
-    ``--types`` does for training: ``Disease,Chemical``).
-
-    Predicted files pair with gold documents by file stem and are validated
-    against the gold text. Every gold document needs a predicted file (an
-    empty one predicts no concept); a missing one is an error, or with
-    ``--on-error skip`` scored as predicting nothing and reported
-    (``missing_predictions``).
-    """
-    pred_dir = Path(pred_dir)
-    if not pred_dir.is_dir():
-        raise ClinfedError(f"--pred {pred_dir}: not a folder")
-    declared = parse_types(types)
-    names = TypeNames(declared) if declared else PRESET
-    kinds = run_types(declared.values()) if declared else CONCEPT_TYPES
-    gold_docs = [d for d in read_corpus(gold_dir, problems, names) if d.annotated]
-    if not gold_docs:
-        raise ClinfedError(f"--gold {gold_dir}: no annotated documents (.con files)")
-    by_stem = {d.doc_id: d for d in gold_docs}
-    predicted: dict[str, list] = {}
-    for path in sorted(pred_dir.rglob("*.con")):
-        doc = by_stem.get(path.stem)
-        if doc is None:
-            problems.add(path, None, "no gold document with this name")
-            continue
-        if path.stem in predicted:
-            problems.add(path, None, "second prediction file for the same document")
-            continue
-        predicted[path.stem] = read_con(path, doc.lines, problems, names)
-    for stem in sorted(set(by_stem) - set(predicted)):
-        problems.add(
-            by_stem[stem].con_path,
-            None,
-            f"no prediction ({stem}.con) under --pred {pred_dir} for this gold document",
-        )
-    problems.raise_if_any()
-    gold = {d.doc_id: d.concepts for d in gold_docs}
-    result: dict[str, Any] = dict(score_concepts(gold, predicted, kinds))
-    result["documents"] = len(gold)
-    result["missing_predictions"] = sorted(set(gold) - set(predicted))
-    return result
 
 
 def score_mimic3(
@@ -75,6 +23,8 @@ def score_mimic3(
     pred_file = Path(pred_file)
     if not pred_file.is_file():
         raise ClinfedError(f"--pred {pred_file}: not a file")
+    from clinfed.tasks.mimic3.adapter import Mimic3Task
+
     task = Mimic3Task(codes=codes)
     gold = task.read_documents(Path(gold_dir), problems)
     gold_codes = dict(zip(gold["hadm_id"], gold["codes"]))
