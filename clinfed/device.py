@@ -64,3 +64,14 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(
         device_type=device.type, dtype=torch.bfloat16, enabled=precision == "bf16"
     )
+
+
+def use_threads(*choices: int | None) -> int:
+    """Set torch's CPU thread count to the first choice given (a node's own,
+    then the run's ``--threads``), else every core; returns it. The one
+    place any runner sets it."""
+    import os
+
+    count = next((c for c in choices if c), None) or os.cpu_count() or 1
+    torch.set_num_threads(count)
+    return count

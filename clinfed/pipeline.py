@@ -22,7 +22,6 @@ over Flower (:func:`run_federation`).
 from __future__ import annotations
 
 import math
-import os
 import tempfile
 import time
 from collections import Counter
@@ -44,13 +43,12 @@ from clinfed.adapters import (
     shared_names,
     shared_state,
 )
-from clinfed.device import resolve_device
+from clinfed.device import resolve_device, use_threads
 from clinfed.errors import ClinfedError, ProblemLog
-from clinfed.federated.client import LocalSettings
 from clinfed.federated.engine import RoundEngine
 from clinfed.federated.inprocess import InProcessTransport
 from clinfed.federated.partition import partition
-from clinfed.federated.site import SiteRunner
+from clinfed.federated.site import build_site_runner, check_delta_cap
 from clinfed.federated.state import check_metrics
 from clinfed.federated.strategies import STRATEGIES, Strategy, StrategyContext
 from clinfed.federated.summation import PlainSummation, Summation
@@ -183,7 +181,7 @@ def run_training(config: RunConfig, report: Reporter = _quiet) -> dict[str, Any]
 
 def _train(config: RunConfig, report: Reporter) -> dict[str, Any]:
     strategy_cls = STRATEGIES[config.strategy]
-    torch.set_num_threads(config.threads or os.cpu_count() or 1)
+    use_threads(config.threads)
     device = resolve_device(config.device)  # a device this machine lacks: exit 2 now
     problems = ProblemLog(config.on_error)
     # Tokenized notes are protected health information: unless the user names
@@ -226,6 +224,8 @@ def _train(config: RunConfig, report: Reporter) -> dict[str, Any]:
                     strategy,
                 )
                 problems.problems.extend(policies[client].warnings)
+                # The same cap a node applies by default (max-delta).
+                check_delta_cap(config.delta, policies[client].sizes[client])
             if not config.resume:
                 _check_round_one(policies)
         if not config.resume:
@@ -474,18 +474,6 @@ def summation(config: RunConfig) -> Summation:
     return PlainSummation()
 
 
-def local_settings(config: RunConfig) -> LocalSettings:
-    """How every site trains in a round (``config`` resolved)."""
-    return LocalSettings(
-        epochs=config.local_epochs,
-        batch_size=config.batch_size,
-        lr=config.lr,
-        head_lr=config.head_lr,
-        weight_decay=config.weight_decay,
-        precision=config.precision,
-    )
-
-
 def _pooled(prep: _Prepared, config: RunConfig, train, test, report: Reporter) -> dict:
     task, model = prep.task, prep.model
     optimizer = make_optimizer(model, config.lr, config.weight_decay, config.head_lr)
@@ -552,20 +540,18 @@ def _federated(
     initial = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     shared = {k: initial[k] for k in shared_state(model)}
     runners = {
-        client: SiteRunner(
+        client: build_site_runner(
+            config,
             client,
             task,
             model,
-            initial,
             site_strategy,
             train.select(idx),
             test.select(test_parts[client]),
             prep.corpus.test,
-            local_settings(config),
-            config.seed,
             _site_dir(config, client),
             SitePrivacy(policies[client], client) if client in policies else None,
-            config.eval_batch_size,
+            initial_state=initial,
             report=report,
             audit_dir=prep.out / AUDIT_UPDATES if config.audit_holdout else None,
         )

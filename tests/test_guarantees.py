@@ -621,3 +621,13 @@ def test_a_node_killed_around_its_charge_charges_the_round_once(i2b2_corpus, tmp
     lines = read_jsonl(ledger)
     assert [x["round"] for x in lines if x.get("state") == "charged"] == [1]
     assert [x["round"] for x in lines if x.get("released")] == [1]
+
+
+def test_an_in_process_site_caps_delta_as_a_node_does(tmp_path, tiny_run):
+    # One site builder for both transports: the default cap 1/(10 n) that a
+    # node applies holds in-process too (a delta near 1/n lets one unit out).
+    from clinfed.errors import ClinfedError
+
+    with pytest.raises(ClinfedError, match=r"above this site's cap"):
+        tiny_run(target_epsilon=8.0, delta=0.01)
+    assert not (tmp_path / "run").exists()

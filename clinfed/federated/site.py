@@ -527,3 +527,71 @@ def secure_reply(state_dir: Path, message: Any, min_group: int = 2) -> Any:
     name = secure.site_name(state_dir, message.round)
     tensors, part = secure.site_stage(state_dir, message.round, message.secure or {}, min_group)
     return Reply(site=name, upload=tensors, secure=part)
+
+
+def check_delta_cap(delta: float, units: int, cap: float | None = None) -> None:
+    """Refuse a DP run whose delta exceeds what the site allows: ``cap``
+    (a node's ``max-delta``), else ``1 / (10 n)`` for ``n`` privacy units (a
+    delta near ``1/n`` allows releasing a unit outright)."""
+    if not units:
+        return
+    limit = cap if cap is not None else 1 / (10 * units)
+    if delta > limit:
+        raise ClinfedError(
+            f"the run asks for delta {delta:g}, above this site's cap {limit:.3g} "
+            f"(node config max-delta; default 1/(10 n), n = {units} units): refused"
+        )
+
+
+def build_site_runner(
+    config: Any,
+    name: str,
+    task: Task,
+    model: nn.Module,
+    strategy: Strategy,
+    train: datasets.Dataset,
+    test: datasets.Dataset,
+    test_records: Any,
+    state_dir: Path,
+    privacy: SitePrivacy | None,
+    **where: Any,
+) -> SiteRunner:
+    """One site's runner, built the same way for every transport.
+
+    ``config`` is the run's resolved settings; what the run's rounds,
+    seed, local training and evaluation batch are comes from it alone.
+    ``where`` holds what differs by where the site lives (see
+    :class:`SiteRunner`): ``report``, ``audit_dir``, ``predictions_dir``,
+    ``meter_path``, ``max_evaluations``, ``run_name``, and
+    ``initial_state`` (default: the model's weights now, on the CPU).
+    """
+    from clinfed.federated.client import LocalSettings
+
+    initial = where.pop("initial_state", None)
+    if initial is None:
+        initial = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    settings = LocalSettings(
+        epochs=config.local_epochs,
+        batch_size=config.batch_size,
+        lr=config.lr,
+        head_lr=config.head_lr,
+        weight_decay=config.weight_decay,
+        precision=config.precision,
+    )
+    return SiteRunner(
+        name,
+        task,
+        model,
+        initial,
+        strategy,
+        train,
+        test,
+        test_records,
+        settings,
+        config.seed,
+        state_dir,
+        privacy,
+        config.eval_batch_size,
+        planned_rounds=config.rounds,
+        **where,
+    )

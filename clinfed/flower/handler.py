@@ -10,13 +10,13 @@ run, not once per message.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
 from flwr.app import RecordDict
 
+from clinfed.device import use_threads
 from clinfed.errors import ClinfedError
 from clinfed.federated.site import secure_reply
 from clinfed.flower.node import NodeConfig, NodeSite, safe_run_name
@@ -92,9 +92,7 @@ def answer(
         site = cache.get(config, node, run)
         # The thread count is the node's (or the run's), whatever the
         # worker last used.
-        import torch
-
-        torch.set_num_threads(node.threads or config.threads or os.cpu_count() or 1)
+        use_threads(node.threads, config.threads)
         try:
             reply = site.runner.handle(message)
         except BaseException:

@@ -93,7 +93,6 @@ Nothing here imports Flower: :func:`build_site` returns the same
 
 from __future__ import annotations
 
-import os
 import re
 import tempfile
 from collections.abc import Mapping
@@ -102,11 +101,10 @@ from pathlib import Path
 from typing import Any
 
 import datasets
-import torch
 
-from clinfed.device import resolve_device
+from clinfed.device import resolve_device, use_threads
 from clinfed.errors import ClinfedError, ProblemLog
-from clinfed.federated.site import SiteRunner
+from clinfed.federated.site import build_site_runner, check_delta_cap
 from clinfed.flower.cache import (
     Encoded,
     EncodedCache,
@@ -117,7 +115,6 @@ from clinfed.flower.cache import (
 from clinfed.models import MINILM, TINY, checkpoint_dir, load_tokenizer
 from clinfed.pipeline import (
     RunConfig,
-    local_settings,
     make_model,
     make_strategy,
     make_task,
@@ -404,7 +401,7 @@ class NodeSite:
     tokenized data lives in (removed by :meth:`close`)."""
 
     def __init__(self, config: RunConfig, node: NodeConfig, run_name: str):
-        torch.set_num_threads(node.threads or config.threads or os.cpu_count() or 1)
+        use_threads(node.threads, config.threads)
         # The site's own policy, whatever the server's run config says.
         node.check(config)
         device = resolve_device(node.device)  # the node's; one it lacks: refused now
@@ -431,12 +428,8 @@ class NodeSite:
             name, train, test = encoded.site, encoded.train, encoded.test
             test_records = encoded.test_records
             units = task.count_units(train, config.privacy_unit)
-            cap = node.max_delta if node.max_delta is not None else 1 / (10 * max(units, 1))
-            if config.dp and units and config.delta > cap:
-                raise ClinfedError(
-                    f"the run asks for delta {config.delta:g}, above this site's cap {cap:.3g} "
-                    f"(node config max-delta; default 1/(10 n), n = {units} units): refused"
-                )
+            if config.dp:
+                check_delta_cap(config.delta, units, node.max_delta)
             model = make_model(config, task).to(device)
             strategy = make_strategy(config, task, tokenizer, cache_dir)
             privacy = None
@@ -466,22 +459,18 @@ class NodeSite:
                     run=run_name,
                     mark=node.state / LEDGER_MARK,
                 ).mark_unprotected("trained without DP")
-            self.runner = SiteRunner(
+            self.runner = build_site_runner(
+                config,
                 name,
                 task,
                 model,
-                {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
                 strategy,
                 train,
                 test,
                 test_records,
-                local_settings(config),
-                config.seed,
                 folder,
                 privacy,
-                config.eval_batch_size,
                 predictions_dir=folder / "predictions",
-                planned_rounds=config.rounds,
                 # One meter per dataset, beside its ledger, across runs.
                 meter_path=node.state / "ledger" / f"{name}-{data_fp[:16]}.evaluations.json",
                 max_evaluations=node.max_evaluations,
