@@ -26,7 +26,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +62,7 @@ from clinfed.runs import (
     create_run_folder,
 )
 from clinfed.settings import RunConfig, load_file
-from clinfed.tasks import get_task
+from clinfed.tasks import TASKS, get_task
 from clinfed.tasks.base import Corpus, Task
 from clinfed.training import linear_schedule, make_optimizer, predict, train_epoch
 
@@ -392,19 +392,9 @@ def make_model(config: RunConfig, task: Task) -> nn.Module:
 
 def make_task(config: RunConfig, cache_dir: str) -> Task:
     """The run's task adapter, with its options."""
-    return get_task(
-        config.task,
-        codes=config.codes,
-        top_k=config.top_k,
-        max_chunks=config.max_chunks,
-        cache_dir=cache_dir,
-        labels=config.labels,
-        format=config.format,
-        types=config.types,
-        partial_labels=config.partial_labels,
-        private=config.dp,
-        annotated_types=config.annotated_types,
-    )
+    options = TASKS[config.task].options
+    values = {f.name: getattr(config, f.name) for f in fields(options)} if options else {}
+    return get_task(config.task, cache_dir=cache_dir, private=config.dp, **values)
 
 
 def make_strategy(config: RunConfig, task: Task, tokenizer: Any, cache_dir: str) -> Strategy:

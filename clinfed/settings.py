@@ -26,26 +26,12 @@ import math
 import types
 import typing
 from collections.abc import Mapping
-from dataclasses import MISSING, Field, asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, Field, asdict, dataclass, field, fields, make_dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from clinfed.errors import ClinfedError
-
-
-def setting(default: Any = None, help: str = "", **meta: Any) -> Any:  # noqa: A002
-    """A field of the schema.
-
-    ``meta`` may hold ``choices`` (allowed values), ``minimum`` / ``maximum``
-    (inclusive bounds), ``above`` (exclusive lower bound), ``allow_inf``
-    (``inf`` is a meaningful value), ``simulator_only`` (no Flower form) and
-    ``resumable`` (``--resume`` may change it: it does not change results).
-    """
-    if isinstance(default, (list, dict)):
-        return field(
-            default_factory=lambda: type(default)(default), metadata={"help": help, **meta}
-        )
-    return field(default=default, metadata={"help": help, **meta})
+from clinfed.schema import setting
 
 
 # ------------------------------------------------------------------ concerns
@@ -60,8 +46,8 @@ class RunSettings:
 
 
 @dataclass
-class DataSettings:
-    """Task and data: what is read and how it becomes examples."""
+class _DataBase:
+    """Task and data settings every task shares."""
 
     task: str = setting("i2b2", "Task: i2b2 (concept extraction) or mimic3 (ICD-9 coding).")
     data: str = setting(
@@ -77,47 +63,34 @@ class DataSettings:
     max_length: int | None = setting(
         None, "Encoder window in tokens (default: the task's).", minimum=8, maximum=512
     )
-    format: str = setting(
-        "auto",
-        "i2b2: the annotation format: i2b2 (.txt + .con), conll (token and tag columns, "
-        "IOB/IOB2/IOBES), brat (.txt + .ann standoff), or auto (detected from the files).",
-        choices=("auto", "i2b2", "conll", "brat"),
-    )
-    types: str | None = setting(
-        None,
-        "i2b2: the entity types to predict, declared: Disease=problem,Chemical=treatment maps "
-        'names, Disease,Chemical keeps them, or a .toml file of NAME = "TYPE" pairs. '
-        "Default: the i2b2 preset for .con files, the training split's types for CoNLL/BRAT.",
-    )
-    partial_labels: bool = setting(
-        True,
-        "i2b2: a site's O tokens are not evidence against a type the site never annotates "
-        "(partial-label loss); off: they train as plain O.",
-    )
-    annotated_types: str | None = setting(
-        None,
-        "i2b2 under DP: the types each site annotates, declared (beth=problem,test;"
-        "partners=problem). Under DP a site's set never comes from its data (one annotation "
-        "would move every sentence's loss): without this, partial labels are off under DP. "
-        "On Flower each node declares its own (node config annotated-types).",
-    )
-    codes: str = setting(
-        "diagnoses",
-        "mimic3: which ICD-9 codes are labels.",
-        choices=("diagnoses", "procedures", "both"),
-    )
-    top_k: int = setting(
-        50,
-        "mimic3: keep the first K codes of the public MIMIC-III-50 list (0: all of it).",
-        minimum=0,
-        maximum=100_000,
-    )
-    max_chunks: int = setting(8, "mimic3: windows kept per admission.", minimum=1, maximum=1_024)
-    labels: list[str] | None = setting(
-        None,
-        "mimic3: the codes to predict instead of the public list (a file: one per line, or "
-        "a run's labels.json).",
-    )
+
+
+def _with_task_options(base: type) -> type:
+    """``base`` plus every registered task's options (declared in the task's
+    own folder, ``tasks/<name>/options.py``), as one concern: flags, config
+    keys and ``config.json`` keep one flat name per setting."""
+    from clinfed.tasks import task_options
+
+    extra, owners = [], {f.name: "the run" for f in fields(base)}
+    for task, options in task_options().items():
+        hints = typing.get_type_hints(options)
+        for f in fields(options):
+            if f.name in owners:
+                raise TypeError(f"task {task}: option {f.name} is already {owners[f.name]}'s")
+            owners[f.name] = task
+            copy = (
+                field(default=f.default, metadata=f.metadata)
+                if f.default is not MISSING
+                else field(default_factory=f.default_factory, metadata=f.metadata)
+            )
+            extra.append((f.name, hints[f.name], copy))
+    made = make_dataclass("DataSettings", extra, bases=(base,))
+    made.__module__ = __name__
+    made.__doc__ = "Task and data: what is read and how it becomes examples."
+    return made
+
+
+DataSettings = _with_task_options(_DataBase)
 
 
 @dataclass

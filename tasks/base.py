@@ -123,6 +123,9 @@ class Task(ABC):
     labels_from_data: ClassVar[bool] = False
     # Where the label set comes from, in words (the report states it).
     label_source: str = "fixed by the task"
+    # Its settings (a dataclass of ``clinfed.schema.setting`` fields, in
+    # ``tasks/<name>/options.py``; composed into the run's schema).
+    options: ClassVar[type | None] = None
     # The task in words (the report's header).
     description: ClassVar[str] = ""
     # What one record of its corpus is, plural (``clinfed data synth``).

@@ -28,6 +28,7 @@ from clinfed.tasks.i2b2.brat import read_brat
 from clinfed.tasks.i2b2.conll import conll_files, read_conll
 from clinfed.tasks.i2b2.format import Document, read_corpus, write_con
 from clinfed.tasks.i2b2.metrics import prf, score_concepts
+from clinfed.tasks.i2b2.options import I2b2Options
 from clinfed.tasks.i2b2.schema import (
     CONCEPT_TYPES,
     OUTSIDE,
@@ -148,6 +149,7 @@ class I2b2Task(Task):
     name = "i2b2"
     head = "token"
     defaults = {"max_length": 128, "batch_size": 16, "lr": 1e-4, "head_lr": 1e-3}
+    options = I2b2Options
     description = "i2b2 2010 concept extraction"
     records = "documents"
     baselines = ("dictionary",)

@@ -42,6 +42,7 @@ from clinfed.tasks.mimic3.format import (
     read_split_files,
 )
 from clinfed.tasks.mimic3.metrics import multilabel_metrics
+from clinfed.tasks.mimic3.options import Mimic3Options
 
 log = logging.getLogger("clinfed.tasks")
 
@@ -127,6 +128,7 @@ class Mimic3Task(Task):
     # (more steps) and a fast head.
     defaults = {"max_length": 256, "batch_size": 8, "lr": 5e-5, "head_lr": 1e-2}
     accepts_fixed_labels = True
+    options = Mimic3Options
     description = "MIMIC-III ICD-9 coding"
     records = "admissions"
     baselines = ("frequency", "keyword")

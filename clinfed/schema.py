@@ -1,0 +1,27 @@
+"""The schema's building block: one declared setting.
+
+Every setting of a run (``clinfed.settings``), of a strategy (its options
+dataclass) and of a task (``tasks/<name>/options.py``) is a dataclass field
+made by :func:`setting`; the command line, the config file, ``config.json``
+and Flower's run config are all generated from those fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import field
+from typing import Any
+
+
+def setting(default: Any = None, help: str = "", **meta: Any) -> Any:  # noqa: A002
+    """A field of the schema.
+
+    ``meta`` may hold ``choices`` (allowed values), ``minimum`` / ``maximum``
+    (inclusive bounds), ``above`` (exclusive lower bound), ``allow_inf``
+    (``inf`` is a meaningful value), ``simulator_only`` (no Flower form) and
+    ``resumable`` (``--resume`` may change it: it does not change results).
+    """
+    if isinstance(default, (list, dict)):
+        return field(
+            default_factory=lambda: type(default)(default), metadata={"help": help, **meta}
+        )
+    return field(default=default, metadata={"help": help, **meta})
