@@ -199,12 +199,19 @@ def _train(config: RunConfig, report: Reporter) -> dict[str, Any]:
         tokenizer = load_tokenizer(config.model)
         model = make_model(config, task).to(device)
         strategy_cls.check_model(config.options(), shared_names(model))
+        public = None
+        if config.public_data:
+            # Public text before round 1 (clinfed.warmstart): every site, and
+            # the no-DP reference given the same flag, start from this model.
+            from clinfed.warmstart import warm_start
+
+            public = warm_start(config, task, model, tokenizer, cache_dir, problems, report)
         train = task.encode(corpus.train, tokenizer, config.max_length, cache_dir)
         test = task.encode(corpus.test, tokenizer, config.max_length, cache_dir)
         prep = _Prepared(task, corpus, tokenizer, model, Path(config.out), cache_dir)
         if strategy_cls.pooled:
             out = create_run_folder(config.out)
-            _write_start(out, config, task, corpus, "pooled")
+            _write_start(out, config, task, corpus, "pooled", public)
             _loaded(report, train, test, corpus, None, problems)
             return _pooled(prep, config, train, test, report)
         clients, test_parts = _clients(config, task, corpus, train, test)
@@ -230,7 +237,7 @@ def _train(config: RunConfig, report: Reporter) -> dict[str, Any]:
                 _check_round_one(policies)
         if not config.resume:
             out = create_run_folder(config.out)
-            _write_start(out, config, task, corpus, "in-process")
+            _write_start(out, config, task, corpus, "in-process", public)
             if holdout:
                 atomic_write_json(
                     out / AUDIT_HOLDOUT,
@@ -298,10 +305,14 @@ def _site_dir(config: RunConfig, client: str) -> Path:
     return Path(config.out) / "sites" / client
 
 
-def _write_start(out: Path, config: RunConfig, task: Task, corpus: Corpus, runner: str) -> None:
+def _write_start(
+    out: Path, config: RunConfig, task: Task, corpus: Corpus, runner: str, public=None
+) -> None:
     from clinfed.provenance import data_fingerprint
 
     record = config_record(config, runner)
+    if public is not None:
+        record["public_start"] = public
     if config.data and Path(config.data).is_dir():
         # Which data the run read, without naming a note: SHA-256 over its files.
         record["data_fingerprint"] = data_fingerprint(Path(config.data))

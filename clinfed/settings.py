@@ -115,6 +115,27 @@ class ModelSettings:
         "travels); ab trains both and averages them separately (inexact).",
         choices=("b", "ab"),
     )
+    public_data: str | None = setting(
+        None,
+        "A folder of public annotated text (any accepted format) the starting model trains on, "
+        "whole and without DP, before round 1: no site's data, no privacy spent. Recorded in "
+        "config.json and the report.",
+        simulator_only=True,
+    )
+    public_types: str | None = setting(
+        None,
+        "The public text's entity types mapped onto the run's, in --types syntax "
+        "(Disease=problem,Chemical=treatment).",
+    )
+    public_epochs: int = setting(
+        1, "Passes over the public text before round 1.", minimum=1, maximum=100
+    )
+    public_examples: int = setting(
+        0,
+        "At most this many public examples, drawn with the run's seed (0: all of them).",
+        minimum=0,
+        maximum=10_000_000,
+    )
 
 
 @dataclass
@@ -295,6 +316,7 @@ PANELS = {
 }
 # Keys a run's config.json carries beside the settings (ignored on reading).
 METADATA_KEYS = {
+    "public_start",
     "clinfed_version",
     "runner",
     "deployment",

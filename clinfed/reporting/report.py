@@ -35,6 +35,15 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def _starting_model(raw: dict[str, Any]) -> str:
+    """Where the starting model came from, in words."""
+    if raw.get("public_start"):
+        from clinfed.warmstart import describe
+
+        return describe(raw["public_start"])
+    return "the encoder as given, with a new task head (no public warm start)"
+
+
 def _pooled(strategy: Any) -> bool:
     """Whether the run pooled every site's data (no federation)."""
     return strategy in STRATEGIES and STRATEGIES[strategy].pooled
@@ -258,6 +267,7 @@ def _header(run: Path, run_data: dict[str, Any], raw: dict[str, Any]) -> list[tu
         ("Task", _task_words(str(config.get("task")))),
         ("Strategy", str(config.get("strategy"))),
         ("Model", f"{config.get('model')} (adapter: {config.get('adapter', 'none')})"),
+        ("Starting model", _starting_model(raw)),
     ]
     if pooled:
         rows.append(("Epochs", str(config.get("epochs"))))
