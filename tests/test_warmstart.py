@@ -34,9 +34,7 @@ def _train(corpus: Path, out: Path, *extra: str):
     )  # fmt: skip
 
 
-def test_a_public_warm_start_changes_the_starting_model_at_no_privacy_cost(
-    i2b2_corpus, tmp_path
-):
+def test_a_public_warm_start_changes_the_starting_model_at_no_privacy_cost(i2b2_corpus, tmp_path):
     public = _public(tmp_path / "public")
     mapped = ("--public-data", str(public), "--public-types", "Disease=problem,Chemical=treatment")
     assert _train(i2b2_corpus, tmp_path / "warm", *mapped).returncode == 0
