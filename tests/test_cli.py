@@ -485,6 +485,12 @@ def test_the_demo_runs_the_private_federated_path_end_to_end(tmp_path):
     for site in summary["epsilon"]:
         assert (out / "private" / "privacy" / f"{site}.jsonl").is_file()
     assert not (out / "no-dp" / "privacy").exists()
+    # Both runs start from the same public warm start (the shipped text).
+    starts = [json.loads((out / run / "state.json").read_text())["digests"]["0"]
+              for run in ("private", "no-dp")]  # fmt: skip
+    assert starts[0] == starts[1]
+    public = json.loads((out / "private" / "config.json").read_text())["public_start"]
+    assert public["examples"] == 2000 and public["types"] == ["problem", "treatment"]
     content = json.loads((out / "private" / "report" / "privacy.json").read_text())
     assert content["reference_f1"] == pytest.approx(summary["f1_no_dp"])
     again = run_cli(*args, "--out", str(out))
