@@ -17,6 +17,8 @@ cores; each run takes 1.5 to 5 minutes on MiniLM.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -30,7 +32,14 @@ DATA = Path(__file__).resolve().parent / "results" / "demo-corpus"
 
 def main(out: Path, dp: bool, public: str, extra: dict) -> dict:
     if not DATA.exists():
-        generate(DATA, sites=SITES, docs=30, seed=SEED)
+        # Written aside, then renamed: two runs started together never read
+        # a half-written corpus.
+        partial = DATA.with_name(f"{DATA.name}.{os.getpid()}.partial")
+        generate(partial, sites=SITES, docs=30, seed=SEED)
+        try:
+            partial.rename(DATA)
+        except OSError:  # the other run's corpus got there first (the same one)
+            shutil.rmtree(partial)
     plan = extra.pop("_plan", "safl+fedfrozen")
     keys = ("public_data", "public_types", "public_examples", "audit_holdout")
     settings = {k: v for k, v in COMMON.items() if k not in keys} | PLANS[plan]
