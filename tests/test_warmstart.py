@@ -64,3 +64,11 @@ def test_public_types_that_are_not_the_run_s_are_refused_on_one_line(i2b2_corpus
     assert result.returncode == 2
     assert "map it with --public-types" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_warm_start_with_an_adapter_plan_is_refused_until_it_works(i2b2_corpus, tmp_path):
+    public = _public(tmp_path / "public")
+    mapped = ("--public-data", str(public), "--public-types", "Disease=problem,Chemical=treatment")
+    result = _train(i2b2_corpus, tmp_path / "run", *mapped, "--adapter", "bias")
+    assert result.returncode == 2 and "not supported yet" in result.stderr
+    assert not (tmp_path / "run").exists()
