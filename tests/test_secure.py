@@ -38,8 +38,11 @@ class SecureSites:
     """Sites in this process that keep real secrets in their own folders;
     ``fail(site, message)`` scripts a dropout (a reason) or None."""
 
-    def __init__(self, root: Path, examples: dict[str, int], fail=None, names=None):
+    def __init__(
+        self, root: Path, examples: dict[str, int], fail=None, names=None, plain=(), keyless=()
+    ):
         self.root, self.examples = root, examples
+        self.plain, self.keyless = set(plain), set(keyless)
         self.fail = fail or (lambda site, message: None)
         self.names = names or {}
         self.seen: list[tuple[str, Message, Reply]] = []
@@ -63,7 +66,11 @@ class SecureSites:
             "bytes_up": 1,
         }
         part = None
-        if message.secure is not None:
+        if site in self.plain:  # ignores the request: its upload goes in the clear
+            pass
+        elif site in self.keyless and message.secure is not None:
+            part, upload = {"names": list(upload)}, {}
+        elif message.secure is not None:
             part = secure.hold_upload(folder, site, message.round, upload, self.examples[site])
             upload = {}
         evaluated = evaluation if message.evaluate else None
@@ -182,6 +189,33 @@ def test_too_many_dropouts_lose_the_round_and_the_run_stops(tmp_path):
     summary = run.run(SecureSites(tmp_path / "sites", examples, fail))
     assert "secure aggregation" in summary["stopped"]
     assert torch.equal(run.global_state[NAMES[0]], torch.zeros(SHAPES[NAMES[0]]))
+
+
+def test_a_lost_secure_sum_is_not_committed_even_if_a_site_replied_in_the_clear(tmp_path):
+    # c ignores the request and uploads in the clear; a and b drop out at
+    # the mask stage: the secure sum is lost, so nothing of the round is
+    # applied, though one "trained" reply would meet --min-sites.
+    examples = {"a": 10, "b": 30, "c": 7}
+
+    def fail(site, message):
+        if message.kind == "secure" and message.secure["stage"] == "mask":
+            return "no reply"
+        return None
+
+    run = engine(tmp_path / "run")
+    summary = run.run(SecureSites(tmp_path / "sites", examples, fail, plain={"c"}))
+    assert "secure aggregation" in summary["stopped"]
+    assert torch.equal(run.global_state[NAMES[0]], torch.zeros(SHAPES[NAMES[0]]))
+
+
+def test_a_training_reply_without_its_keys_is_rejected_by_name(tmp_path):
+    examples = {"a": 10, "b": 30, "c": 7}
+    run = engine(tmp_path / "run")
+    run.run(SecureSites(tmp_path / "sites", examples, keyless={"c"}))
+    records = {r["client"]: r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")
+               if r.get("round") == 1 and "client" in r}  # fmt: skip
+    assert "public keys" in records["c"]["rejected"]
+    assert "rejected" not in records["a"] and "rejected" not in records["b"]
 
 
 def test_sites_sending_different_names_get_per_name_weights(tmp_path):

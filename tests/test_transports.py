@@ -148,3 +148,29 @@ def test_a_run_gives_the_same_records_and_weights_through_either_transport(
     if settings.get("secure_aggregation"):
         trained = [r for r in read_jsonl(flower / "metrics.jsonl") if "bytes_up" in r]
         assert trained and all(r["secure"] for r in trained)
+
+
+def test_the_in_process_transport_carries_the_wire_form_not_the_objects():
+    # A site gets what a remote site would (a decoded copy), and the server
+    # reads what a remote site would send: JSON values, fresh tensors.
+    import torch
+
+    from clinfed.federated.inprocess import InProcessTransport
+    from clinfed.federated.messages import Message, Reply
+
+    sent = {"w": torch.ones(2, 3)}
+    received = []
+
+    class Site:
+        def handle(self, message, release=True):
+            received.append(message)
+            record = {"round": message.round, "pair": (1, 2)}
+            return Reply(site="a", upload={"w": message.download["w"] * 2}, record=record)
+
+    message = Message("train", 1, sent, full=True, evaluate=False, strategy_state={"k": (1,)})
+    ((address, reply),) = list(InProcessTransport({"a": Site()}).exchange({"a": message}, 1.0))
+    (got,) = received
+    assert got is not message and got.download["w"] is not sent["w"]
+    assert torch.equal(got.download["w"], sent["w"]) and got.strategy_state == {"k": [1]}
+    assert reply.record == {"round": 1, "pair": [1, 2]}  # JSON: tuples come back as lists
+    assert torch.equal(reply.upload["w"], 2 * sent["w"])
