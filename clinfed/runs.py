@@ -15,7 +15,6 @@ from clinfed.errors import USER_ERRORS, ClinfedError
 
 # The ledger's durable writes serve every file of a run folder.
 from clinfed.privacy.durable import (  # noqa: F401
-    _naming,
     append_jsonl,
     atomic_write_bytes,
     atomic_write_json,
