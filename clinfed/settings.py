@@ -130,6 +130,12 @@ class ModelSettings:
     public_epochs: int = setting(
         1, "Passes over the public text before round 1.", minimum=1, maximum=100
     )
+    public_lr: float | None = setting(
+        None,
+        "The encoder's rate on the public text (default: the task's whole-model rate, "
+        "whatever --lr and --adapter set for the private rounds).",
+        above=0.0,
+    )
     public_examples: int = setting(
         0,
         "At most this many public examples, drawn with the run's seed (0: all of them).",
@@ -158,6 +164,12 @@ class TrainingSettings:
         None, "Rate of the freshly initialised task head (default: the task's).", above=0.0
     )
     weight_decay: float = setting(0.01, "AdamW weight decay.", minimum=0.0)
+    lr_decay: str = setting(
+        "none",
+        "Federated runs: none keeps the rates; linear takes them to zero over the run's "
+        "planned local steps (round r's steps run from 1-(r-1)/R to 1-r/R of each rate).",
+        choices=("none", "linear"),
+    )
     lr_warmup: float = setting(
         0.1,
         "centralized: share of the steps with a linear learning-rate warm-up.",

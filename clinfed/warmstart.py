@@ -51,14 +51,6 @@ def warm_start(
     folder = Path(config.public_data)
     if not folder.is_dir():
         raise ClinfedError(f"--public-data {folder}: not a folder")
-    if config.adapter != "none":
-        # Measured on the demo's corpus: bias-only after a warm start scored
-        # F1 0.0 with and without DP (0.754 without the warm start); refused
-        # until that is understood.
-        raise ClinfedError(
-            f"--public-data with --adapter {config.adapter}: not supported yet; "
-            "warm-start a plan without adapters (--adapter none)"
-        )
     if task.head != "token":
         raise ClinfedError(f"--public-data: task {task.name} has no public text to start from")
     reader = get_task(config.task, types=config.public_types, format="auto", cache_dir=cache_dir)
@@ -82,13 +74,19 @@ def warm_start(
     if config.public_examples and config.public_examples < len(examples):
         keep = np.sort(order.choice(len(examples), config.public_examples, replace=False))
         examples = examples.select(keep.tolist())
-    for param in model.parameters():
-        param.requires_grad_(True)
-    # The task's non-private defaults where the run leaves them to a recipe
-    # (under DP the batch is derived per site; this phase is not private).
+    # The whole encoder trains; LoRA factors stay at their seeded start (every
+    # party rebuilds A from the seed, and B starts at zero).
+    for name, param in model.named_parameters():
+        param.requires_grad_(".lora_" not in name)
+    # This phase trains whole layers without DP, so it takes the task's
+    # whole-model rates, not the run's: an adapter run's --lr (1e-3, for
+    # low-rank updates that start at zero) trains a whole encoder into
+    # collapse (measured: F1 0.0 after a warm start at 1e-3 with --adapter
+    # bias). The batch is the task's non-private one (under DP the run's is
+    # derived per site).
     defaults = task.defaults
     batch_size = config.batch_size or defaults.get("batch_size", 16)
-    lr = config.lr or defaults.get("lr", 1e-4)
+    lr = config.public_lr or defaults.get("lr", 1e-4)
     head_lr = config.head_lr or defaults.get("head_lr")
     optimizer = make_optimizer(model, lr, config.weight_decay, head_lr)
     torch.manual_seed(config.seed)
@@ -105,6 +103,7 @@ def warm_start(
         "examples": len(examples),
         "types": annotated,
         "epochs": config.public_epochs,
+        "lr": lr,
         "final_loss": loss,
         "seconds": round(time.perf_counter() - started, 1),
     }

@@ -36,6 +36,12 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def clip_factors(squared_norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
+    """Each unit's clip factor from its squared gradient norm: Opacus's
+    ``min(1, C / (norm + 1e-6))``, so every clipping mode takes the same step."""
+    return (max_grad_norm / (squared_norms.sqrt() + 1e-6)).clamp(max=1.0)
+
+
 def supports(model: nn.Module) -> bool:
     """Whether every trainable parameter belongs to a layer type with a rule."""
     for module in model.modules():
@@ -333,8 +339,7 @@ class BookKeepingClipping:
         norms = torch.zeros(examples, device=self.params[0].device if self.params else "cpu")
         for layer in layers:
             norms += layer.norms()
-        # Opacus's clip factor, so every clipping mode computes the same step.
-        factors = (self.max_grad_norm / (norms.sqrt() + 1e-6)).clamp(max=1.0)
+        factors = clip_factors(norms, self.max_grad_norm)
         for layer in layers:
             layer.accumulate(factors)
         self.records = []

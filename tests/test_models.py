@@ -131,5 +131,5 @@ def test_save_and_load_reproduce_outputs(tmp_path):
 
 
 def test_bad_model_spec_is_a_clear_error(tmp_path):
-    with pytest.raises(ClinfedError, match="not 'minilm', 'tiny' or a folder"):
+    with pytest.raises(ClinfedError, match="not 'minilm', 'tiny', a folder"):
         build_model("token", str(tmp_path / "nope"), num_labels=3)

@@ -67,3 +67,22 @@ def test_linear_schedule_rejects_a_warmup_that_is_not_a_share():
     schedule = linear_schedule(optimizer, 100, 0.1)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1)  # step 0 of a 10-step warm-up
     del schedule
+
+
+def test_linear_decay_takes_the_rates_to_zero_over_the_run():
+    from clinfed.federated.client import LocalSettings, decay_rates
+
+    def rates(round_number: int, decay: str) -> list[float]:
+        weight = torch.nn.Parameter(torch.zeros(2))
+        optimizer = torch.optim.SGD([{"params": [weight], "lr": 1.0}])
+        decay_rates(optimizer, LocalSettings(lr_decay=decay, rounds=2), round_number, steps=4)
+        seen = []
+        for _ in range(4):
+            seen.append(optimizer.param_groups[0]["lr"])
+            weight.grad = torch.ones(2)
+            optimizer.step()
+        return seen + [optimizer.param_groups[0]["lr"]]
+
+    assert rates(1, "linear") == [1.0, 0.875, 0.75, 0.625, 0.5]
+    assert rates(2, "linear") == [0.5, 0.375, 0.25, 0.125, 0.0]
+    assert rates(2, "none") == [1.0] * 5

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from .test_cli import run_cli
 
 # Public-looking text in CoNLL columns: Disease and Chemical mentions.
@@ -66,9 +68,68 @@ def test_public_types_that_are_not_the_run_s_are_refused_on_one_line(i2b2_corpus
     assert not (tmp_path / "run").exists()
 
 
-def test_a_warm_start_with_an_adapter_plan_is_refused_until_it_works(i2b2_corpus, tmp_path):
+def test_a_warm_start_trains_the_encoder_at_the_whole_model_rate_under_an_adapter(
+    i2b2_corpus, tmp_path
+):
+    # An adapter run's --lr (1e-3) trained the whole encoder into collapse
+    # (F1 0.0 with --adapter bias); the warm start takes the task's rate.
     public = _public(tmp_path / "public")
     mapped = ("--public-data", str(public), "--public-types", "Disease=problem,Chemical=treatment")
     result = _train(i2b2_corpus, tmp_path / "run", *mapped, "--adapter", "bias")
-    assert result.returncode == 2 and "not supported yet" in result.stderr
-    assert not (tmp_path / "run").exists()
+    assert result.returncode == 0, result.stderr
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["public_start"]["lr"] == 1e-4  # i2b2's whole-model rate
+    assert config["training"]["lr"] == 1e-3  # the private rounds keep the adapter's
+
+
+def test_a_warm_start_leaves_lora_factors_at_their_seeded_start(tiny_config, tmp_path):
+    import tempfile
+
+    from clinfed.errors import ProblemLog
+    from clinfed.models import load_tokenizer
+    from clinfed.pipeline import make_model, make_task
+    from clinfed.warmstart import warm_start
+
+    config = tiny_config(
+        adapter="lora",
+        public_data=str(_public(tmp_path / "public")),
+        public_types="Disease=problem,Chemical=treatment",
+    ).resolved()
+    with tempfile.TemporaryDirectory() as cache:
+        task = make_task(config, cache)
+        task.load(Path(config.data), ProblemLog())  # fixes the run's labels
+        model = make_model(config, task)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        warm_start(config, task, model, load_tokenizer(config.model), cache, ProblemLog())
+    after = dict(model.named_parameters())
+    lora = [n for n in before if ".lora_" in n]
+    assert lora and all(torch.equal(before[n], after[n]) for n in lora)
+    # Every party rebuilds A from the seed and B from zero: only the base moved.
+    assert any(not torch.equal(before[n], after[n]) for n in before if ".lora_" not in n)
+
+
+def test_a_model_an_earlier_run_saved_is_a_starting_model(tiny_run, tiny_config, tmp_path):
+    # Warm-start once, then start any number of runs (a private one and its
+    # reference) from the saved model: its encoder, and its head for the same labels.
+    import tempfile
+
+    from clinfed.errors import ProblemLog
+    from clinfed.federated.state import load_tensors
+    from clinfed.pipeline import make_model, make_task
+
+    tiny_run(out=tmp_path / "first")
+    saved = load_tensors(tmp_path / "first" / "model" / "model.safetensors")
+    for spec in (tmp_path / "first", tmp_path / "first" / "model"):
+        config = tiny_config(out=tmp_path / "second", model=str(spec)).resolved()
+        with tempfile.TemporaryDirectory() as cache:
+            task = make_task(config, cache)
+            task.load(Path(config.data), ProblemLog())
+            start = make_model(config, task).state_dict()
+            assert set(start) == set(saved)
+            assert all(torch.equal(start[k], saved[k]) for k in saved)
+            task.labels = list(reversed(task.labels))  # other labels: a fresh head
+            fresh = make_model(config, task).state_dict()
+        assert not torch.equal(fresh["head.weight"], saved["head.weight"])
+        assert all(torch.equal(fresh[k], saved[k]) for k in saved if k.startswith("encoder."))
+    summary = tiny_run(out=tmp_path / "second", model=str(tmp_path / "first"))
+    assert summary["f1"] is not None

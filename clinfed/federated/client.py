@@ -35,6 +35,10 @@ class LocalSettings:
     weight_decay: float = 0.01
     max_grad_norm: float | None = 1.0
     precision: str = "fp32"  # bf16 autocast for training without DP only
+    # ``linear``: the rates fall to zero over the run's ``rounds`` (see
+    # :func:`decay_rates`); ``none`` keeps them.
+    lr_decay: str = "none"
+    rounds: int = 1
 
 
 @dataclass
@@ -59,6 +63,7 @@ class LocalWork:
     # Progress of the local training: (examples or units done in a step,
     # expected over the whole local training). Local display only.
     on_step: Callable[[int, int], None] | None = None
+    round_number: int = 1
 
 
 @dataclass
@@ -131,6 +136,43 @@ def apply_plan(model: nn.Module, plan: Plan) -> int:
     return count
 
 
+def _plain_steps(dataset: Any, settings: LocalSettings) -> int:
+    return -(-len(dataset) // settings.batch_size)
+
+
+def decay_rates(
+    optimizer: torch.optim.Optimizer, settings: LocalSettings, round_number: int, steps: int
+) -> None:
+    """With ``settings.lr_decay == "linear"``, scale every rate of
+    ``optimizer`` after each of its steps so that over the run's planned
+    local steps they fall linearly to zero: round ``r`` of ``R`` (``steps``
+    local steps) starts at ``1 - (r - 1) / R`` of each rate and ends at
+    ``1 - r / R``.
+
+    Under DP-SGD each step's noise is fixed while the model nears a
+    minimum: smaller late steps average the noise over more of them
+    instead of letting it move the model at full rate (docs/results.md,
+    "Levers")."""
+    if settings.lr_decay == "none" or steps == 0:
+        return
+    rounds = max(settings.rounds, round_number)
+    base = [group["lr"] for group in optimizer.param_groups]
+    done = 0
+
+    def set_rates() -> None:
+        factor = max(0.0, 1.0 - (round_number - 1 + done / steps) / rounds)
+        for group, rate in zip(optimizer.param_groups, base, strict=True):
+            group["lr"] = rate * factor
+
+    def after_step(*_: Any) -> None:
+        nonlocal done
+        done += 1
+        set_rates()
+
+    set_rates()
+    optimizer.register_step_post_hook(after_step)
+
+
 def client_update(work: LocalWork, objective: Any = None) -> ClientResult:
     """Train ``work.model`` on ``work.dataset`` under ``work.plan``; return
     the planned upload. Under DP ``work.randomness`` must be set.
@@ -188,6 +230,8 @@ def client_update(work: LocalWork, objective: Any = None) -> ClientResult:
             for _ in range(settings.epochs)
         )
         total = len(work.dataset) * settings.epochs
+    planned_steps = len(steps) if dp is not None else _plain_steps(work.dataset, settings)
+    decay_rates(optimizer, settings, work.round_number, planned_steps * settings.epochs)
     try:
         progress = _progress(work.on_step, total)
         stats = [

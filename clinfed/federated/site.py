@@ -501,6 +501,7 @@ class SiteRunner:
                 on_step=lambda done, total: self.report(
                     "site_step", {"client": self.name, "done": done, "total": total}
                 ),
+                round_number=round_number,
             )
             result = self.strategy.local_update(work)
             bytes_up = len(payload.encode(result.upload)) if plan.uploaded else 0
@@ -577,6 +578,8 @@ def build_site_runner(
         head_lr=config.head_lr,
         weight_decay=config.weight_decay,
         precision=config.precision,
+        lr_decay=config.lr_decay,
+        rounds=config.rounds,
     )
     return SiteRunner(
         name,

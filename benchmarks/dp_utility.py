@@ -1,0 +1,266 @@
+"""One private run, round by round: where DP-SGD loses F1.
+
+Usage (from the repository root, after ``make install``)::
+
+    .venv/bin/python benchmarks/dp_utility.py OUT --corpus bc5cdr --epsilon 8
+    .venv/bin/python benchmarks/dp_utility.py OUT --corpus i2b2 --docs 160 --epsilon 8 \\
+        --set strategy=fedavg --set adapter=lora
+
+Corpora:
+
+* ``bc5cdr``: the shared BC5CDR train split (``../shared/corpora``) cut into
+  three sites of consecutive sentences, its devel split cut the same way as
+  each site's held-out part (as ``benchmarks/real_ner.py``); Disease as
+  ``problem``, Chemical as ``treatment``. The public warm start
+  (``--public auto``) is NCBI-disease's train split (diseases only; its
+  text is not BC5CDR's), as shipped in ``clinfed/public``.
+* ``i2b2``: the synthetic generator, three sites of ``--docs`` notes (160:
+  about 3,300 training sentences a site), seed 0. The public warm start is
+  everything ``clinfed/public`` ships (BC5CDR and NCBI-disease train,
+  diseases as problems, chemicals as treatments).
+
+``--public none`` starts from the bundled encoder; ``--public-examples N``
+caps the public sentences. ``--set KEY=VALUE`` (repeatable) overrides any
+run setting (JSON values: ``--set local_epochs=3``). ``--epsilon inf`` runs
+the same plan without DP from the same starting model (the reference).
+
+Prints one line per round: strict F1 (micro, then recall and precision per
+type), and under DP the mean over the round's steps of the clipped
+signal's norm on the averaged step (``||sum of clipped gradients|| / B``,
+at most the clip norm) against the noise's (``sigma C sqrt(d) / B``, ``d``
+the noised numbers), the share of units clipped, the norm of each site's
+local update, and epsilon per site. Writes ``OUT/dp_utility.json``.
+
+These figures are computed inside the sites from their training data, so
+they exist only in this benchmark (it observes the code by wrapping three
+functions); a run never releases them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared" / "corpora"
+PUBLIC = REPO / "clinfed" / "public"
+TYPES = "Disease=problem,Chemical=treatment"
+SITES = ("site1", "site2", "site3")
+
+
+# ------------------------------------------------------------------ corpora
+def _sentences(path: Path) -> list[str]:
+    blocks = path.read_text(encoding="utf-8").split("\n\n")
+    return [b.strip("\n") for b in blocks if b.strip()]
+
+
+def _write_sites(source: list[str], folder: Path, name: str) -> None:
+    third = -(-len(source) // len(SITES))
+    for i, site in enumerate(SITES):
+        target = folder / site / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text("\n\n".join(source[i * third : (i + 1) * third]) + "\n", "utf-8")
+
+
+def corpus(kind: str, folder: Path, docs: int) -> tuple[dict, Path, str]:
+    """Write the corpus under ``folder`` once: (settings, public folder, public types)."""
+    data = folder / "data"
+    if kind == "bc5cdr":
+        if not data.exists():
+            _write_sites(_sentences(SHARED / "bc5cdr" / "train.tsv"), data / "train", "train.tsv")
+            _write_sites(_sentences(SHARED / "bc5cdr" / "devel.tsv"), data / "test", "devel.tsv")
+        public = folder / "public"
+        if not public.exists():  # NCBI-disease alone: BC5CDR's train split is the private data
+            public.mkdir(parents=True)
+            shutil.copy(PUBLIC / "ncbi-disease-train.tsv", public)
+        return {"format": "conll", "types": TYPES}, public, "Disease=problem"
+    from clinfed.tasks.i2b2.synth import generate
+
+    if not data.exists():
+        generate(data, sites=len(SITES), docs=docs, seed=0)
+    return {}, PUBLIC, TYPES
+
+
+# ------------------------------------------------------------- observation
+class Observer:
+    """What one round's DP steps looked like, gathered by wrapping the noise,
+    the clip factors, local training and scoring."""
+
+    def __init__(self) -> None:
+        # Sites train round r + 1 (and evaluate round r's model) before the
+        # engine closes round r: training figures are kept by round.
+        self.current = 0
+        self.signal: dict[int, list[float]] = defaultdict(list)
+        self.noise: dict[int, list[float]] = defaultdict(list)
+        self.clipped: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+        self.updates: dict[int, dict[str, float]] = defaultdict(dict)
+        self.epsilon: dict[int, dict[str, float]] = defaultdict(dict)
+        self.types: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
+
+    def attach(self) -> None:
+        from clinfed.federated import site
+        from clinfed.privacy import bookkeeping, dpsgd
+        from clinfed.tasks.i2b2 import adapter
+
+        add_noise, clip_factors = dpsgd.add_noise, bookkeeping.clip_factors
+        train_round, score_concepts = site.SiteRunner.train_round, adapter.score_concepts
+
+        def noised(params, noise_multiplier, max_grad_norm, expected_batch, generator):
+            squares = sum(float((p.grad.float() ** 2).sum()) for p in params if p.grad is not None)
+            dims = sum(p.numel() for p in params)
+            self.signal[self.current].append(math.sqrt(squares) / expected_batch)
+            self.noise[self.current].append(
+                noise_multiplier * max_grad_norm * math.sqrt(dims) / expected_batch
+            )
+            return add_noise(params, noise_multiplier, max_grad_norm, expected_batch, generator)
+
+        def factors(squared_norms, max_grad_norm):
+            result = clip_factors(squared_norms, max_grad_norm)
+            self.clipped[self.current][0] += int((result < 1.0).sum())
+            self.clipped[self.current][1] += len(result)
+            return result
+
+        def trained(runner, round_number, strategy_state):
+            self.current = round_number
+            before = {n: p.detach().clone() for n, p in runner.model.named_parameters()}
+            result = train_round(runner, round_number, strategy_state)
+            after = dict(runner.model.named_parameters())
+            moved = sum(float(((after[n].detach() - b) ** 2).sum()) for n, b in before.items())
+            self.updates[round_number][runner.name] = math.sqrt(moved)
+            return result
+
+        def scored(gold, pred, types=()):
+            result = score_concepts(gold, pred, types)
+            for name, leaf in result["exact"].items():
+                if name != "micro":
+                    counts = self.types[name]
+                    counts[0] += leaf["precision"] * leaf["n_pred"]
+                    counts[1] += leaf["n_pred"]
+                    counts[2] += leaf["recall"] * leaf["n_gold"]
+                    counts[3] += leaf["n_gold"]
+            return result
+
+        dpsgd.add_noise, bookkeeping.clip_factors = noised, factors
+        site.SiteRunner.train_round, adapter.score_concepts = trained, scored
+
+    def round_line(self, record: dict) -> dict:
+        """The round's figures (and print them on one line)."""
+        number = record["round"]
+        signal, noise, clipped = self.signal[number], self.noise[number], self.clipped[number]
+        updates, epsilon = self.updates[number], self.epsilon[number]
+        per_type = {}
+        for name, (correct, n_pred, found, n_gold) in sorted(self.types.items()):
+            precision = correct / n_pred if n_pred else 0.0
+            recall = found / n_gold if n_gold else 0.0
+            f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+            per_type[name] = {"f1": f1, "precision": precision, "recall": recall}
+        line = {
+            "round": record["round"],
+            "f1": record.get("f1"),
+            "per_type": per_type,
+            "signal": sum(signal) / len(signal) if signal else None,
+            "noise": sum(noise) / len(noise) if noise else None,
+            "steps": len(signal),
+            "clipped": clipped[0] / clipped[1] if clipped[1] else None,
+            "update_norm": updates,
+            "epsilon": epsilon,
+        }
+        types = "  ".join(
+            f"{n} {v['f1']:.3f} (R {v['recall']:.2f} P {v['precision']:.2f})"
+            for n, v in per_type.items()
+        )
+        dp = ""
+        if line["signal"] is not None:
+            dp = (
+                f" | signal {line['signal']:.3f} noise {line['noise']:.3f} over {line['steps']} "
+                f"steps, clipped {line['clipped']:.0%}, update "
+                + ", ".join(f"{v:.2f}" for v in updates.values())
+                + ", eps "
+                + ", ".join(f"{v:.2f}" for v in epsilon.values())
+            )
+        print(f"round {number}: F1 {record.get('f1', 0):.3f}  {types}{dp}", flush=True)
+        self.types.clear()  # the next round's model is scored after this line
+        return line
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--corpus", choices=("bc5cdr", "i2b2"), default="bc5cdr")
+    parser.add_argument("--docs", type=int, default=160, help="i2b2: notes per site")
+    parser.add_argument("--epsilon", type=float, default=8.0, help="inf: no DP")
+    parser.add_argument("--public", default="auto", help="auto, none or a folder")
+    parser.add_argument("--public-examples", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args()
+
+    from clinfed.pipeline import RunConfig, run_training
+
+    name = "bc5cdr" if args.corpus == "bc5cdr" else f"i2b2-{args.docs}"
+    work = args.out.parent / f"{name}-corpus"
+    data_settings, public, public_types = corpus(args.corpus, work, args.docs)
+    settings = {
+        "task": "i2b2",
+        "data": str(work / "data"),
+        "model": "minilm",
+        "rounds": args.rounds,
+        "max_length": 64,
+        "seed": 0,
+        "threads": args.threads,
+        **data_settings,
+    }
+    if not math.isinf(args.epsilon):
+        settings["target_epsilon"] = args.epsilon
+    if args.public != "none":
+        settings |= {
+            "public_data": str(public if args.public == "auto" else args.public),
+            "public_types": public_types,
+            "public_examples": args.public_examples,
+        }
+    for pair in args.set:
+        key, _, value = pair.partition("=")
+        try:
+            settings[key] = json.loads(value)
+        except json.JSONDecodeError:
+            settings[key] = value
+    torch.set_num_threads(max(1, args.threads))
+
+    observer = Observer()
+    observer.attach()
+    rounds: list[dict] = []
+
+    def on_event(event: str, info: dict) -> None:
+        if event == "site_end" and "epsilon" in info:
+            observer.epsilon[info["round"]][info["client"]] = info["epsilon"]
+        elif event == "round_end":
+            rounds.append(observer.round_line(info))
+
+    if args.out.exists():
+        shutil.rmtree(args.out)
+    started = time.perf_counter()
+    summary = run_training(RunConfig.of(out=str(args.out), **settings), on_event)
+    result = {
+        "command": " ".join(sys.argv),
+        "corpus": args.corpus,
+        "settings": settings,
+        "rounds": rounds,
+        "f1": summary["f1"],
+        "epsilon": summary.get("epsilon"),
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+    (args.out / "dp_utility.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: result[k] for k in ("f1", "epsilon", "wall_s")}))
+
+
+if __name__ == "__main__":
+    main()
