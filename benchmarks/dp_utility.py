@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import sys
 import time
@@ -87,6 +88,31 @@ def corpus(kind: str, folder: Path, docs: int) -> tuple[dict, Path, str]:
     if not data.exists():
         generate(data, sites=len(SITES), docs=docs, seed=0)
     return {}, PUBLIC, TYPES
+
+
+def starting_model(work: Path, settings: dict) -> Path:
+    """The warm-started model for these public settings, made once (written
+    aside and renamed, so runs started together never read half of one)."""
+    import hashlib
+
+    from clinfed.pipeline import RunConfig, warm_start_model
+
+    keys = (
+        *("public_data", "public_types", "public_examples", "public_epochs", "public_lr"),
+        *("model", "max_length", "seed", "head_lr", "batch_size", "weight_decay"),
+        *("task", "types", "format"),
+    )
+    key = hashlib.sha256(json.dumps({k: settings.get(k) for k in keys}).encode()).hexdigest()
+    folder = work / f"start-{key[:12]}"
+    if not folder.exists():
+        partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
+        values = {k: v for k, v in settings.items() if k not in ("target_epsilon",)}
+        warm_start_model(RunConfig.of(**values, out=str(partial)))
+        try:
+            partial.rename(folder)
+        except OSError:  # another run's got there first (the same model)
+            shutil.rmtree(partial)
+    return folder
 
 
 # ------------------------------------------------------------- observation
@@ -221,18 +247,21 @@ def main() -> None:
     }
     if not math.isinf(args.epsilon):
         settings["target_epsilon"] = args.epsilon
-    if args.public != "none":
-        settings |= {
-            "public_data": str(public if args.public == "auto" else args.public),
-            "public_types": public_types,
-            "public_examples": args.public_examples,
-        }
     for pair in args.set:
         key, _, value = pair.partition("=")
         try:
             settings[key] = json.loads(value)
         except json.JSONDecodeError:
             settings[key] = value
+    if args.public != "none":
+        # Warm-started once per corpus and public text (clinfed warm-start),
+        # then every run starts from the saved model, with or without DP.
+        public_settings = {
+            "public_data": str(public if args.public == "auto" else args.public),
+            "public_types": public_types,
+            "public_examples": args.public_examples,
+        }
+        settings["model"] = str(starting_model(work, settings | public_settings))
     torch.set_num_threads(max(1, args.threads))
 
     observer = Observer()

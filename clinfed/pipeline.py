@@ -21,6 +21,7 @@ over Flower (:func:`run_federation`).
 
 from __future__ import annotations
 
+import json
 import math
 import tempfile
 import time
@@ -206,6 +207,8 @@ def _train(config: RunConfig, report: Reporter) -> dict[str, Any]:
             from clinfed.warmstart import warm_start
 
             public = warm_start(config, task, model, tokenizer, cache_dir, problems, report)
+        else:
+            public = saved_public_start(config.model)
         train = task.encode(corpus.train, tokenizer, config.max_length, cache_dir)
         test = task.encode(corpus.test, tokenizer, config.max_length, cache_dir)
         prep = _Prepared(task, corpus, tokenizer, model, Path(config.out), cache_dir)
@@ -401,6 +404,50 @@ def make_model(config: RunConfig, task: Task) -> nn.Module:
     elif config.adapter == "bias":
         add_bias(model)
     return model
+
+
+def saved_public_start(spec: str) -> dict[str, Any] | None:
+    """The public warm start a saved starting model (``--model RUN/model``)
+    went through, if any: the run records it as its own, with the model's
+    folder."""
+    from clinfed.models import saved_run_model
+
+    folder = saved_run_model(spec)
+    if folder is None:
+        return None
+    start = json.loads((folder / "model.json").read_text()).get("public_start")
+    return None if start is None else dict(start, model=str(folder.resolve()))
+
+
+def warm_start_model(config: RunConfig, report: Reporter = _quiet) -> dict[str, Any]:
+    """``clinfed warm-start``: train the run's starting model on its public
+    text (``config.public_data``) and save it to ``config.out``, for any
+    number of runs to start from (``--model``) without paying for the warm
+    start again. Reads ``config.data`` only for the run's label set (the
+    types its sites annotate); trains on no site's data."""
+    from clinfed.warmstart import warm_start
+
+    config = config.resolved()
+    if not config.public_data:
+        raise ClinfedError("clinfed warm-start needs --public-data")
+    out = Path(config.out)
+    if out.exists():
+        raise ClinfedError(f"--out {out}: already exists; name a new folder")
+    use_threads(config.threads)
+    problems = ProblemLog(config.on_error)
+    with tempfile.TemporaryDirectory(prefix="clinfed-cache-") as cache_dir:
+        task = make_task(config, cache_dir)
+        task.load(Path(config.data), problems)  # fixes the label set
+        tokenizer = load_tokenizer(config.model)
+        model = make_model(config, task)
+        public = warm_start(config, task, model, tokenizer, cache_dir, problems, report)
+    meta = task.meta() | {
+        "max_length": config.max_length,
+        "encoder": config.model,
+        "public_start": public,
+    }
+    save_model(model, out, meta, tokenizer)
+    return public | {"model": str(out.resolve())}
 
 
 def make_task(config: RunConfig, cache_dir: str) -> Task:

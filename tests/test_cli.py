@@ -491,6 +491,7 @@ def test_the_demo_runs_the_private_federated_path_end_to_end(tmp_path):
     assert starts[0] == starts[1]
     public = json.loads((out / "private" / "config.json").read_text())["public_start"]
     assert public["examples"] == 2000 and public["types"] == ["problem", "treatment"]
+    assert public["model"] == str((out / "start").resolve())  # warm-started once, for both
     content = json.loads((out / "private" / "report" / "privacy.json").read_text())
     assert content["reference_f1"] == pytest.approx(summary["f1_no_dp"])
     again = run_cli(*args, "--out", str(out))

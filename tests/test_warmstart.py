@@ -133,3 +133,30 @@ def test_a_model_an_earlier_run_saved_is_a_starting_model(tiny_run, tiny_config,
         assert all(torch.equal(fresh[k], saved[k]) for k in saved if k.startswith("encoder."))
     summary = tiny_run(out=tmp_path / "second", model=str(tmp_path / "first"))
     assert summary["f1"] is not None
+
+
+def test_a_warm_start_saved_once_starts_runs_that_record_it(i2b2_corpus, tmp_path):
+    public = _public(tmp_path / "public")
+    mapped = ("--public-data", str(public), "--public-types", "Disease=problem,Chemical=treatment")
+    start = tmp_path / "start"
+    made = run_cli(
+        "warm-start", "--task", "i2b2", "--data", str(i2b2_corpus), "--model", "tiny",
+        "--max-length", "32", "--threads", "1", "--out", str(start), *mapped,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    assert _train(i2b2_corpus, tmp_path / "inline", *mapped).returncode == 0
+    assert _train(i2b2_corpus, tmp_path / "shared", "--model", str(start)).returncode == 0
+
+    def record(run: str) -> tuple[dict, str]:
+        config = json.loads((tmp_path / run / "config.json").read_text())
+        digest = json.loads((tmp_path / run / "state.json").read_text())["digests"]["0"]
+        return config["public_start"], digest
+
+    (inline, inline_start), (shared, shared_start) = record("inline"), record("shared")
+    assert shared_start == inline_start  # the same starting model, paid for once
+    assert shared["model"] == str(start.resolve()) and shared["examples"] == inline["examples"]
+    again = run_cli(
+        "warm-start", "--task", "i2b2", "--data", str(i2b2_corpus), "--model", "tiny",
+        "--out", str(start), *mapped,
+    )  # fmt: skip
+    assert again.returncode == 2 and "already exists" in again.stderr

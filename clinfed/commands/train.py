@@ -386,6 +386,53 @@ with_parameters(train, settings_parameters())
 app.command("train")(train)
 
 
+def warm_start_cmd(
+    config_file: Path = typer.Option(
+        None,
+        "--config",
+        help="Settings file (as for clinfed train). Flags override it.",
+        exists=True,
+        dir_okay=False,
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print what was done as JSON."),
+    **settings: Any,
+) -> None:
+    """Train a starting model on public text (--public-data) and save it to --out.
+
+    Runs then start from it with --model OUT: the private run and its no-DP
+    reference start from the same model, and the warm start is paid once.
+    --data is read for the run's label set only; no site's data is trained
+    on and no privacy is spent. Exit status: 0 done; 2 bad settings or data."""
+    from clinfed.commands.options import given, merge
+    from clinfed.pipeline import RunConfig, warm_start_model
+
+    values = merge(config_file, given(settings))
+    for required in ("data", "out", "public_data"):
+        if not values.get(required):
+            raise ClinfedError(f"--{required.replace('_', '-')} is required")
+    config = RunConfig.from_values(values, str(config_file) if config_file else "flags")
+    started = time.perf_counter()
+
+    def show(event: str, info: dict[str, Any]) -> None:
+        if event == "public_epoch":
+            log.info(f"public text: epoch {info['epoch']} over {info['examples']:,} examples")
+
+    record = warm_start_model(config, show)
+    if as_json:
+        _print_json(record | {"wall_s": round(time.perf_counter() - started, 1)})
+        return
+    out.print(
+        f"[bold]done[/]: starting model {record['model']} ({record['examples']:,} public "
+        f"examples, {record['epochs']} epoch(s), final loss {record['final_loss']:.3f}); "
+        f"start runs from it with --model {config.out}; "
+        f"{_duration(time.perf_counter() - started)}"
+    )
+
+
+with_parameters(warm_start_cmd, settings_parameters(exclude=("resume",)))
+app.command("warm-start")(warm_start_cmd)
+
+
 @app.command("strategies")
 def strategies(as_json: bool = JSON) -> None:
     """The strategies --strategy takes: what each trains and sends, and its options."""

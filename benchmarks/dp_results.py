@@ -1,0 +1,113 @@
+"""The results page's DP table and plot, from ``benchmarks/dp_utility.py`` runs.
+
+Usage::
+
+    .venv/bin/python benchmarks/dp_results.py OUT_PREFIX RUN [RUN ...]
+
+Each ``RUN`` is a folder ``dp_utility.py`` wrote (``RUN/dp_utility.json``).
+Rows are grouped by corpus and plan (the settings other than epsilon);
+writes ``OUT_PREFIX.md`` (plan x epsilon x size: final strict F1, F1 by
+round, epsilon spent, wall time, the command) and ``OUT_PREFIX.png`` (F1
+against epsilon, one line per corpus and plan; no DP drawn at the right).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+PLAN_KEYS = ("strategy", "adapter", "local_epochs", "lr", "head_lr", "lr_decay", "batch_size")
+
+
+def plan_name(settings: dict) -> str:
+    """The plan in a few words (the settings that are not the corpus or epsilon)."""
+    parts = [str(settings.get("strategy", "?"))]
+    if settings.get("adapter") not in (None, "none"):
+        parts.append(f"adapter {settings['adapter']}")
+    for key in PLAN_KEYS[2:]:
+        if key in settings:
+            parts.append(f"{key.replace('_', ' ')} {settings[key]}")
+    parts.append("public warm start" if "start-" in str(settings.get("model")) else "no warm start")
+    return ", ".join(parts)
+
+
+def corpus_name(result: dict) -> str:
+    if result["corpus"] == "bc5cdr":
+        return "BC5CDR, 3 sites of ~1,520 sentences"
+    docs = (
+        int(result["command"].split("--docs")[1].split()[0])
+        if "--docs" in result["command"]
+        else 160
+    )
+    return f"synthetic i2b2, 3 sites x {docs} notes"
+
+
+def main(prefix: Path, runs: list[Path]) -> None:
+    rows = []
+    for run in runs:
+        result = json.loads((run / "dp_utility.json").read_text())
+        settings = result["settings"]
+        epsilon = settings.get("target_epsilon", math.inf)
+        rows.append(
+            {
+                "corpus": corpus_name(result),
+                "plan": plan_name(settings),
+                "epsilon": epsilon,
+                "f1": result["f1"],
+                "by_round": [r["f1"] for r in result["rounds"]],
+                "spent": max((result.get("epsilon") or {}).values(), default=None),
+                "wall_min": result["wall_s"] / 60,
+                "command": result["command"],
+            }
+        )
+    rows.sort(key=lambda r: (r["corpus"], r["plan"], r["epsilon"]))
+    lines = [
+        "| corpus | plan | target epsilon | strict F1 | F1 by round | epsilon spent | wall |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        eps = "no DP" if math.isinf(r["epsilon"]) else f"{r['epsilon']:g}"
+        spent = "-" if r["spent"] is None else f"{r['spent']:.2f}"
+        rounds = ", ".join(f"{f:.3f}" for f in r["by_round"])
+        lines.append(
+            f"| {r['corpus']} | {r['plan']} | {eps} | **{r['f1']:.3f}** | {rounds} | {spent} "
+            f"| {r['wall_min']:.1f} min |"
+        )
+    lines += ["", "Commands, in the table's order:", "", "```bash"]
+    lines += [r["command"] for r in rows] + ["```", ""]
+    prefix.with_suffix(".md").write_text("\n".join(lines))
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = defaultdict(list)
+    for r in rows:
+        groups[(r["corpus"], r["plan"])].append(r)
+    finite = sorted({r["epsilon"] for r in rows if not math.isinf(r["epsilon"])})
+    no_dp_x = (max(finite) * 2) if finite else 16
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for (corpus, plan), members in sorted(groups.items()):
+        xs = [no_dp_x if math.isinf(r["epsilon"]) else r["epsilon"] for r in members]
+        ax.plot(xs, [r["f1"] for r in members], marker="o", label=f"{corpus}: {plan}")
+    ax.set_xscale("log")
+    ticks = finite + [no_dp_x]
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([f"{t:g}" for t in finite] + ["no DP"])
+    ax.set_xlabel("epsilon per site (delta 1e-5)")
+    ax.set_ylabel("strict span F1 (held-out)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title("F1 against epsilon (MiniLM, 3 rounds, seed 0)")
+    fig.tight_layout()
+    fig.savefig(prefix.with_suffix(".png"), dpi=110)
+    print(prefix.with_suffix(".md").read_text())
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]])
