@@ -480,6 +480,8 @@ def privacy_policy(
     unit = config.privacy_unit
     sites_units = {site: task.unit_rows(data, unit) for site, data in train.items()}
     sizes = {site: len(units) for site, units in sites_units.items()}
+    if config.neighbours == "add-remove":
+        sizes = {site: released_count(config, site, n, folder) for site, n in sizes.items()}
     policy = PrivacyPolicy.build(
         folder,
         sizes,
@@ -496,6 +498,7 @@ def privacy_policy(
         config.reproducible_noise,
         reference_batch=task.defaults["batch_size"],
         memo=memo,
+        relation=config.neighbours,
     )
     policy.unit, policy.unit_text = unit, task.units[unit]
     if unit == "example":
@@ -512,6 +515,24 @@ def privacy_policy(
                 "k_median": float(np.median(per_group)),
             }
     return policy
+
+
+def released_count(config: RunConfig, site: str, units: int, folder: Path) -> int:
+    """Under add/remove neighbours, the unit count ``site`` releases: the one
+    it kept in this run's privacy folder, or a fresh noisy draw from its
+    secret randomness (clinfed.privacy.count; kept before its first charge)."""
+    from clinfed.federated.client import site_generator
+    from clinfed.privacy.count import kept_count, noisy_count
+    from clinfed.privacy.randomness import reproducible, secret
+
+    kept = kept_count(folder, site)
+    if kept is not None:
+        return kept
+    if config.reproducible_noise:
+        randomness = reproducible(site_generator(config.seed, 0, site))
+    else:
+        randomness = secret()
+    return noisy_count(units, randomness.noise)
 
 
 def summation(config: RunConfig) -> Summation:

@@ -239,6 +239,15 @@ class PrivacySettings:
         above=0.0,
     )
     max_grad_norm: float = setting(1.0, "DP-SGD per-example clipping norm.", above=0.0)
+    neighbours: str = setting(
+        "replace-one",
+        "replace-one: each site releases its exact unit count (aggregation weight, sampling "
+        "rate), so neighbouring datasets differ in one replaced unit; add-remove: the count is "
+        "released once with Gaussian noise (std 20, accounted) and everything derives from "
+        "it, so neighbours differ in one unit added or removed (less noise for the same "
+        "epsilon).",
+        choices=("replace-one", "add-remove"),
+    )
     clipping: str = setting(
         "auto",
         "DP-SGD per-example clipping: bk (book-keeping: one backward pass), hooks, ghost, or "

@@ -25,7 +25,9 @@ from clinfed.privacy.accountants import (
     RELATION,
     Accountant,
     Mechanism,
+    budget_accountant,
     check_delta,
+    reference_accountant,
 )
 
 ACCOUNTANT = BUDGET.description
@@ -42,16 +44,18 @@ __all__ = [
 ]
 
 
-def epsilon(mechanisms: Sequence[Mechanism], delta: float) -> float:
+def epsilon(mechanisms: Sequence[Mechanism], delta: float, relation: str = RELATION) -> float:
     """Epsilon at ``delta`` of the composition of ``mechanisms`` by the
-    budget accountant (PLD, replace-one)."""
-    return BUDGET.epsilon(mechanisms, delta)
+    budget accountant (PLD) under ``relation``."""
+    return budget_accountant(relation).epsilon(mechanisms, delta)
 
 
-def reference_epsilon(mechanisms: Sequence[Mechanism], delta: float) -> float:
-    """The same composition by the reference analysis (RDP, replace-one; a
-    looser bound shown beside the budget figure, never used for checks)."""
-    return REFERENCE.epsilon(mechanisms, delta)
+def reference_epsilon(
+    mechanisms: Sequence[Mechanism], delta: float, relation: str = RELATION
+) -> float:
+    """The same composition by the reference analysis (RDP; a looser bound
+    shown beside the budget figure, never used for checks)."""
+    return reference_accountant(relation).epsilon(mechanisms, delta)
 
 
 def calibrate_noise(
@@ -61,6 +65,7 @@ def calibrate_noise(
     rounds: int,
     tolerance: float = 0.005,
     accountant: Accountant = BUDGET,
+    once: Sequence[Mechanism] = (),
 ) -> float:
     """The smallest DP-SGD noise multiplier that keeps a planned run within
     ``target_epsilon``.
@@ -72,6 +77,8 @@ def calibrate_noise(
         if any, a private selection whose cost does not depend on it).
     rounds
         Rounds the site is planned to train.
+    once
+        Mechanisms released once per run whatever the noise (a noisy count).
     tolerance
         Bisection stops once the planned epsilon lies in
         ``[target * (1 - tolerance), target]``.
@@ -92,7 +99,7 @@ def calibrate_noise(
     check_delta(delta)
 
     def planned(sigma: float, by: Accountant) -> float:
-        return by.epsilon(list(round_mechanisms(sigma)) * rounds, delta)
+        return by.epsilon([*once, *(list(round_mechanisms(sigma)) * rounds)], delta)
 
     coarse = getattr(accountant, "coarse", None)
     if coarse is not None:

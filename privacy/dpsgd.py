@@ -81,6 +81,10 @@ class DPSettings:
         see :mod:`clinfed.privacy.recipe`.
     lr_scale
         Factor on the site's rates that goes with a derived batch.
+    population
+        Under add/remove neighbours, the site's released noisy count: the
+        sampling rate, the steps and the aggregation weight derive from it
+        (:mod:`clinfed.privacy.count`); ``None``: the exact count.
     """
 
     noise_multiplier: float
@@ -90,6 +94,7 @@ class DPSettings:
     unit: str = "example"
     batch_size: int | None = None
     lr_scale: float = 1.0
+    population: int | None = None
 
 
 def round_mechanism(examples: int, batch_size: int, epochs: int, noise: float) -> Mechanism:
@@ -157,9 +162,10 @@ class PoissonSteps:
         batch_size: int,
         sampling: np.random.Generator,
         microbatch_overhead: int = MICROBATCH_OVERHEAD_TOKENS,
+        population: int | None = None,
     ):
         self.units = list(units)
-        self.sampler = PoissonSampler(len(self.units), batch_size, sampling)
+        self.sampler = PoissonSampler(len(self.units), batch_size, sampling, population)
         # A pass pads to its longest row: a unit costs like its longest row.
         self.lengths = np.asarray([row_lengths[rows].max() for rows in self.units])
         self.overhead = microbatch_overhead
@@ -334,7 +340,9 @@ def make_private(
         Per-pass cost in tokens used to cut each sampled batch into
         length-grouped passes (see :func:`microbatches`); the step is the same.
     """
-    steps = PoissonSteps(units, row_lengths, batch_size, randomness.sampling, microbatch_overhead)
+    steps = PoissonSteps(
+        units, row_lengths, batch_size, randomness.sampling, microbatch_overhead, dp.population
+    )
     mode = choose_clipping(model, dp.clipping, one_row_per_example, steps.grouped)
     # With frozen embeddings no module input requires a gradient, and torch
     # warns on every backward hook; the per-example gradients are still right

@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clinfed.privacy.accountant import ACCOUNTANT, RELATION, Mechanism, calibrate_noise, epsilon
+from clinfed.privacy.accountant import RELATION, Mechanism, calibrate_noise, epsilon
+from clinfed.privacy.accountants import budget_accountant
+from clinfed.privacy.count import COUNT_MECHANISM, count_mechanism, keep_count
 from clinfed.privacy.dpsgd import CLIPPINGS, DPSettings, round_mechanism
 from clinfed.privacy.durable import atomic_write_json
 from clinfed.privacy.errors import PrivacyError, SettingError
@@ -25,11 +27,20 @@ from clinfed.privacy.randomness import NOT_PRIVATE
 from clinfed.privacy.recipe import dp_batch_size, lr_scale
 
 UNIT = "one training example (an i2b2 sentence, its windows folded; a MIMIC-III admission)"
-RELATION_REASON = (
-    "replace-one: each site's exact number of training examples is released (the "
-    "aggregation weight and the sampling rate on its ledger lines), so neighbouring "
-    "datasets have the same size and differ in one example"
-)
+RELATION_REASONS = {
+    "replace-one": (
+        "replace-one: each site's exact number of training examples is released (the "
+        "aggregation weight and the sampling rate on its ledger lines), so neighbouring "
+        "datasets have the same size and differ in one example"
+    ),
+    "add-remove": (
+        "add/remove: each site releases its number of training units once, with Gaussian "
+        "noise (std 20, accounted as the ledger's unit-count line), and derives its sampling "
+        "rate, steps, noise and aggregation weight from that; the exact count is released "
+        "nowhere, so neighbouring datasets differ in one unit added or removed"
+    ),
+}
+RELATION_REASON = RELATION_REASONS[RELATION]
 PATIENT_CAVEAT = (
     "The guarantee protects one unit. A note or patient with k units at a site is protected "
     "by group privacy only: (k epsilon, k e^((k-1) epsilon) delta), so delta grows fast with "
@@ -67,28 +78,43 @@ def check_settings(
 
 
 def _calibrated(
-    target: float, delta: float, per_round: Any, rounds: int, memo: Path | None
+    target: float,
+    delta: float,
+    per_round: Any,
+    rounds: int,
+    memo: Path | None,
+    relation: str = RELATION,
+    once: list[Mechanism] | None = None,
 ) -> float:
     """``calibrate_noise``, remembered in ``memo`` by everything it depends
     on (the mechanisms' structure, target, delta, rounds, accountant)."""
+    accountant, once = budget_accountant(relation), once or []
+
+    def calibrate() -> float:
+        return calibrate_noise(target, delta, per_round, rounds, accountant=accountant, once=once)
+
     if memo is None:
-        return calibrate_noise(target, delta, per_round, rounds)
+        return calibrate()
     described = {
         "target": target,
         "delta": delta,
         "rounds": rounds,
         "round_at_sigma_1": [m.as_dict() for m in per_round(1.0)],
-        "accountant": ACCOUNTANT,
+        "accountant": accountant.description,
     }
+    if once:
+        described["once"] = [m.as_dict() for m in once]
     key = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
     try:
         known = json.loads(memo.read_text()) if memo.is_file() else {}
     except ValueError:
         known = {}
     sigma = known.get(key)
-    if isinstance(sigma, float) and epsilon(list(per_round(sigma)) * rounds, delta) <= target:
-        return sigma
-    sigma = calibrate_noise(target, delta, per_round, rounds)
+    if isinstance(sigma, float):
+        planned = accountant.epsilon([*once, *(list(per_round(sigma)) * rounds)], delta)
+        if planned <= target:
+            return sigma
+    sigma = calibrate()
     memo.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(memo, known | {key: sigma})
     return sigma
@@ -143,6 +169,9 @@ class PrivacyPolicy:
     groups: dict[str, dict[str, Any]] = field(default_factory=dict)
     # With a derived batch, each site's factor on its rates (recipe.lr_scale).
     lr_scales: dict[str, float] = field(default_factory=dict)
+    # The neighbouring relation; under add-remove ``sizes`` are the sites'
+    # released noisy counts (clinfed.privacy.count), never the exact ones.
+    relation: str = RELATION
     _ledgers: dict[str, Ledger] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -163,8 +192,13 @@ class PrivacyPolicy:
         reproducible: bool = False,
         reference_batch: int | None = None,
         memo: Path | None = None,
+        relation: str = RELATION,
     ) -> PrivacyPolicy:
         """Calibrate (or take) each site's noise for the planned rounds.
+
+        Under ``relation`` ``add-remove``, ``sizes`` must be the sites'
+        released noisy counts: everything here derives from them, and each
+        site's first charge covers the count's release too.
 
         ``batch_size`` ``None`` derives each site's batch from its size and
         scales its rates from ``reference_batch`` (the task's batch), as
@@ -201,8 +235,11 @@ class PrivacyPolicy:
                 extra = [selection] if selection is not None else []
                 return [round_mechanism(n, batch, epochs, sigma)] * trainings + extra
 
+            once = [count_mechanism()] if relation == "add-remove" else []
             try:
-                noise[site] = _calibrated(target_epsilon, delta, per_round, rounds, memo)
+                noise[site] = _calibrated(
+                    target_epsilon, delta, per_round, rounds, memo, relation, once
+                )
             except ValueError as err:
                 raise PrivacyError(f"{site}: {err}") from None
         policy = cls(
@@ -222,11 +259,12 @@ class PrivacyPolicy:
             reproducible,
         )
         policy.lr_scales = lr_scales
+        policy.relation = relation
         if reproducible:
             policy.warnings.append(NOT_PRIVATE)
         if target_epsilon is not None and noise_multiplier is not None:
             for site in sizes:
-                planned = epsilon(policy.round_mechanisms(site) * rounds, delta)
+                planned = policy.planned_epsilon(site)
                 if planned > target_epsilon:
                     policy.warnings.append(
                         f"{site}: --noise-multiplier {noise_multiplier} reaches epsilon "
@@ -243,15 +281,43 @@ class PrivacyPolicy:
             self.unit,
             self.batch_sizes[site],
             self.lr_scales.get(site, 1.0),
+            self.sizes[site] if self.relation == "add-remove" else None,
         )
 
-    def round_mechanisms(self, site: str) -> list[Mechanism]:
-        """What one round costs ``site``: its DP-SGD and any private selection."""
+    def round_mechanisms(self, site: str, round_number: int | None = None) -> list[Mechanism]:
+        """What one round costs ``site``: its DP-SGD and any private
+        selection, and under add/remove the count's release with the site's
+        first charge of the run (``round_number`` ``None``: a first round)."""
         sgd = round_mechanism(
             self.sizes[site], self.batch_sizes[site], self.epochs, self.noise[site]
         )
         extra = [self.selection] if self.selection is not None else []
+        if self.relation == "add-remove" and not self._count_charged(site, round_number):
+            extra.append(count_mechanism())
         return [sgd] * self.trainings + extra
+
+    def _count_charged(self, site: str, round_number: int | None) -> bool:
+        """Whether this run charged the count's release in an earlier round
+        (a re-run of the same round charges the same mechanisms again)."""
+        if round_number is None:
+            return False
+        return any(
+            line["mechanism"] == COUNT_MECHANISM and line["round"] < round_number
+            for line in self.ledger(site).run_lines()
+        )
+
+    def keep_count(self, site: str) -> None:
+        """Under add/remove: keep the site's released count beside its
+        ledger before the first charge that covers it (a resumed run then
+        releases the same one)."""
+        if self.relation == "add-remove":
+            keep_count(self.folder, site, self.sizes[site])
+
+    def planned_epsilon(self, site: str) -> float:
+        """Epsilon of the site's planned run (count, if released, included)."""
+        first = self.round_mechanisms(site)
+        later = [m for m in first if m.name != COUNT_MECHANISM]
+        return epsilon([*first, *(later * (self.rounds - 1))], self.delta, self.relation)
 
     def ledger(self, site: str) -> Ledger:
         if site not in self._ledgers:
@@ -262,11 +328,21 @@ class PrivacyPolicy:
                 site,
                 self.delta,
                 self.budget if one_run else self.ledger_budget,
+                accountant=budget_accountant(self.relation),
                 not_private=NOT_PRIVATE if self.reproducible else None,
                 run=self.run,
                 run_budget=None if one_run else self.budget,
                 mark=None if one_run else self.ledger_mark,
             )
+            ledger = self._ledgers[site]
+            other = sorted({str(line.get("relation")) for line in ledger.lines} - {self.relation})
+            if other:
+                # Charges under one relation do not compose with the other's.
+                del self._ledgers[site]
+                raise PrivacyError(
+                    f"{path}: this ledger accounts under {other[0]} neighbours; a run under "
+                    f"{self.relation} cannot charge it (one relation per ledger)"
+                )
         return self._ledgers[site]
 
     def describe(self) -> dict[str, Any]:
@@ -281,9 +357,9 @@ class PrivacyPolicy:
             "unit": self.unit_text,
             "privacy_unit": self.unit,
             "patient_caveat": PATIENT_CAVEAT if self.unit == "example" else None,
-            "accountant": ACCOUNTANT,
-            "relation": RELATION,
-            "relation_reason": RELATION_REASON,
+            "accountant": budget_accountant(self.relation).description,
+            "relation": self.relation,
+            "relation_reason": RELATION_REASONS[self.relation],
             "delta": self.delta,
             "target_epsilon": self.budget,
             "max_grad_norm": self.max_grad_norm,
@@ -301,8 +377,9 @@ class PrivacyPolicy:
         sgd = round_mechanism(
             self.sizes[site], self.batch_sizes[site], self.epochs, self.noise[site]
         )
-        planned = epsilon(self.round_mechanisms(site) * self.rounds, self.delta)
+        planned = self.planned_epsilon(site)
         described = {
+            # Under add/remove: the released noisy count.
             "examples": self.sizes[site],
             "noise_multiplier": sgd.noise_multiplier,
             "batch_size": self.batch_sizes[site],

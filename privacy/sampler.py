@@ -19,12 +19,23 @@ def steps_per_epoch(examples: int, batch_size: int) -> int:
 
 
 class PoissonSampler:
-    """Draws one Poisson batch per step over ``n`` examples."""
+    """Draws one Poisson batch per step over ``n`` examples.
 
-    def __init__(self, n: int, batch_size: int, generator: np.random.Generator):
+    ``population`` is the count the rate and steps derive from: ``n`` itself
+    (replace-one: the exact count is public), or the site's noisy released
+    count (add/remove: the exact count shapes nothing released)."""
+
+    def __init__(
+        self,
+        n: int,
+        batch_size: int,
+        generator: np.random.Generator,
+        population: int | None = None,
+    ):
         self.n, self.generator = n, generator
-        self.rate = sample_rate(n, batch_size)
-        self.steps_per_epoch = steps_per_epoch(n, batch_size)
+        counted = n if population is None else population
+        self.rate = sample_rate(counted, batch_size)
+        self.steps_per_epoch = steps_per_epoch(counted, batch_size)
 
     def draw(self) -> np.ndarray:
         """Indices of the next batch (possibly empty)."""

@@ -45,7 +45,9 @@ class SitePrivacy:
         self, round_number: int, update: Update
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         ledger = self.ledger
-        mechanisms = self.policy.round_mechanisms(self.site)
+        mechanisms = self.policy.round_mechanisms(self.site, round_number)
+        # Under add/remove the released count is kept before its charge.
+        self.policy.keep_count(self.site)
         # Write-ahead: checked and charged (under the ledger's lock) before
         # anything is computed for release.
         if ledger.charge(round_number, mechanisms) is None:
@@ -71,7 +73,7 @@ class SitePrivacy:
         unreleased charge is claimed again, for :meth:`release` to mark."""
         ledger = self.ledger
         if ledger.unreleased(round_number):
-            ledger.charge(round_number, self.policy.round_mechanisms(self.site))
+            ledger.charge(round_number, self.policy.round_mechanisms(self.site, round_number))
             ledger.settle(round_number)
 
     def release(self, round_number: int) -> None:

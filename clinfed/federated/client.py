@@ -243,6 +243,7 @@ def client_update(work: LocalWork, objective: Any = None) -> ClientResult:
             update.detach()
     clipping = update.mode if dp is not None else None
     upload = {n: p.detach().clone() for n, p in model.named_parameters() if n in work.plan.uploaded}
-    return ClientResult(
-        upload, len(units), stats, time.perf_counter() - started, trainable, clipping
-    )
+    # The aggregation weight: under add/remove the site's released noisy
+    # count (clinfed.privacy.count), never the exact one.
+    weight = dp.population if dp is not None and dp.population is not None else len(units)
+    return ClientResult(upload, weight, stats, time.perf_counter() - started, trainable, clipping)

@@ -23,10 +23,11 @@ from clinfed.errors import ClinfedError
 from clinfed.federated.strategies import STRATEGIES
 from clinfed.privacy.accountant import (
     ACCOUNTANT,
-    REFERENCE_ACCOUNTANT,
+    RELATION,
     Mechanism,
     reference_epsilon,
 )
+from clinfed.privacy.accountants import reference_accountant
 from clinfed.privacy.policy import PATIENT_CAVEAT, UNIT, group_bound
 from clinfed.runs import atomic_write_json, atomic_write_text, read_jsonl
 from clinfed.settings import read_run_config
@@ -93,6 +94,20 @@ def _integer_rounds(ax, rounds: list[int]) -> None:
         ax.set_xlim(min(rounds) - 0.3, max(rounds) + 0.3)
 
 
+RELATION_WORDS = {
+    "replace-one": (
+        "Neighbouring relation: replace-one (each site's unit count is released, so the "
+        "guarantee is stated for datasets of the same size that differ in one unit)."
+    ),
+    "add-remove": (
+        "Neighbouring relation: add/remove (each site released its unit count once, with "
+        "Gaussian noise of std 20 accounted on its ledger, and derived everything else from "
+        "it, so the guarantee is stated for datasets that differ in one unit added or "
+        "removed)."
+    ),
+}
+
+
 def _epsilon_curves(lines: list[dict[str, Any]]) -> tuple[list[int], list[float], list[float]]:
     """Per round: the ledger's epsilon (PLD) and the RDP bound of the same
     mechanisms, cumulative."""
@@ -106,8 +121,13 @@ def _epsilon_curves(lines: list[dict[str, Any]]) -> tuple[list[int], list[float]
         delta = by_round[rnd][-1].get("delta", 1e-5)
         rounds.append(rnd)
         pld.append(by_round[rnd][-1]["epsilon"])
-        rdp.append(reference_epsilon(mechanisms, delta))
+        rdp.append(reference_epsilon(mechanisms, delta, _relation(lines)))
     return rounds, pld, rdp
+
+
+def _relation(lines: list[dict[str, Any]]) -> str:
+    """The neighbouring relation a ledger's lines were accounted under."""
+    return str(lines[-1].get("relation", RELATION)) if lines else RELATION
 
 
 def _sent_grid(run_data: dict[str, Any]) -> dict[str, Any] | None:
@@ -197,7 +217,9 @@ def _site_rows(run_data: dict[str, Any]) -> list[dict[str, Any]]:
                 "steps_per_round": sgd[-1]["steps"] if sgd else None,
                 "rounds_accounted": len({x["round"] for x in lines}),
                 "epsilon": lines[-1]["epsilon"] if lines else 0.0,
-                "epsilon_rdp": reference_epsilon(mechanisms, delta) if mechanisms else 0.0,
+                "epsilon_rdp": (
+                    reference_epsilon(mechanisms, delta, _relation(lines)) if mechanisms else 0.0
+                ),
                 "group": policy.get("sites", {}).get(site, {}).get("group"),
                 "delta": delta,
                 "mb_sent": sum(r["bytes_up"] for r in sent) / 1e6,
@@ -533,7 +555,8 @@ def build(run: Path, reference: Path | None = None) -> dict[str, Any]:
         "not_private": not_private,
         "unit": (policy or {}).get("unit", UNIT),
         "patient_caveat": (policy or {}).get("patient_caveat", PATIENT_CAVEAT),
-        "accountant": ACCOUNTANT if private else None,
+        "accountant": (policy or {}).get("accountant", ACCOUNTANT) if private else None,
+        "relation": (policy or {}).get("relation", RELATION),
         "target_epsilon": (policy or {}).get("target_epsilon"),
         "delta": (policy or {}).get("delta"),
         "max_grad_norm": (policy or {}).get("max_grad_norm"),
@@ -593,10 +616,11 @@ def _markdown(content: dict[str, Any], images: dict[str, str]) -> str:
             f"Budget: epsilon {_fmt(content['target_epsilon'], 'g')} at delta "
             f"{_fmt(content['delta'], 'g')}; per-unit clipping norm "
             f"{_fmt(content['max_grad_norm'], 'g')}. Accountant: {content['accountant']} "
-            "(budget checks use it). Neighbouring relation: replace-one (each site's unit "
-            "count is released, so the guarantee is stated for datasets of the same size that "
-            "differ in one unit). The RDP figures are a looser bound by another analysis "
-            f"({REFERENCE_ACCOUNTANT}), for comparison.",
+            "(budget checks use it). "
+            + RELATION_WORDS.get(content.get("relation", RELATION), "")
+            + " The RDP figures are a looser bound by another analysis "
+            f"({reference_accountant(content.get('relation', RELATION)).description}), "
+            "for comparison.",
         ]
     if content["pooled"]:
         lines += [

@@ -1,0 +1,100 @@
+"""--neighbours add-remove: a site releases its unit count once, under
+accounted noise, derives everything from it, and is accounted under
+add/remove neighbours (less epsilon at the same noise)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from clinfed.privacy.count import COUNT_MECHANISM, kept_count
+from clinfed.privacy.errors import PrivacyError
+from clinfed.privacy.sampler import PoissonSampler
+from clinfed.runs import read_jsonl
+
+
+def _charges(run, site):
+    return [line for line in read_jsonl(run / "sites" / site / "privacy" / f"{site}.jsonl")
+            if "mechanism" in line]  # fmt: skip
+
+
+def test_add_remove_releases_one_noisy_count_and_costs_less_at_equal_noise(tiny_run, tmp_path):
+    private = {"noise_multiplier": 1.0, "rounds": 2, "reproducible_noise": True}
+    before = tiny_run(out=tmp_path / "replace", **private)
+    after = tiny_run(out=tmp_path / "add", neighbours="add-remove", **private)
+    # The same noise on every step costs less epsilon at every site.
+    assert set(after["epsilon"]) == set(before["epsilon"])
+    assert all(after["epsilon"][s] < before["epsilon"][s] for s in before["epsilon"])
+
+    run = tmp_path / "add"
+    records = [r for r in read_jsonl(run / "metrics.jsonl") if "examples" in r]
+    exact = {r["client"]: r["examples"] for r in read_jsonl(tmp_path / "replace" / "metrics.jsonl")
+             if "examples" in r}  # fmt: skip
+    for site in before["epsilon"]:
+        charges = _charges(run, site)
+        assert {line["relation"] for line in charges} == {"add-remove"}
+        counts = [line for line in charges if line["mechanism"] == COUNT_MECHANISM]
+        assert [line["round"] for line in counts] == [1]  # released once, with round 1
+        released = kept_count(run / "sites" / site / "privacy", site)
+        # What the site sent as its weight is the released count, never the exact one.
+        assert {r["examples"] for r in records if r["client"] == site} == {released}
+        sgd = [line for line in charges if line["mechanism"] == "dp-sgd"]
+        assert all(line["sample_rate"] == pytest.approx(64 / released) or released < 64
+                   for line in sgd)  # fmt: skip
+    assert any(kept_count(run / "sites" / s / "privacy", s) != exact[s] for s in exact)
+    policy = json.loads((run / "privacy" / "policy.json").read_text())
+    assert policy["relation"] == "add-remove"
+
+
+def test_a_calibrated_add_remove_run_needs_less_noise(tiny_config, tmp_path):
+    import tempfile
+    from pathlib import Path
+
+    from clinfed.errors import ProblemLog
+    from clinfed.models import load_tokenizer
+    from clinfed.pipeline import make_strategy, make_task, privacy_policy
+
+    def sigma(relation: str) -> float:
+        config = tiny_config(target_epsilon=8, rounds=3, neighbours=relation).resolved()
+        with tempfile.TemporaryDirectory() as cache:
+            task = make_task(config, cache)
+            corpus = task.load(Path(config.data), ProblemLog())
+            tokenizer = load_tokenizer("tiny")
+            train = task.encode(corpus.train, tokenizer, 32, cache)
+            strategy = make_strategy(config, task, tokenizer, cache)
+            policy = privacy_policy(config, task, {"one": train}, tmp_path / relation, strategy)
+        assert policy.planned_epsilon("one") <= 8.0  # the count's release included
+        return policy.noise["one"]
+
+    assert sigma("add-remove") < sigma("replace-one")
+
+
+def test_a_kept_count_is_released_again_after_a_restart(tiny_config, tmp_path):
+    from clinfed.pipeline import released_count
+    from clinfed.privacy.count import keep_count
+
+    config = tiny_config(noise_multiplier=1.0, neighbours="add-remove")
+    keep_count(tmp_path, "beth", 117)
+    assert released_count(config, "beth", 100, tmp_path) == 117  # never a second draw
+    keep_count(tmp_path, "beth", 90)  # a kept count is never replaced
+    assert kept_count(tmp_path, "beth") == 117
+
+
+def test_the_sampling_rate_derives_from_the_released_count():
+    sampler = PoissonSampler(100, 10, np.random.default_rng(0), population=125)
+    assert sampler.rate == pytest.approx(10 / 125) and sampler.steps_per_epoch == 12
+    assert PoissonSampler(100, 10, np.random.default_rng(0)).rate == pytest.approx(0.1)
+
+
+def test_a_ledger_charged_under_one_relation_refuses_the_other(tiny_run, tiny_config, tmp_path):
+    from clinfed.privacy.policy import PrivacyPolicy
+
+    tiny_run(out=tmp_path / "run", noise_multiplier=1.0)
+    folder = tmp_path / "run" / "sites" / "beth" / "privacy"
+    policy = PrivacyPolicy.build(
+        folder, {"beth": 120}, None, 1, 1, 1e-5, None, 1.0, relation="add-remove"
+    )
+    with pytest.raises(PrivacyError, match="accounts under replace-one"):
+        policy.ledger("beth")
