@@ -229,7 +229,7 @@ def test_an_existing_run_folder_is_never_touched(i2b2_corpus, tmp_path):
         (["--max-length", "4"], "--max-length must be at least 8"),
         (["--lr", "nan"], "--lr must be a finite number"),
         (["--strategy", "fedavg", "--mu", "0.1"], "--mu does not apply to --strategy fedavg"),
-        (["--model", "/no/such/model"], "not 'minilm', 'tiny' or a folder"),
+        (["--model", "/no/such/model"], "not 'minilm', 'tiny', a folder with a config.json"),
         (
             ["--model", "tiny", "--strategy", "safl", "--top-layers", "3"],
             "--top-layers 3 exceeds the model's 2 layers",
