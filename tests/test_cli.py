@@ -479,11 +479,13 @@ def test_the_demo_runs_the_private_federated_path_end_to_end(tmp_path):
     assert set(summary["epsilon"]) == {"beth", "partners", "site3"}
     assert all(0 < eps <= 8.0 for eps in summary["epsilon"].values())
     assert 0 <= summary["f1_private"] <= 1 and 0 <= summary["f1_no_dp"] <= 1
-    assert 0 < summary["ratio_to_fedavg_up"] < 1  # SAFL sends part of the model
+    assert 0 < summary["ratio_to_fedavg_up"] < 1  # bias terms and head: part of the model
     assert (out / "private" / "audit.json").is_file()
     assert Path(summary["report"]).is_file()
     for site in summary["epsilon"]:
         assert (out / "private" / "privacy" / f"{site}.jsonl").is_file()
+    policy = json.loads((out / "private" / "privacy" / "policy.json").read_text())
+    assert policy["relation"] == "add-remove"  # the count released once, under noise
     assert not (out / "no-dp" / "privacy").exists()
     # Both runs start from the same public warm start (the shipped text).
     starts = [json.loads((out / run / "state.json").read_text())["digests"]["0"]

@@ -19,10 +19,10 @@ def demo(
     rounds: int = typer.Option(None, "--rounds", help="Rounds (default: the demo's plan)."),
     threads: int = typer.Option(0, "--threads", help="CPU threads (0: all cores)."),
     plan: str = typer.Option(
-        "safl+fedfrozen",
+        "bias",
         "--plan",
-        help="safl+fedfrozen (SAFL's 2 layers, Q/K frozen from round 2) or bias (FedAvg of "
-        "bias terms and head, 3 local epochs).",
+        help="bias (FedAvg of bias terms and head, 3 local epochs: the best private model "
+        "measured) or safl+fedfrozen (SAFL's 2 layers, Q/K frozen from round 2).",
     ),
     as_json: bool = JSON,
 ) -> None:
