@@ -4,7 +4,8 @@ Usage::
 
     .venv/bin/python benchmarks/dp_results.py OUT_PREFIX RUN [RUN ...]
 
-Each ``RUN`` is a folder ``dp_utility.py`` wrote (``RUN/dp_utility.json``).
+Each ``RUN`` is a folder ``dp_utility.py`` wrote (``RUN/dp_utility.json``)
+or a copy of that file.
 Rows are grouped by corpus and plan (the settings other than epsilon);
 writes ``OUT_PREFIX.md`` (plan x epsilon x size: final strict F1, F1 by
 round, epsilon spent, wall time, the command) and ``OUT_PREFIX.png`` (F1
@@ -19,7 +20,10 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-PLAN_KEYS = ("strategy", "adapter", "local_epochs", "lr", "head_lr", "lr_decay", "batch_size")
+PLAN_KEYS = (
+    *("strategy", "adapter", "local_epochs", "lr", "head_lr", "lr_decay", "batch_size"),
+    "neighbours",
+)
 
 
 def plan_name(settings: dict) -> str:
@@ -30,7 +34,8 @@ def plan_name(settings: dict) -> str:
     for key in PLAN_KEYS[2:]:
         if key in settings:
             parts.append(f"{key.replace('_', ' ')} {settings[key]}")
-    parts.append("public warm start" if "start-" in str(settings.get("model")) else "no warm start")
+    public = settings.get("public_data") or "start-" in str(settings.get("model"))
+    parts.append("public warm start" if public else "no warm start")
     return ", ".join(parts)
 
 
@@ -48,7 +53,8 @@ def corpus_name(result: dict) -> str:
 def main(prefix: Path, runs: list[Path]) -> None:
     rows = []
     for run in runs:
-        result = json.loads((run / "dp_utility.json").read_text())
+        path = run if run.suffix == ".json" else run / "dp_utility.json"
+        result = json.loads(path.read_text())
         settings = result["settings"]
         epsilon = settings.get("target_epsilon", math.inf)
         rows.append(

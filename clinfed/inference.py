@@ -7,15 +7,16 @@ from pathlib import Path
 from typing import Any
 
 from clinfed.errors import ClinfedError, ProblemLog
-from clinfed.models import load_saved_model
+from clinfed.models import load_saved_model, saved_run_model
 from clinfed.runs import ensure_new_run_folder
 from clinfed.tasks import get_task
 from clinfed.training import predict
 
 
 def _outputs(run: Path, data: Path, problems: ProblemLog, cache_dir: str):
-    model_dir = Path(run) / "model"
-    if not model_dir.is_dir():
+    # A run folder, or a saved model itself (RUN/model, clinfed warm-start's).
+    model_dir = saved_run_model(str(run))
+    if model_dir is None:
         raise ClinfedError(f"{run}: no model/ folder (not a finished clinfed run?)")
     model, tokenizer, meta = load_saved_model(model_dir)
     options = {k: meta[k] for k in ("codes", "top_k", "max_chunks", "format", "types") if k in meta}

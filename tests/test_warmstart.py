@@ -155,6 +155,9 @@ def test_a_warm_start_saved_once_starts_runs_that_record_it(i2b2_corpus, tmp_pat
     (inline, inline_start), (shared, shared_start) = record("inline"), record("shared")
     assert shared_start == inline_start  # the same starting model, paid for once
     assert shared["model"] == str(start.resolve()) and shared["examples"] == inline["examples"]
+    # The starting model alone is scored like any run's (what the private rounds add).
+    scored = run_cli("evaluate", str(start), "--data", str(i2b2_corpus / "test"), "--json")
+    assert scored.returncode == 0 and 0 <= json.loads(scored.stdout)["f1"] <= 1
     again = run_cli(
         "warm-start", "--task", "i2b2", "--data", str(i2b2_corpus), "--model", "tiny",
         "--out", str(start), *mapped,
