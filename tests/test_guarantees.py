@@ -631,3 +631,27 @@ def test_an_in_process_site_caps_delta_as_a_node_does(tmp_path, tiny_run):
     with pytest.raises(ClinfedError, match=r"above this site's cap"):
         tiny_run(target_epsilon=8.0, delta=0.01)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_node_can_start_from_a_public_warm_start_it_pins(i2b2_corpus, tiny_config, tmp_path):
+    # Warm start on Flower: the operator makes the starting model once from
+    # public text (clinfed warm-start), each node pins that folder by
+    # SHA-256, and the round-0 digest proves every party holds the same.
+    from clinfed.federated.state import load_tensors
+    from clinfed.pipeline import warm_start_model
+    from clinfed.provenance import data_fingerprint
+
+    public = tmp_path / "public"
+    public.mkdir()
+    (public / "train.tsv").write_text("Aspirin\tB-Chemical\nhelps\tO\n\nfever\tB-Disease\n\n" * 20)
+    start = tmp_path / "start"
+    warm_start_model(
+        tiny_config(
+            out=start, public_data=str(public), public_types="Disease=problem,Chemical=treatment"
+        )
+    )
+    pinned = {"model": str(start), "model_sha256": data_fingerprint(start)}
+    site = _node_site(i2b2_corpus, tmp_path, pinned, model=str(start), target_epsilon=8.0)
+    saved = load_tensors(start / "model.safetensors")
+    held = site.runner.model.state_dict()
+    assert all(torch.equal(held[k].cpu(), saved[k]) for k in saved if k.startswith("encoder."))
