@@ -49,35 +49,22 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from real_ner import sentences, write_sites  # the same three sites as real_ner.py's table (a)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "corpora"
 PUBLIC = REPO / "clinfed" / "public"
 TYPES = "Disease=problem,Chemical=treatment"
-SITES = ("site1", "site2", "site3")
 
 
 # ------------------------------------------------------------------ corpora
-def _sentences(path: Path) -> list[str]:
-    blocks = path.read_text(encoding="utf-8").split("\n\n")
-    return [b.strip("\n") for b in blocks if b.strip()]
-
-
-def _write_sites(source: list[str], folder: Path, name: str) -> None:
-    third = -(-len(source) // len(SITES))
-    for i, site in enumerate(SITES):
-        target = folder / site / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text("\n\n".join(source[i * third : (i + 1) * third]) + "\n", "utf-8")
-
-
 def corpus(kind: str, folder: Path, docs: int) -> tuple[dict, Path, str]:
     """Write the corpus under ``folder`` once: (settings, public folder, public types)."""
     data = folder / "data"
     if kind == "bc5cdr":
         if not data.exists():
-            _write_sites(_sentences(SHARED / "bc5cdr" / "train.tsv"), data / "train", "train.tsv")
-            _write_sites(_sentences(SHARED / "bc5cdr" / "devel.tsv"), data / "test", "devel.tsv")
+            write_sites(sentences(SHARED / "bc5cdr" / "train.tsv"), data / "train", "train.tsv")
+            write_sites(sentences(SHARED / "bc5cdr" / "devel.tsv"), data / "test", "devel.tsv")
         public = folder / "public"
         if not public.exists():  # NCBI-disease alone: BC5CDR's train split is the private data
             public.mkdir(parents=True)
@@ -86,7 +73,7 @@ def corpus(kind: str, folder: Path, docs: int) -> tuple[dict, Path, str]:
     from clinfed.tasks.i2b2.synth import generate
 
     if not data.exists():
-        generate(data, sites=len(SITES), docs=docs, seed=0)
+        generate(data, sites=3, docs=docs, seed=0)
     return {}, PUBLIC, TYPES
 
 

@@ -127,6 +127,14 @@ ON_ERROR = typer.Option(
 )
 CODES = typer.Option(CodeKind.diagnoses, "--codes", help="mimic3: which ICD-9 codes are labels.")
 JSON = typer.Option(False, "--json", help="Print JSON instead of a table.")
+# --config on the commands that take run settings (train's own says more).
+SETTINGS_FILE = typer.Option(
+    None,
+    "--config",
+    help="Settings file (as for clinfed train); the flags override it.",
+    exists=True,
+    dir_okay=False,
+)
 
 
 def _finite(obj: Any) -> Any:

@@ -10,6 +10,7 @@ import click
 import typer
 
 from clinfed.commands.common import (
+    SETTINGS_FILE,
     _print_json,
     app,
     err,
@@ -195,13 +196,7 @@ def flower_register(
 
 
 def flower_run(
-    config_file: Path = typer.Option(
-        None,
-        "--config",
-        help="Settings file (as for clinfed train); the flags override it.",
-        exists=True,
-        dir_okay=False,
-    ),
+    config_file: Path = SETTINGS_FILE,
     superlink: str = SUPERLINK,
     root_cert: Path = ROOT_CERT,
     insecure: bool = INSECURE,

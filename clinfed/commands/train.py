@@ -20,6 +20,7 @@ from rich.table import Table
 from clinfed.commands.common import (
     JSON,
     ON_ERROR,
+    SETTINGS_FILE,
     OnError,
     _print_json,
     _warn,
@@ -264,13 +265,7 @@ def sweep_cmd(
     resume: bool = typer.Option(
         False, "--resume", help="Continue the sweep in --out (finished cells are kept)."
     ),
-    config_file: Path = typer.Option(
-        None,
-        "--config",
-        help="Settings file (as for clinfed train).",
-        exists=True,
-        dir_okay=False,
-    ),
+    config_file: Path = SETTINGS_FILE,
     as_json: bool = typer.Option(False, "--json", help="Print the sweep's rows as JSON."),
     **settings: Any,
 ) -> None:
@@ -387,13 +382,7 @@ app.command("train")(train)
 
 
 def warm_start_cmd(
-    config_file: Path = typer.Option(
-        None,
-        "--config",
-        help="Settings file (as for clinfed train). Flags override it.",
-        exists=True,
-        dir_okay=False,
-    ),
+    config_file: Path = SETTINGS_FILE,
     as_json: bool = typer.Option(False, "--json", help="Print what was done as JSON."),
     **settings: Any,
 ) -> None:
