@@ -28,8 +28,11 @@ Prints one line per round: strict F1 (micro, then recall and precision per
 type), and under DP the mean over the round's steps of the clipped
 signal's norm on the averaged step (``||sum of clipped gradients|| / B``,
 at most the clip norm) against the noise's (``sigma C sqrt(d) / B``, ``d``
-the noised numbers), the share of units clipped, the norm of each site's
-local update, and epsilon per site. Writes ``OUT/dp_utility.json``.
+the noised numbers), the share of units clipped (both observed under
+book-keeping clipping, the default wherever every unit is one row; runs
+clipped by Opacus's hooks, as BC5CDR's multi-window sentences are, print
+neither), the norm of each site's local update, and epsilon per site.
+Writes ``OUT/dp_utility.json``.
 
 These figures are computed inside the sites from their training data, so
 they exist only in this benchmark (it observes the code by wrapping three
@@ -171,6 +174,8 @@ class Observer:
         updates, epsilon = self.updates[number], self.epsilon[number]
         per_type = {}
         for name, (correct, n_pred, found, n_gold) in sorted(self.types.items()):
+            if n_pred == 0 and n_gold == 0:
+                continue  # a type of the preset this corpus does not annotate
             precision = correct / n_pred if n_pred else 0.0
             recall = found / n_gold if n_gold else 0.0
             f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
@@ -192,13 +197,16 @@ class Observer:
         )
         dp = ""
         if line["signal"] is not None:
+            # Observed where the noise is added here (book-keeping clipping);
+            # Opacus's hooks and ghost clipping add theirs inside Opacus.
             dp = (
                 f" | signal {line['signal']:.3f} noise {line['noise']:.3f} over {line['steps']} "
-                f"steps, clipped {line['clipped']:.0%}, update "
-                + ", ".join(f"{v:.2f}" for v in updates.values())
-                + ", eps "
-                + ", ".join(f"{v:.2f}" for v in epsilon.values())
+                f"steps, clipped {line['clipped']:.0%}"
             )
+        if updates:
+            dp += " | update " + ", ".join(f"{v:.2f}" for v in updates.values())
+        if epsilon:
+            dp += ", eps " + ", ".join(f"{v:.2f}" for v in epsilon.values())
         print(f"round {number}: F1 {record.get('f1', 0):.3f}  {types}{dp}", flush=True)
         self.types.clear()  # the next round's model is scored after this line
         return line
