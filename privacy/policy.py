@@ -335,7 +335,9 @@ class PrivacyPolicy:
                 mark=None if one_run else self.ledger_mark,
             )
             ledger = self._ledgers[site]
-            other = sorted({str(line.get("relation")) for line in ledger.lines} - {self.relation})
+            # Lines from before relations were recorded are replace-one (the only one then).
+            found = {str(line.get("relation", RELATION)) for line in ledger.lines}
+            other = sorted(found - {self.relation})
             if other:
                 # Charges under one relation do not compose with the other's.
                 del self._ledgers[site]
