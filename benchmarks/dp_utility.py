@@ -220,6 +220,9 @@ def main() -> None:
     parser.add_argument("--epsilon", type=float, default=8.0, help="inf: no DP")
     parser.add_argument("--public", default="auto", help="auto, none or a folder")
     parser.add_argument("--public-examples", type=int, default=0)
+    parser.add_argument(
+        "--public-types", default=None, help="with --public DIR: its types mapped (--types syntax)"
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -253,7 +256,7 @@ def main() -> None:
         # then every run starts from the saved model, with or without DP.
         public_settings = {
             "public_data": str(public if args.public == "auto" else args.public),
-            "public_types": public_types,
+            "public_types": args.public_types if args.public != "auto" else public_types,
             "public_examples": args.public_examples,
         }
         settings["model"] = str(starting_model(work, settings | public_settings))
