@@ -163,3 +163,29 @@ def test_a_warm_start_saved_once_starts_runs_that_record_it(i2b2_corpus, tmp_pat
         "--out", str(start), *mapped,
     )  # fmt: skip
     assert again.returncode == 2 and "already exists" in again.stderr
+
+
+def test_the_audit_measures_from_the_warm_started_model(i2b2_corpus, tmp_path):
+    # A run that warm-starts inline is audited against the model it started
+    # from (the warm-started one), not the bundled encoder.
+    import tempfile
+
+    from clinfed.federated import payload
+    from clinfed.models import load_saved_model
+    from clinfed.reporting.audit import starting_model
+    from clinfed.settings import RunConfig, read_run_config
+
+    public = _public(tmp_path / "public")
+    mapped = ("--public-data", str(public), "--public-types", "Disease=problem,Chemical=treatment")
+    run = tmp_path / "run"
+    assert _train(i2b2_corpus, run, *mapped, "--audit-holdout", "0.25").returncode == 0
+    config = RunConfig.from_values(read_run_config(run), "config").resolved()
+    _, tokenizer, meta = load_saved_model(run / "model")
+    with tempfile.TemporaryDirectory() as cache:
+        from clinfed.pipeline import make_task
+
+        task = make_task(config, cache)
+        task.labels = list(meta["labels"])
+        initial = starting_model(config, task, tokenizer, cache)
+    started = json.loads((run / "state.json").read_text())["digests"]["0"]
+    assert payload.digest(initial.state_dict()) == started

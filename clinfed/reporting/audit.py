@@ -120,6 +120,21 @@ def reading(result: dict[str, float]) -> str:
     )
 
 
+def starting_model(config: RunConfig, task: Any, tokenizer: Any, cache: str) -> Any:
+    """The weights the run started from: the seeded model (or the saved one
+    ``--model`` names), trained again on the run's public text when it
+    warm-started inline (``--public-data``: the same seed, the same steps),
+    so the attack measures what the private rounds changed."""
+    from clinfed.pipeline import make_model
+
+    initial = make_model(config, task)
+    if config.public_data:
+        from clinfed.warmstart import warm_start
+
+        warm_start(config, task, initial, tokenizer, cache, ProblemLog(config.on_error))
+    return initial
+
+
 def _attack(
     model, initial, task, examples, members: list[int], non_members: list[int], rng, unit: str
 ) -> dict[str, Any]:
@@ -175,7 +190,7 @@ def audit(run: Path, max_examples: int = 400, seed: int = 0) -> dict[str, Any]:
         corpus = task.load(Path(config.data), ProblemLog(config.on_error))
         task.labels = list(meta["labels"])
         examples = task.encode(corpus.train, tokenizer, meta["max_length"], cache)
-        initial = make_model(config, task)  # the seeded starting weights
+        initial = starting_model(config, task, tokenizer, cache)
         if any(i >= len(examples) for m, n in sites.values() for i in m + n):
             raise ClinfedError(f"{holdout_path}: rows beyond the data's; was the data changed?")
 
