@@ -103,8 +103,8 @@ def run_demo(
     # The warm start is paid once: both runs start from the saved model.
     start = out / "start"
     on_step(
-        f"training the starting model on {settings['public_examples']:,} sentences of public "
-        "text (no hospital's data, no privacy spent)"
+        f"training the starting model on {settings['public_examples']:,} public examples "
+        "(no hospital's data, no privacy spent)"
     )
     warm_start_model(RunConfig.of(data=str(data), out=str(start), **settings), on_event)
     settings = {k: v for k, v in settings.items() if not k.startswith("public_")}

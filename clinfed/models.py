@@ -87,9 +87,8 @@ def checkpoint_dir(spec: str) -> Path:
 
 def load_tokenizer(spec: str):
     """Fast tokenizer for ``spec``, from local files only."""
-    folder = checkpoint_dir(spec)
-    if saved_run_model(spec) is not None:
-        folder = folder / "tokenizer"
+    saved = saved_run_model(spec)
+    folder = saved / "tokenizer" if saved is not None else checkpoint_dir(spec)
     return AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
 

@@ -98,3 +98,27 @@ def test_a_ledger_charged_under_one_relation_refuses_the_other(tiny_run, tiny_co
     )
     with pytest.raises(PrivacyError, match="accounts under replace-one"):
         policy.ledger("beth")
+
+
+def test_a_replayed_round_under_add_remove_is_charged_once(tmp_path):
+    # A node re-sends round 2's kept update (a lost reply): the count was
+    # released with round 1, so the replay's charge matches round 2's and
+    # is reused, never a second line.
+    from clinfed.privacy.policy import PrivacyPolicy
+    from clinfed.privacy.site import SitePrivacy
+
+    policy = PrivacyPolicy.build(
+        tmp_path, {"beth": 120}, None, 1, 3, 1e-5, None, 1.0, relation="add-remove"
+    )
+    privacy = SitePrivacy(policy, "beth")
+
+    def update(dp):
+        return {}, {"round": 0, "client": "beth"}
+
+    privacy.run(1, update)
+    privacy.release(1)
+    privacy.run(2, update)  # charged, its reply lost before the release line
+    before = len(privacy.ledger.lines)
+    privacy.resend(2)
+    assert len(privacy.ledger.lines) == before
+    assert [line["mechanism"] for line in privacy.ledger.lines].count(COUNT_MECHANISM) == 1

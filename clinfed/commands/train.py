@@ -404,7 +404,8 @@ def warm_start_cmd(
 
     def show(event: str, info: dict[str, Any]) -> None:
         if event == "public_epoch":
-            log.info(f"public text: epoch {info['epoch']} over {info['examples']:,} examples")
+            # Counts only: nothing of the public corpus is printed.
+            log.info(f"warm start: epoch {info['epoch']} over {info['examples']:,} public examples")
 
     record = warm_start_model(config, show)
     if as_json:
