@@ -164,6 +164,12 @@ class TrainingSettings:
         None, "Rate of the freshly initialised task head (default: the task's).", above=0.0
     )
     weight_decay: float = setting(0.01, "AdamW weight decay.", minimum=0.0)
+    optimizer: str = setting(
+        "adamw",
+        "Under DP: adamw; adambc, Adam with the noise's variance taken out of its second "
+        "moment (DP-AdamBC); sgd, SGD with momentum 0.9 at Adam-equivalent rates.",
+        choices=("adamw", "adambc", "sgd"),
+    )
     lr_decay: str = setting(
         "none",
         "Federated runs: none keeps the rates; linear takes them to zero over the run's "
@@ -470,6 +476,11 @@ class RunConfig(
                 f"--precision {self.precision} under DP: per-example gradient norms and "
                 "clipping must be exact (fp32), or the clipping bound the accounting assumes "
                 "does not hold"
+            )
+        if self.optimizer != "adamw" and not self.dp:
+            raise ClinfedError(
+                f"--optimizer {self.optimizer} needs DP (--target-epsilon or "
+                "--noise-multiplier): it is derived from the noise's scale"
             )
         if self.dp:
             if not (self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)):

@@ -19,6 +19,7 @@ from torch import nn
 
 from clinfed.federated.plan import Plan
 from clinfed.privacy.dpsgd import DPSettings, make_private
+from clinfed.privacy.optimizers import noise_std
 from clinfed.privacy.randomness import SiteRandomness
 from clinfed.tasks.base import Task
 from clinfed.training import EpochStats, PlainUpdate, make_optimizer, plain_steps, run_epoch
@@ -39,6 +40,8 @@ class LocalSettings:
     # :func:`decay_rates`); ``none`` keeps them.
     lr_decay: str = "none"
     rounds: int = 1
+    # Under DP: adamw, adambc or sgd (clinfed.privacy.optimizers).
+    optimizer: str = "adamw"
 
 
 @dataclass
@@ -194,7 +197,13 @@ def client_update(work: LocalWork, objective: Any = None) -> ClientResult:
     dp = work.dp
     scale = dp.lr_scale if dp is not None else 1.0
     head_lr = settings.head_lr * scale if settings.head_lr is not None else None
-    optimizer = make_optimizer(model, settings.lr * scale, settings.weight_decay, head_lr)
+    noise = None
+    if dp is not None:
+        expected = dp.batch_size or settings.batch_size
+        noise = noise_std(dp.noise_multiplier, dp.max_grad_norm, expected)
+    optimizer = make_optimizer(
+        model, settings.lr * scale, settings.weight_decay, head_lr, settings.optimizer, noise
+    )
     unit = dp.unit if dp is not None else "example"
     units = work.task.unit_rows(work.dataset, unit)
     if dp is not None:

@@ -580,6 +580,7 @@ def build_site_runner(
         precision=config.precision,
         lr_decay=config.lr_decay,
         rounds=config.rounds,
+        optimizer=config.optimizer,
     )
     return SiteRunner(
         name,
