@@ -1,5 +1,5 @@
 """Parameter-efficient training: LoRA adapters (``--adapter lora``) on peft,
-and bias terms only (``--adapter bias``).
+bias terms only (``--adapter bias``), or the head alone (``--adapter head``).
 
 The pretrained encoder stays frozen at every party; each linear layer of
 every encoder layer (attention query, key, value and output, feed-forward
@@ -27,6 +27,8 @@ alternative: the encoder's weights stay frozen and only its bias terms
 (attention, feed-forward and LayerNorm biases, about 0.5% of MiniLM) and
 the head train and travel. Nothing is added to the model, so aggregation
 is exact, and under DP-SGD only those few coordinates are noised.
+``--adapter head`` goes further: the encoder stays as the run starts it
+(a public warm start, say) and only the head trains, travels and is noised.
 
 Every party builds the same adapters from the run's seed, so the frozen
 encoder and ``A`` are never sent. A saved model has its adapters merged
@@ -43,7 +45,7 @@ from torch import nn
 
 from clinfed.errors import ClinfedError
 
-ADAPTERS = ("none", "lora", "bias")
+ADAPTERS = ("none", "lora", "bias", "head")
 # A low-rank update starting at zero moves the model slowly at the encoder's
 # fine-tuning rate (1e-4): adapters train at 1e-3 unless --lr says otherwise
 # (the usual LoRA rate for BERT-sized encoders; the head keeps its own).
@@ -81,6 +83,14 @@ def add_bias(model: nn.Module) -> nn.Module:
     return model
 
 
+def add_head(model: nn.Module) -> nn.Module:
+    """Train and share only the task head: the encoder stays as the run
+    starts it (a linear probe of a warm-started encoder; under DP-SGD the
+    fewest noised coordinates)."""
+    model.adapter = {"kind": "head"}
+    return model
+
+
 def adapter_of(model: nn.Module) -> dict | None:
     return getattr(model, "adapter", None)
 
@@ -90,6 +100,8 @@ def _travels(name: str, adapter: dict | None) -> bool:
         return True  # no adapter: everything; with one: the head (and prompts)
     if adapter["kind"] == "bias":
         return name.endswith(".bias")
+    if adapter["kind"] == "head":
+        return False
     return ".lora_B." in name or (adapter["factors"] == "ab" and ".lora_A." in name)
 
 
@@ -133,7 +145,7 @@ def merged(model: nn.Module) -> nn.Module:
     adapter = adapter_of(model)
     if adapter is None:
         return model
-    if adapter["kind"] == "bias":
+    if adapter["kind"] in ("bias", "head"):
         plain = copy.deepcopy(model)
         plain.adapter = None
         return plain

@@ -38,6 +38,7 @@ from torch import nn
 from clinfed import __version__
 from clinfed.adapters import (
     add_bias,
+    add_head,
     add_lora,
     fedavg_bytes,
     load_shared,
@@ -403,6 +404,8 @@ def make_model(config: RunConfig, task: Task) -> nn.Module:
         add_lora(model, config.lora_rank, config.lora_alpha, config.lora_factors, config.seed)
     elif config.adapter == "bias":
         add_bias(model)
+    elif config.adapter == "head":
+        add_head(model)
     return model
 
 

@@ -1,4 +1,4 @@
-"""Adapters (LoRA, bias-only): what trains and travels, composition with the
+"""Adapters (LoRA, bias-only, head-only): what trains and travels, composition with the
 plans, saving."""
 
 from __future__ import annotations
@@ -119,6 +119,25 @@ def test_a_federated_bias_only_run_sends_biases_and_head_only(i2b2_corpus, tmp_p
         assert all(n.startswith("head.") or n.endswith(".bias") for n in up)
         assert any(n.startswith("encoder.") for n in up)
     assert summary["ratio_to_fedavg_up"] < 0.05
+    from clinfed.inference import evaluate_run
+
+    again = evaluate_run(run, i2b2_corpus / "test")
+    assert again["f1"] == pytest.approx(summary["f1"], abs=1e-9)
+
+
+def test_a_head_only_run_trains_and_sends_the_head_alone(i2b2_corpus, tmp_path, traffic):
+    run = tmp_path / "run"
+    summary = _federated(i2b2_corpus, run, rounds=1, adapter="head")
+    uploads = [m["up"] for m in traffic.messages if m["kind"] == "train"]
+    assert len(uploads) == 3
+    assert all(up and all(n.startswith("head.") for n in up) for up in uploads)
+    # The saved encoder is the starting one: nothing but the head moved.
+    from clinfed.models import load_saved_model
+
+    start = build_model("token", "tiny", 7, seed=0)  # the run's seed; O + 3 types x B/I
+    saved, _, _ = load_saved_model(run / "model")
+    for name, value in saved.encoder.state_dict().items():
+        torch.testing.assert_close(value, start.encoder.state_dict()[name])
     from clinfed.inference import evaluate_run
 
     again = evaluate_run(run, i2b2_corpus / "test")
