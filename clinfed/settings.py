@@ -151,7 +151,12 @@ class TrainingSettings:
     epochs: int = setting(
         3, "centralized: passes over the pooled training data.", minimum=1, maximum=1_000
     )
-    local_epochs: int = setting(1, "Passes over a site's data per round.", minimum=1, maximum=1_000)
+    local_epochs: int | None = setting(
+        None,
+        "Passes over a site's data per round (default 1; under DP 3, the recipe's).",
+        minimum=1,
+        maximum=1_000,
+    )
     batch_size: int | None = setting(
         None,
         "Examples per step (default: the task's; under DP each site's expected Poisson batch "
@@ -523,6 +528,10 @@ class RunConfig(
             # Under DP each site derives its batch from its own size
             # (clinfed.privacy.recipe) unless --batch-size is given.
             defaults.pop("batch_size", None)
+        if self.local_epochs is None:
+            from clinfed.privacy.recipe import DP_LOCAL_EPOCHS
+
+            defaults["local_epochs"] = DP_LOCAL_EPOCHS if self.dp else 1
         changes = {k: v for k, v in defaults.items() if getattr(self, k) is None}
         options = asdict(strategy.make_options(self.strategy_options, self.strategy))
         return replace(self, **changes, strategy_options=options)

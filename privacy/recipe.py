@@ -20,7 +20,17 @@ Without ``--batch-size``, a site under DP therefore takes
   scaling rules for adaptive gradient algorithms"), so a rate given for the
   task's non-private batch means the same at the site's batch.
 
-A site derives both from its own number of units, which it releases anyway
+Without ``--local-epochs``, a private run takes ``DP_LOCAL_EPOCHS`` (3)
+passes over each site's data per round (without DP: 1). Measured on
+synthetic and public text only (docs/results.md, "Private models"): three
+local epochs beat one by 10.7 F1 points at 3,300 sentences a site
+(epsilon 8, bias terms), five beat three by 1 point at 600 sentences for
+1.5 times the time; at the same epsilon, 6 rounds moved nothing against 3
+and a rate decaying to zero lost 1.6 points against a constant one. So the
+rule is the same at every size measured (600 to 3,300 sentences): three
+epochs, a constant rate, the rounds the user asks for.
+
+A site derives its batch and rates from its own number of units, which it releases anyway
 (the aggregation weight), so the recipe costs no privacy. The clip norm is
 not derived: AdamW divides out the gradient's scale, so ``--max-grad-norm``
 only decides which examples are clipped, and the default 1.0 clips most of
@@ -32,6 +42,7 @@ from __future__ import annotations
 import math
 
 STEPS_PER_EPOCH = 16
+DP_LOCAL_EPOCHS = 3
 MIN_BATCH = 64
 MAX_BATCH = 1024
 

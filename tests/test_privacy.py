@@ -344,8 +344,10 @@ def test_sites_refuse_rounds_past_the_budget_and_the_run_stops_cleanly(i2b2_corp
         "4",
         "--threads",
         "1",
+        "--local-epochs",
+        "1",
         "--noise-multiplier",
-        "0.9",  # round 1 costs about 7.8 of the 8: round 2 is refused
+        "0.9",  # round 1 (one local epoch) costs about 7.8 of the 8: round 2 is refused
         "--target-epsilon",
         "8",
         "--data",

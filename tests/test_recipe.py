@@ -60,3 +60,25 @@ def test_a_given_batch_size_is_used_as_is(tmp_path, trained, tiny_run):
     assert all(
         site["batch_size"] == 8 and site["lr_scale"] == 1.0 for site in policy["sites"].values()
     )
+
+
+def test_a_private_run_takes_the_recipes_local_epochs_unless_given(tmp_path, tiny_run):
+    from clinfed.privacy.recipe import DP_LOCAL_EPOCHS
+    from clinfed.runs import read_jsonl
+
+    def steps(run) -> list[int]:
+        return [line["steps"] for line in read_jsonl(run / "privacy" / "beth.jsonl")
+                if line.get("mechanism") == "dp-sgd"]  # fmt: skip
+
+    tiny_run(out=tmp_path / "recipe", noise_multiplier=5.0, batch_size=8)
+    tiny_run(out=tmp_path / "given", noise_multiplier=5.0, batch_size=8, local_epochs=1)
+    recorded = json.loads((tmp_path / "recipe" / "config.json").read_text())
+    assert recorded["training"]["local_epochs"] == DP_LOCAL_EPOCHS == 3
+    # Accounted (and trained) for three passes: three times the steps of one.
+    assert steps(tmp_path / "recipe") == [3 * s for s in steps(tmp_path / "given")]
+    plain = tiny_run(out=tmp_path / "plain")
+    assert plain["f1"] is not None
+    assert (
+        json.loads((tmp_path / "plain" / "config.json").read_text())["training"]["local_epochs"]
+        == 1
+    )
