@@ -492,12 +492,27 @@ def test_the_demo_runs_the_private_federated_path_end_to_end(tmp_path):
               for run in ("private", "no-dp")]  # fmt: skip
     assert starts[0] == starts[1]
     public = json.loads((out / "private" / "config.json").read_text())["public_start"]
-    assert public["examples"] == 2000 and public["types"] == ["problem", "treatment"]
+    assert public["types"] == ["problem", "test", "treatment"]  # public notes: every type
     assert public["model"] == str((out / "start").resolve())  # warm-started once, for both
+    # The public notes are other notes than any hospital's.
+    hospitals = {p.read_bytes() for p in (out / "data").rglob("*.txt")}
+    notes = {p.read_bytes() for p in (out / "public").rglob("*.txt")}
+    assert notes and not notes & hospitals
+    assert 0 <= summary["f1_start"] <= 1 and summary["public"] == "notes"
     content = json.loads((out / "private" / "report" / "privacy.json").read_text())
     assert content["reference_f1"] == pytest.approx(summary["f1_no_dp"])
     again = run_cli(*args, "--out", str(out))
     assert again.returncode == 2 and "choose a new" in again.stderr
+
+
+def test_the_demo_can_start_from_the_shipped_pubmed_text(tmp_path):
+    out = tmp_path / "demo"
+    args = ("demo", "--model", "tiny", "--docs", "2", "--rounds", "1", "--threads", "1")
+    result = run_cli(*args, "--public", "pubmed", "--out", str(out), "--json")
+    assert result.returncode == 0, result.stderr
+    public = json.loads((out / "private" / "config.json").read_text())["public_start"]
+    assert public["examples"] == 2000 and public["types"] == ["problem", "treatment"]
+    assert not (out / "public").exists()
 
 
 def test_an_external_validation_site_is_scored_like_its_predictions(tmp_path):

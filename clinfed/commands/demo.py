@@ -24,6 +24,13 @@ def demo(
         help="bias (FedAvg of bias terms and head, 3 local epochs: the best private model "
         "measured) or safl+fedfrozen (SAFL's 2 layers, Q/K frozen from round 2).",
     ),
+    public: str = typer.Option(
+        "notes",
+        "--public",
+        help="Public text the starting model trains on: notes (synthetic notes of other "
+        "patients, as a public annotated clinical corpus) or pubmed (the shipped PubMed "
+        "abstracts: diseases and chemicals, unlike the notes).",
+    ),
     as_json: bool = JSON,
 ) -> None:
     """The product's main job on synthetic data: three hospitals train one
@@ -36,7 +43,15 @@ def demo(
     ) as progress:
         reporter = _ProgressReporter(progress, 1, rounds or PLAN["rounds"])
         summary = run_demo(
-            out_dir, model, docs, rounds, threads, plan, on_step=log.info, on_event=reporter
+            out_dir,
+            model,
+            docs,
+            rounds,
+            threads,
+            plan,
+            public,
+            on_step=log.info,
+            on_event=reporter,
         )
     if as_json:
         _print_json(summary)
@@ -47,7 +62,8 @@ def demo(
     out.print(
         f"  F1 (strict, held-out): [bold]{summary['f1_private']:.3f}[/] under DP at epsilon "
         f"{summary['target_epsilon']:g}, {summary['f1_no_dp']:.3f} without DP "
-        f"({gap:.1f} points apart)"
+        f"({gap:.1f} points apart); {summary['f1_start']:.3f} from the public text alone "
+        f"({summary['public']})"
     )
     out.print(f"  epsilon spent per hospital: {spent} (delta {summary['delta']:g})")
     out.print(
