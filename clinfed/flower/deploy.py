@@ -192,6 +192,14 @@ def flower_run_config(settings: dict[str, Any], out: Path, resume: bool = False)
     config = RunConfig.from_values(settings)
     for name in settings:
         key = name.replace("-", "_")
+        if key == "public_data":
+            # Under adapters a warm start moves weights that never travel: every
+            # node must load the same starting model from disk.
+            raise ClinfedError(
+                f"{name}: on Flower, train the starting model once with clinfed warm-start "
+                "and name its folder as the run's --model and in every node's config "
+                "(model and model-sha256, which pins it)"
+            )
         if key in fields and fields[key].metadata.get("simulator_only"):
             raise ClinfedError(
                 f"{name}: not a Flower setting (each SuperNode is a site with its own data)"
