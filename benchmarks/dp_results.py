@@ -22,20 +22,33 @@ from pathlib import Path
 
 PLAN_KEYS = (
     *("strategy", "adapter", "local_epochs", "lr", "head_lr", "lr_decay", "batch_size"),
-    "neighbours",
+    *("neighbours", "optimizer", "max_grad_norm"),
 )
 
 
-def plan_name(settings: dict) -> str:
+def public_name(result: dict) -> str:
+    """Which public text the starting model trained on: the run's command says."""
+    words = result["command"].split()
+    given = words[words.index("--public") + 1] if "--public" in words else "auto"
+    if given == "none":
+        return "no warm start"
+    if given != "auto":
+        return "warm start on public synthetic notes"
+    if result["corpus"] == "bc5cdr":
+        return "warm start on NCBI-disease"
+    return "warm start on PubMed"
+
+
+def plan_name(result: dict) -> str:
     """The plan in a few words (the settings that are not the corpus or epsilon)."""
+    settings = result["settings"]
     parts = [str(settings.get("strategy", "?"))]
     if settings.get("adapter") not in (None, "none"):
         parts.append(f"adapter {settings['adapter']}")
     for key in PLAN_KEYS[2:]:
         if key in settings:
             parts.append(f"{key.replace('_', ' ')} {settings[key]}")
-    public = settings.get("public_data") or "start-" in str(settings.get("model"))
-    parts.append("public warm start" if public else "no warm start")
+    parts.append(public_name(result))
     return ", ".join(parts)
 
 
@@ -60,7 +73,7 @@ def main(prefix: Path, runs: list[Path]) -> None:
         rows.append(
             {
                 "corpus": corpus_name(result),
-                "plan": plan_name(settings),
+                "plan": plan_name(result),
                 "epsilon": epsilon,
                 "f1": result["f1"],
                 "by_round": [r["f1"] for r in result["rounds"]],

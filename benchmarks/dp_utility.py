@@ -19,6 +19,10 @@ Corpora:
   everything ``clinfed/public`` ships (BC5CDR and NCBI-disease train,
   diseases as problems, chemicals as treatments).
 
+``--public DIR`` warm-starts on any annotated folder instead: public
+synthetic notes of other patients, say (``clinfed data synth i2b2 --out
+synth-public --sites 3 --docs 60 --seed 7``, then ``--public synth-public``:
+the same kind of notes as the sites', as a public clinical corpus would be).
 ``--public none`` starts from the bundled encoder; ``--public-examples N``
 caps the public sentences. ``--set KEY=VALUE`` (repeatable) overrides any
 run setting (JSON values: ``--set local_epochs=3``). ``--epsilon inf`` runs
