@@ -109,10 +109,18 @@ def main(prefix: Path, runs: list[Path]) -> None:
         groups[(r["corpus"], r["plan"])].append(r)
     finite = sorted({r["epsilon"] for r in rows if not math.isinf(r["epsilon"])})
     no_dp_x = (max(finite) * 2) if finite else 16
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    for (corpus, plan), members in sorted(groups.items()):
+    fig, ax = plt.subplots(figsize=(10, 8.5))
+    colours = plt.get_cmap("tab20").colors
+    for index, ((corpus, plan), members) in enumerate(sorted(groups.items())):
         xs = [no_dp_x if math.isinf(r["epsilon"]) else r["epsilon"] for r in members]
-        ax.plot(xs, [r["f1"] for r in members], marker="o", label=f"{corpus}: {plan}")
+        ax.plot(
+            xs,
+            [r["f1"] for r in members],
+            marker="o",
+            color=colours[index % len(colours)],
+            linestyle="-" if "adapter" in plan else "--",
+            label=f"{corpus}: {plan.replace('fedavg, ', '')}",
+        )
     ax.set_xscale("log")
     ticks = finite + [no_dp_x]
     ax.set_xticks(ticks)
@@ -121,7 +129,8 @@ def main(prefix: Path, runs: list[Path]) -> None:
     ax.set_ylabel("strict span F1 (held-out)")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
+    # Below the axes: the labels are long and the lines sit everywhere.
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=1)
     ax.set_title("F1 against epsilon (MiniLM, 3 rounds, seed 0)")
     fig.tight_layout()
     fig.savefig(prefix.with_suffix(".png"), dpi=110)
