@@ -175,10 +175,11 @@ class TrainingSettings:
         "moment (DP-AdamBC); sgd, SGD with momentum 0.9 at Adam-equivalent rates.",
         choices=("adamw", "adambc", "sgd"),
     )
-    lr_decay: str = setting(
-        "none",
+    lr_decay: str | None = setting(
+        None,
         "Federated runs: none keeps the rates; linear takes them to zero over the run's "
-        "planned local steps (round r's steps run from 1-(r-1)/R to 1-r/R of each rate).",
+        "planned local steps (round r's steps run from 1-(r-1)/R to 1-r/R of each rate). "
+        "Default: linear under DP (the recipe's), none without.",
         choices=("none", "linear"),
     )
     lr_warmup: float = setting(
@@ -532,6 +533,10 @@ class RunConfig(
             from clinfed.privacy.recipe import DP_LOCAL_EPOCHS
 
             defaults["local_epochs"] = DP_LOCAL_EPOCHS if self.dp else 1
+        if self.lr_decay is None:
+            from clinfed.privacy.recipe import DP_LR_DECAY
+
+            defaults["lr_decay"] = DP_LR_DECAY if self.dp else "none"
         changes = {k: v for k, v in defaults.items() if getattr(self, k) is None}
         options = asdict(strategy.make_options(self.strategy_options, self.strategy))
         return replace(self, **changes, strategy_options=options)

@@ -62,18 +62,31 @@ def test_a_given_batch_size_is_used_as_is(tmp_path, trained, tiny_run):
     )
 
 
-def test_a_private_run_takes_the_recipes_local_epochs_unless_given(tmp_path, tiny_run):
+def test_a_private_run_takes_the_recipes_epochs_and_schedule_unless_given(
+    tmp_path, tiny_run, monkeypatch
+):
     from clinfed.privacy.recipe import DP_LOCAL_EPOCHS
     from clinfed.runs import read_jsonl
+
+    schedules = []
+    real = client.decay_rates
+
+    def spy(optimizer, settings, round_number, steps):
+        schedules.append(settings.lr_decay)
+        return real(optimizer, settings, round_number, steps)
+
+    monkeypatch.setattr(client, "decay_rates", spy)
 
     def steps(run) -> list[int]:
         return [line["steps"] for line in read_jsonl(run / "privacy" / "beth.jsonl")
                 if line.get("mechanism") == "dp-sgd"]  # fmt: skip
 
     tiny_run(out=tmp_path / "recipe", noise_multiplier=5.0, batch_size=8)
+    assert schedules == ["linear"] * 3  # each site's training decays its rates
     tiny_run(out=tmp_path / "given", noise_multiplier=5.0, batch_size=8, local_epochs=1)
     recorded = json.loads((tmp_path / "recipe" / "config.json").read_text())
     assert recorded["training"]["local_epochs"] == DP_LOCAL_EPOCHS == 3
+    assert recorded["training"]["lr_decay"] == "linear"  # the recipe's schedule under DP
     # Accounted (and trained) for three passes: three times the steps of one.
     assert steps(tmp_path / "recipe") == [3 * s for s in steps(tmp_path / "given")]
     plain = tiny_run(out=tmp_path / "plain")

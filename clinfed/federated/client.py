@@ -156,7 +156,7 @@ def decay_rates(
     minimum: smaller late steps average the noise over more of them
     instead of letting it move the model at full rate (docs/results.md,
     "Levers")."""
-    if settings.lr_decay == "none" or steps == 0:
+    if settings.lr_decay != "linear" or steps == 0:
         return
     rounds = max(settings.rounds, round_number)
     base = [group["lr"] for group in optimizer.param_groups]
