@@ -63,11 +63,11 @@ DEFAULT_PLAN = "bias"
 # The public text the starting model trains on. notes: synthetic notes from
 # the generator at another seed (other patients, the same kind of notes):
 # what a hospital has in a public annotated clinical corpus such as the
-# i2b2/n2c2 releases; measured private F1 0.950 against 0.946 without DP
+# i2b2/n2c2 releases; measured private F1 0.953 against 0.959 without DP
 # (the start alone 0.925). pubmed: the PubMed abstracts shipped in
 # clinfed/public (BC5CDR, NCBI disease; CC BY 4.0), diseases as problems and
 # chemicals as treatments, text unlike the notes and no test spans: private
-# F1 0.636 against 0.796 (docs/results.md, "Private models").
+# F1 0.592 against 0.785 (docs/results.md, "The demo").
 PUBLIC: dict[str, dict[str, Any]] = {
     "notes": {"public_types": None},
     "pubmed": {
