@@ -2,19 +2,19 @@
 
 Each private step hands the optimizer ``g + z``: the mean of the batch's
 clipped gradients plus Gaussian noise whose standard deviation on every
-coordinate is ``noise_std = sigma * C / B`` (noise multiplier, clip norm,
+coordinate is ``s = sigma * C / B`` (noise multiplier, clip norm,
 expected batch). The noise is known to the site, so an optimizer can take
 it into account:
 
 * ``adamw`` (the default): AdamW as without DP. Where the noise dominates a
-  coordinate, Adam's second moment tracks ``noise_std**2`` and each step
+  coordinate, Adam's second moment tracks ``s**2`` and each step
   moves it by about the rate in a random direction.
 * ``adambc``: DP-AdamBC (Tang et al. 2024, "DP-AdamBC: your DP-Adam is
   actually DP-SGD (unless you apply bias correction)"): Adam with the
-  noise's variance taken out of the second moment, ``max(v - noise_std**2,
+  noise's variance taken out of the second moment, ``max(v - s**2,
   floor)``, so the denominator estimates the signal's scale alone.
 * ``sgd``: SGD with momentum 0.9 at Adam-equivalent rates: each rate is
-  multiplied by ``(1 - momentum) / noise_std``, the step Adam takes where
+  multiplied by ``(1 - momentum) / s``, the step Adam takes where
   the noise dominates (then ``--lr`` means the same under either).
 
 All three see only the noised gradient and public settings, so the choice
@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from clinfed.privacy.noise import noise_std
+
 OPTIMIZERS = ("adamw", "adambc", "sgd")
 SGD_MOMENTUM = 0.9
 # DP-AdamBC's floor on the corrected second moment, as a share of the noise
@@ -39,9 +41,10 @@ SGD_MOMENTUM = 0.9
 ADAMBC_FLOOR = 0.1
 
 
-def noise_std(noise_multiplier: float, max_grad_norm: float, expected_batch: int) -> float:
-    """Standard deviation of the noise on each coordinate of the averaged step."""
-    return noise_multiplier * max_grad_norm / max(1, expected_batch)
+def mean_noise_std(noise_multiplier: float, max_grad_norm: float, expected_batch: int) -> float:
+    """Standard deviation of the noise on each coordinate of the averaged
+    step: the sum's (:func:`clinfed.privacy.noise.noise_std`) over the batch."""
+    return noise_std(noise_multiplier, max_grad_norm) / max(1, expected_batch)
 
 
 class DPAdamBC(torch.optim.Optimizer):
@@ -52,7 +55,7 @@ class DPAdamBC(torch.optim.Optimizer):
     params
         Parameters or parameter groups, as any torch optimizer.
     noise_variance
-        ``noise_std**2`` of the averaged step (:func:`noise_std`).
+        ``s**2`` of the averaged step (:func:`mean_noise_std`).
     lr, betas, eps, weight_decay
         As :class:`torch.optim.AdamW` (decoupled weight decay).
     floor

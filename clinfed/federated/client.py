@@ -19,7 +19,7 @@ from torch import nn
 
 from clinfed.federated.plan import Plan
 from clinfed.privacy.dpsgd import DPSettings, make_private
-from clinfed.privacy.optimizers import noise_std
+from clinfed.privacy.optimizers import mean_noise_std
 from clinfed.privacy.randomness import SiteRandomness
 from clinfed.tasks.base import Task
 from clinfed.training import EpochStats, PlainUpdate, make_optimizer, plain_steps, run_epoch
@@ -200,7 +200,7 @@ def client_update(work: LocalWork, objective: Any = None) -> ClientResult:
     noise = None
     if dp is not None:
         expected = dp.batch_size or settings.batch_size
-        noise = noise_std(dp.noise_multiplier, dp.max_grad_norm, expected)
+        noise = mean_noise_std(dp.noise_multiplier, dp.max_grad_norm, expected)
     optimizer = make_optimizer(
         model, settings.lr * scale, settings.weight_decay, head_lr, settings.optimizer, noise
     )
