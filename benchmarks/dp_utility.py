@@ -133,14 +133,21 @@ class Observer:
         add_noise, clip_factors = dpsgd.add_noise, bookkeeping.clip_factors
         train_round, score_concepts = site.SiteRunner.train_round, adapter.score_concepts
 
-        def noised(params, noise_multiplier, max_grad_norm, expected_batch, generator):
+        def noised(
+            params, noise_multiplier, max_grad_norm, expected_batch, generator, subspace=None
+        ):
             squares = sum(float((p.grad.float() ** 2).sum()) for p in params if p.grad is not None)
             dims = sum(p.numel() for p in params)
+            if subspace is not None:  # noise on the subspace's coordinates and the kept tensors
+                names, space = subspace
+                dims = space.noised_numbers({n: p.shape for n, p in zip(names, params)})
             self.signal[self.current].append(math.sqrt(squares) / expected_batch)
             self.noise[self.current].append(
                 noise_multiplier * max_grad_norm * math.sqrt(dims) / expected_batch
             )
-            return add_noise(params, noise_multiplier, max_grad_norm, expected_batch, generator)
+            return add_noise(
+                params, noise_multiplier, max_grad_norm, expected_batch, generator, subspace
+            )
 
         def factors(squared_norms, max_grad_norm):
             result = clip_factors(squared_norms, max_grad_norm)
@@ -264,6 +271,9 @@ def main() -> None:
             "public_examples": args.public_examples,
         }
         settings["model"] = str(starting_model(work, settings | public_settings))
+        if settings.get("dp_subspace"):
+            # The subspace is found on the same public text, at the saved start.
+            settings |= public_settings | {"public_epochs": 0}
     torch.set_num_threads(max(1, args.threads))
 
     observer = Observer()

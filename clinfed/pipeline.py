@@ -57,6 +57,7 @@ from clinfed.federated.summation import PlainSummation, Summation
 from clinfed.models import build_model, load_tokenizer, save_model
 from clinfed.privacy.policy import PrivacyPolicy
 from clinfed.privacy.site import SitePrivacy
+from clinfed.privacy.subspace import GradientSubspace
 from clinfed.runs import (
     append_jsonl,
     atomic_write_json,
@@ -128,6 +129,8 @@ class _Prepared:
     model: nn.Module
     out: Path
     cache_dir: str
+    # Under --dp-subspace: where the sites' DP noise goes (public).
+    subspace: GradientSubspace | None = None
 
 
 def _finish(
@@ -202,7 +205,7 @@ def _train(config: RunConfig, report: Reporter) -> dict[str, Any]:
         model = make_model(config, task).to(device)
         strategy_cls.check_model(config.options(), shared_names(model))
         public = None
-        if config.public_data:
+        if config.public_data and config.public_epochs:
             # Public text before round 1 (clinfed.warmstart): every site, and
             # the no-DP reference given the same flag, start from this model.
             from clinfed.warmstart import warm_start
@@ -210,9 +213,18 @@ def _train(config: RunConfig, report: Reporter) -> dict[str, Any]:
             public = warm_start(config, task, model, tokenizer, cache_dir, problems, report)
         else:
             public = saved_public_start(config.model)
+        subspace = subspace_record = None
+        if config.dp and config.dp_subspace:
+            # Where DP-SGD's noise goes (clinfed.privacy.subspace): found on
+            # public text at the starting model, so it costs no privacy.
+            from clinfed.warmstart import public_subspace
+
+            subspace, subspace_record = public_subspace(
+                config, task, model, tokenizer, cache_dir, problems, report
+            )
         train = task.encode(corpus.train, tokenizer, config.max_length, cache_dir)
         test = task.encode(corpus.test, tokenizer, config.max_length, cache_dir)
-        prep = _Prepared(task, corpus, tokenizer, model, Path(config.out), cache_dir)
+        prep = _Prepared(task, corpus, tokenizer, model, Path(config.out), cache_dir, subspace)
         if strategy_cls.pooled:
             out = create_run_folder(config.out)
             _write_start(out, config, task, corpus, "pooled", public)
@@ -241,7 +253,7 @@ def _train(config: RunConfig, report: Reporter) -> dict[str, Any]:
                 _check_round_one(policies)
         if not config.resume:
             out = create_run_folder(config.out)
-            _write_start(out, config, task, corpus, "in-process", public)
+            _write_start(out, config, task, corpus, "in-process", public, subspace_record)
             if holdout:
                 atomic_write_json(
                     out / AUDIT_HOLDOUT,
@@ -310,13 +322,21 @@ def _site_dir(config: RunConfig, client: str) -> Path:
 
 
 def _write_start(
-    out: Path, config: RunConfig, task: Task, corpus: Corpus, runner: str, public=None
+    out: Path,
+    config: RunConfig,
+    task: Task,
+    corpus: Corpus,
+    runner: str,
+    public=None,
+    subspace=None,
 ) -> None:
     from clinfed.provenance import data_fingerprint
 
     record = config_record(config, runner)
     if public is not None:
         record["public_start"] = public
+    if subspace is not None:
+        record["public_subspace"] = subspace
     if config.data and Path(config.data).is_dir():
         # Which data the run read, without naming a note: SHA-256 over its files.
         record["data_fingerprint"] = data_fingerprint(Path(config.data))
@@ -628,6 +648,7 @@ def _federated(
             initial_state=initial,
             report=report,
             audit_dir=prep.out / AUDIT_UPDATES if config.audit_holdout else None,
+            subspace=prep.subspace,
         )
         for client, idx in sorted(clients.items())
     }

@@ -128,7 +128,11 @@ class ModelSettings:
         "(Disease=problem,Chemical=treatment).",
     )
     public_epochs: int = setting(
-        1, "Passes over the public text before round 1.", minimum=1, maximum=100
+        1,
+        "Passes over the public text before round 1 (0: none; the text then only spans "
+        "--dp-subspace, e.g. on a --model already warm-started).",
+        minimum=0,
+        maximum=100,
     )
     public_lr: float | None = setting(
         None,
@@ -181,6 +185,14 @@ class TrainingSettings:
         "planned local steps (round r's steps run from 1-(r-1)/R to 1-r/R of each rate). "
         "Default: linear under DP (the recipe's), none without.",
         choices=("none", "linear"),
+    )
+    ema_decay: float = setting(
+        0.0,
+        "Federated runs: above 0, each site sends an exponential moving average of its "
+        "round's iterates at this decay (e.g. 0.9) instead of the last one; under DP it is "
+        "post-processing and costs no privacy. 0: the last iterate.",
+        minimum=0.0,
+        below=1.0,
     )
     lr_warmup: float = setting(
         0.1,
@@ -283,6 +295,16 @@ class PrivacySettings:
         below=1.0,
         simulator_only=True,
     )
+    dp_subspace: int = setting(
+        0,
+        "Under DP with an adapter: noise each step in the top-K directions of per-example "
+        "gradients on the public text (--public-data) at the starting model, the head kept "
+        "whole: K + head numbers noised instead of every trainable one, at the same noise "
+        "multiplier and accounting. 0: off.",
+        minimum=0,
+        maximum=4_096,
+        simulator_only=True,
+    )
     reproducible_noise: bool = setting(
         False,
         "Derive DP noise and sampling from the public seed instead of OS entropy (tests and "
@@ -350,6 +372,7 @@ PANELS = {
 # Keys a run's config.json carries beside the settings (ignored on reading).
 METADATA_KEYS = {
     "public_start",
+    "public_subspace",
     "clinfed_version",
     "runner",
     "deployment",
@@ -482,6 +505,27 @@ class RunConfig(
                 f"--precision {self.precision} under DP: per-example gradient norms and "
                 "clipping must be exact (fp32), or the clipping bound the accounting assumes "
                 "does not hold"
+            )
+        if self.dp_subspace:
+            if not self.dp:
+                raise ClinfedError(
+                    "--dp-subspace needs DP (--target-epsilon or --noise-multiplier): it "
+                    "decides where DP-SGD's noise goes"
+                )
+            if not self.public_data:
+                raise ClinfedError(
+                    "--dp-subspace needs --public-data: the subspace is found on public text "
+                    "(add --public-epochs 0 to keep a warm-started --model as it is)"
+                )
+            if self.adapter == "none":
+                raise ClinfedError(
+                    "--dp-subspace needs an adapter (--adapter bias, head or lora): a whole "
+                    "encoder has too many numbers to find their subspace"
+                )
+        if self.public_epochs == 0 and self.public_data and not self.dp_subspace:
+            raise ClinfedError(
+                "--public-epochs 0 leaves --public-data unused: give --dp-subspace, or "
+                "at least one epoch"
             )
         if self.optimizer != "adamw" and not self.dp:
             raise ClinfedError(

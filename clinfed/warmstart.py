@@ -25,7 +25,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from clinfed.device import device_of, to_device
 from clinfed.errors import ClinfedError, ProblemLog
+from clinfed.privacy.subspace import (
+    GradientSubspace,
+    label_feature_basis,
+    stack_blocks,
+    top_directions,
+)
 from clinfed.tasks import get_task
 from clinfed.tasks.base import Task
 from clinfed.training import make_optimizer, train_epoch
@@ -34,20 +41,17 @@ from clinfed.training import make_optimizer, train_epoch
 PUBLIC_SITE = "(public)"
 
 
-def warm_start(
+def public_examples(
     config: Any,
     task: Task,
-    model: nn.Module,
     tokenizer: Any,
     cache_dir: str,
     problems: ProblemLog,
-    report=lambda event, info: None,
-) -> dict[str, Any]:
-    """Train ``model`` (every parameter) on ``config.public_data`` for
-    ``config.public_epochs``; returns what ``config.json`` and the report
-    say of it. ``task`` is the run's, its labels already fixed."""
-    from clinfed.provenance import data_fingerprint
-
+    order: np.random.Generator,
+) -> tuple[Any, list[str]]:
+    """``config.public_data`` read and encoded by the run's task (its types
+    mapped with ``--public-types``), at most ``--public-examples`` of them
+    drawn from ``order``; and the run types the public text annotates."""
     folder = Path(config.public_data)
     if not folder.is_dir():
         raise ClinfedError(f"--public-data {folder}: not a folder")
@@ -70,10 +74,30 @@ def warm_start(
         examples = task.encode(documents, tokenizer, config.max_length, cache_dir)
     finally:
         del task.site_types[PUBLIC_SITE]
-    order = np.random.default_rng([config.seed, 11])
     if config.public_examples and config.public_examples < len(examples):
         keep = np.sort(order.choice(len(examples), config.public_examples, replace=False))
         examples = examples.select(keep.tolist())
+    return examples, annotated
+
+
+def warm_start(
+    config: Any,
+    task: Task,
+    model: nn.Module,
+    tokenizer: Any,
+    cache_dir: str,
+    problems: ProblemLog,
+    report=lambda event, info: None,
+) -> dict[str, Any]:
+    """Train ``model`` (every parameter) on ``config.public_data`` for
+    ``config.public_epochs``; returns what ``config.json`` and the report
+    say of it. ``task`` is the run's, its labels already fixed."""
+    from clinfed.provenance import data_fingerprint
+
+    folder = Path(config.public_data)
+    # Draws the kept public examples, then their order in every epoch.
+    order = np.random.default_rng([config.seed, 11])
+    examples, annotated = public_examples(config, task, tokenizer, cache_dir, problems, order)
     # The whole encoder trains; LoRA factors stay at their seeded start (every
     # party rebuilds A from the seed, and B starts at zero).
     for name, param in model.named_parameters():
@@ -107,6 +131,108 @@ def warm_start(
         "final_loss": loss,
         "seconds": round(time.perf_counter() - started, 1),
     }
+
+
+# Public examples whose per-example gradients span --dp-subspace, and the
+# most numbers (examples x projected dimension) their matrix may hold.
+SUBSPACE_EXAMPLES = 1024
+SUBSPACE_MAX_NUMBERS = 200_000_000
+# Feature directions of the head's basis (each paired with every label).
+HEAD_FEATURE_RANK = 32
+
+
+def public_subspace(
+    config: Any,
+    task: Task,
+    model: nn.Module,
+    tokenizer: Any,
+    cache_dir: str,
+    problems: ProblemLog,
+    report=lambda event, info: None,
+) -> tuple[GradientSubspace, dict[str, Any]]:
+    """Where DP-SGD's noise goes under ``--dp-subspace K``
+    (:mod:`clinfed.privacy.subspace`), found at the starting ``model`` on
+    up to :data:`SUBSPACE_EXAMPLES` public examples (drawn with the run's
+    seed, from those the warm start drew): the top ``K`` principal
+    directions of the per-example gradients of the encoder's trainable
+    tensors; for the head's weight, every label paired with the top
+    :data:`HEAD_FEATURE_RANK` principal directions of the public tokens'
+    features; the head's bias whole. Reads public text and the public
+    starting model only, so every site uses it at no privacy cost.
+    Returns it and what ``config.json`` says of it."""
+    from clinfed.adapters import shared_names
+    from clinfed.tasks.i2b2.adapter import IGNORE
+
+    started = time.perf_counter()
+    order = np.random.default_rng([config.seed, 11])  # the warm start's draw
+    examples, _ = public_examples(config, task, tokenizer, cache_dir, problems, order)
+    trainable = shared_names(model)
+    params = dict(model.named_parameters())
+    head = model.get_submodule("head")
+    if not isinstance(head, nn.Linear):
+        raise ClinfedError("--dp-subspace needs a linear token head (concept extraction)")
+    encoder = [n for n in trainable if not n.startswith("head.")]
+    kept = [n for n in trainable if n.startswith("head.") and params[n] is not head.weight]
+    dimension = sum(params[n].numel() for n in encoder)
+    count = min(SUBSPACE_EXAMPLES, len(examples))
+    if not 1 <= config.dp_subspace <= min(count, dimension):
+        raise ClinfedError(
+            f"--dp-subspace {config.dp_subspace}: must be between 1 and the public examples "
+            f"used ({count}) and the encoder's trainable numbers ({dimension:,})"
+        )
+    if count * dimension > SUBSPACE_MAX_NUMBERS:
+        raise ClinfedError(
+            f"--dp-subspace: {dimension:,} trainable numbers are too many to find a subspace "
+            "for; train an adapter (--adapter bias or lora)"
+        )
+    rows = order.choice(len(examples), count, replace=False)
+    report("public_subspace", {"examples": count, "rank": config.dp_subspace})
+    gradients = torch.empty(count, dimension)
+    features: list[torch.Tensor] = []
+    labelled: list[torch.Tensor] = []
+    hook = head.register_forward_hook(lambda _m, inputs, _o: features.append(inputs[0].detach()))
+    was_training = model.training
+    model.eval()  # no dropout: the directions of the model itself
+    try:
+        for i, row in enumerate(np.sort(rows).tolist()):
+            batch = to_device(task.collate(examples[[row]]), device_of(model))
+            loss = task.example_losses(model(**task.model_inputs(batch)), batch)[0]
+            labelled.append(features.pop()[batch["labels"] != IGNORE].cpu())
+            grads = torch.autograd.grad(loss, [params[n] for n in encoder], allow_unused=True)
+            gradients[i] = torch.cat(
+                [
+                    (g if g is not None else torch.zeros_like(params[n])).reshape(-1).cpu()
+                    for n, g in zip(encoder, grads, strict=True)
+                ]
+            )
+    finally:
+        hook.remove()
+        model.train(was_training)
+    basis, held = top_directions(gradients, config.dp_subspace)
+    tokens = torch.cat(labelled)
+    feature_rank = min(HEAD_FEATURE_RANK, *tokens.shape)
+    directions, feature_held = top_directions(tokens, feature_rank)
+    groups = [
+        dict(zip(encoder, basis.split([params[n].numel() for n in encoder], dim=1), strict=True)),
+        {"head.weight": label_feature_basis(directions, head.out_features)},
+    ]
+    space = GradientSubspace(
+        {n: b.contiguous() for n, b in stack_blocks(groups).items()}, frozenset(kept), held
+    )
+    shapes = {n: params[n].shape for n in trainable}
+    record = {
+        "rank": config.dp_subspace,
+        "head_feature_rank": feature_rank,
+        "public_examples": count,
+        "public_tokens": len(tokens),
+        "kept_whole": kept,
+        "noised_numbers": space.noised_numbers(shapes),
+        "trainable_numbers": sum(params[n].numel() for n in trainable),
+        "public_gradient_share": round(held, 4),
+        "public_feature_share": round(feature_held, 4),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    return space, record
 
 
 def describe(record: dict[str, Any]) -> str:

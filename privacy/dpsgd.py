@@ -40,9 +40,10 @@ from torch import nn
 
 from clinfed.privacy.accountants import Mechanism
 from clinfed.privacy.clipping import CLIPPERS, CLIPPINGS, choose_clipping
-from clinfed.privacy.noise import add_noise, noise_only_step
+from clinfed.privacy.noise import add_noise, noise_only_step, noise_std
 from clinfed.privacy.randomness import SiteRandomness
 from clinfed.privacy.sampler import PoissonSampler, sample_rate, steps_per_epoch
+from clinfed.privacy.subspace import GradientSubspace
 
 __all__ = [
     "CLIPPINGS",
@@ -210,13 +211,20 @@ class PrivateStep:
         expected_batch: int,
         noise: torch.Generator,
         extra_grad: Callable[[], None] | None = None,
+        subspace: GradientSubspace | None = None,
     ):
         self.mode, self.dp, self.expected_batch = mode, dp, expected_batch
         self.noise = noise
         self.optimizer = optimizer
         self.extra_grad = extra_grad
         self.ready = False
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.subspace = None
+        if subspace is not None:
+            names = [n for n, _ in named]
+            subspace.check(names)
+            self.subspace = (names, subspace)
         self.clipper = CLIPPERS[mode](model, dp.max_grad_norm)
         self.dp_optimizer = None
         if self.clipper.optimizer_class is not None:
@@ -239,6 +247,37 @@ class PrivateStep:
                 generator=noise,
                 secure_mode=True,
             )
+
+        if self.subspace is not None and self.dp_optimizer is not None:
+            # Opacus noises each tensor's clipped sum in its add_noise: here
+            # the sums go to the subspace instead, from the same generator.
+            self.dp_optimizer.add_noise = self._noise_in_subspace
+
+    def _noise_in_subspace(self) -> None:
+        """Opacus's ``add_noise`` with the noise in the public subspace."""
+        from opacus.optimizers.optimizer import (
+            _check_processed_flag,
+            _generate_noise,
+            _mark_as_processed,
+        )
+
+        names, space = self.subspace
+        optimizer = self.dp_optimizer
+        name_of = {id(p): n for n, p in zip(names, self.params, strict=True)}
+        for p in optimizer.params:
+            _check_processed_flag(p.summed_grad)
+        sums = {name_of[id(p)]: p.summed_grad for p in optimizer.params}
+        device = optimizer.params[0].summed_grad.device
+        std = noise_std(self.dp.noise_multiplier, self.dp.max_grad_norm)
+
+        def draw(n: int) -> torch.Tensor:
+            reference = torch.empty(n, device=device)
+            return _generate_noise(std, reference, optimizer.generator, optimizer.secure_mode)
+
+        noisy = space.noisy_gradients(sums, draw)
+        for p in optimizer.params:
+            p.grad = noisy[name_of[id(p)]].view_as(p)
+            _mark_as_processed(p.summed_grad)
 
     def zero_grad(self) -> None:
         if self.dp_optimizer is None:
@@ -265,6 +304,7 @@ class PrivateStep:
                     self.dp.max_grad_norm,
                     self.expected_batch,
                     self.noise,
+                    self.subspace,
                 )
             self.ready = last
             return
@@ -296,6 +336,7 @@ class PrivateStep:
             self.dp.max_grad_norm,
             self.expected_batch,
             self.noise,
+            self.subspace,
         )
 
     def detach(self) -> None:
@@ -314,6 +355,7 @@ def make_private(
     one_row_per_example: bool = True,
     extra_grad: Callable[[], None] | None = None,
     microbatch_overhead: int = MICROBATCH_OVERHEAD_TOKENS,
+    subspace: GradientSubspace | None = None,
 ) -> tuple[PoissonSteps, PrivateStep]:
     """DP-SGD's steps and update for the parameters trainable now, in place
     of the plain ones of ``clinfed.training.run_epoch``.
@@ -339,6 +381,10 @@ def make_private(
     microbatch_overhead
         Per-pass cost in tokens used to cut each sampled batch into
         length-grouped passes (see :func:`microbatches`); the step is the same.
+    subspace
+        A public gradient subspace (:mod:`clinfed.privacy.subspace`): each
+        step's clipped sum is noised there instead of coordinate by
+        coordinate, at the same noise multiplier (the same accounting).
     """
     steps = PoissonSteps(
         units, row_lengths, batch_size, randomness.sampling, microbatch_overhead, dp.population
@@ -348,5 +394,7 @@ def make_private(
     # warns on every backward hook; the per-example gradients are still right
     # (tests/test_privacy.py checks them against one-example backward passes).
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
-    update = PrivateStep(model, optimizer, mode, dp, batch_size, randomness.noise, extra_grad)
+    update = PrivateStep(
+        model, optimizer, mode, dp, batch_size, randomness.noise, extra_grad, subspace
+    )
     return steps, update

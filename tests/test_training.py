@@ -86,3 +86,59 @@ def test_linear_decay_takes_the_rates_to_zero_over_the_run():
     assert rates(1, "linear") == [1.0, 0.875, 0.75, 0.625, 0.5]
     assert rates(2, "linear") == [0.5, 0.375, 0.25, 0.125, 0.0]
     assert rates(2, "none") == [1.0] * 5
+
+
+def test_iterate_average_weighs_in_each_step_with_a_warm_up():
+    from clinfed.federated.client import IterateAverage
+
+    model = torch.nn.Linear(1, 1, bias=True)
+    with torch.no_grad():
+        model.weight.fill_(0.0)
+        model.bias.fill_(7.0)
+    model.bias.requires_grad_(False)  # frozen: never averaged, never touched
+    optimizer = torch.optim.SGD([model.weight], lr=1.0)
+    average = IterateAverage(model, optimizer, decay=0.5)
+    for _ in range(3):  # the weight walks 1, 2, 3
+        model.weight.grad = torch.tensor([[-1.0]])
+        optimizer.step()
+    # d_t = min(0.5, (1 + t) / (10 + t)): 2/11, 3/12, 4/13.
+    expected = 0.0
+    for t, iterate in enumerate((1.0, 2.0, 3.0), start=1):
+        d = min(0.5, (1 + t) / (10 + t))
+        expected = d * expected + (1 - d) * iterate
+    assert float(model.weight) == 3.0
+    average.load()
+    assert float(model.weight) == pytest.approx(expected) == pytest.approx(2.6014, abs=1e-4)
+    assert float(model.bias) == 7.0
+    with pytest.raises(ValueError):
+        IterateAverage(model, optimizer, decay=1.0)
+
+
+def test_a_private_site_sends_the_average_of_its_iterates(tiny_run, tmp_path, monkeypatch):
+    import json
+
+    from clinfed.federated import client
+
+    built = []
+
+    class Spy(client.IterateAverage):
+        def load(self):
+            super().load()
+            built.append(self)
+            # What the site is about to send is the average, not the last iterate.
+            for name, param in self.params.items():
+                torch.testing.assert_close(param.detach(), self.average[name])
+
+    monkeypatch.setattr(client, "IterateAverage", Spy)
+    summary = tiny_run(
+        out=tmp_path / "ema", noise_multiplier=2.0, batch_size=8, rounds=1, local_epochs=1,
+        ema_decay=0.9, reproducible_noise=True,
+    )  # fmt: skip
+    assert summary["f1"] is not None
+    assert len(built) == len(summary["epsilon"])  # one per site
+    assert all(a.decay == 0.9 and a.steps > 0 for a in built)
+    recorded = json.loads((tmp_path / "ema" / "config.json").read_text())
+    assert recorded["training"]["ema_decay"] == 0.9
+    built.clear()
+    tiny_run(out=tmp_path / "last", noise_multiplier=2.0, batch_size=8, rounds=1, local_epochs=1)
+    assert built == []  # 0: the last iterate, as before

@@ -21,6 +21,7 @@ from clinfed.federated.plan import Plan
 from clinfed.privacy.dpsgd import DPSettings, make_private
 from clinfed.privacy.optimizers import mean_noise_std
 from clinfed.privacy.randomness import SiteRandomness
+from clinfed.privacy.subspace import GradientSubspace
 from clinfed.tasks.base import Task
 from clinfed.training import EpochStats, PlainUpdate, make_optimizer, plain_steps, run_epoch
 
@@ -42,6 +43,9 @@ class LocalSettings:
     rounds: int = 1
     # Under DP: adamw, adambc or sgd (clinfed.privacy.optimizers).
     optimizer: str = "adamw"
+    # > 0: the site sends an exponential moving average of its local
+    # iterates at this decay instead of the last one (IterateAverage).
+    ema_decay: float = 0.0
 
 
 @dataclass
@@ -67,6 +71,9 @@ class LocalWork:
     # expected over the whole local training). Local display only.
     on_step: Callable[[int, int], None] | None = None
     round_number: int = 1
+    # Under DP: a public gradient subspace the step's noise goes in
+    # (clinfed.privacy.subspace); None noises every trainable number.
+    subspace: GradientSubspace | None = None
 
 
 @dataclass
@@ -176,6 +183,45 @@ def decay_rates(
     optimizer.register_step_post_hook(after_step)
 
 
+class IterateAverage:
+    """An exponential moving average of the trainable parameters over one
+    round's optimizer steps, loaded into the model when the round ends.
+
+    Step ``t`` (from 1) mixes in the new iterate at weight ``1 - d_t`` with
+    ``d_t = min(decay, (1 + t) / (10 + t))``: the warm-up keeps the average
+    from leaning on the round's first, least trained iterates. Under DP-SGD
+    every iterate is already released-grade (noised), so their average is
+    post-processing and costs no privacy; it averages the independent noise
+    of the last steps instead of keeping the last step's at full weight
+    (De et al. 2022, "Unlocking high-accuracy differentially private image
+    classification through scale", section 3).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, decay: float) -> None:
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"iterate averaging needs a decay in (0, 1), not {decay!r}")
+        self.decay = decay
+        self.steps = 0
+        self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self.average = {n: p.detach().clone() for n, p in self.params.items()}
+        optimizer.register_step_post_hook(self._after_step)
+
+    @torch.no_grad()
+    def _after_step(self, *_: Any) -> None:
+        self.steps += 1
+        d = min(self.decay, (1 + self.steps) / (10 + self.steps))
+        for name, param in self.params.items():
+            self.average[name].mul_(d).add_(param.detach(), alpha=1 - d)
+
+    @torch.no_grad()
+    def load(self) -> None:
+        """Replace the model's trainable parameters with their average."""
+        if self.steps == 0:
+            return
+        for name, param in self.params.items():
+            param.copy_(self.average[name])
+
+
 def client_update(work: LocalWork, objective: Any = None) -> ClientResult:
     """Train ``work.model`` on ``work.dataset`` under ``work.plan``; return
     the planned upload. Under DP ``work.randomness`` must be set.
@@ -221,6 +267,7 @@ def client_update(work: LocalWork, objective: Any = None) -> ClientResult:
             work.randomness,
             one_row_per_example=work.task.head == "token",
             extra_grad=objective.grad if objective is not None else None,
+            subspace=work.subspace,
         )
         # Each pass over the Poisson steps draws a fresh epoch of batches.
         epochs = [steps] * settings.epochs
@@ -241,6 +288,7 @@ def client_update(work: LocalWork, objective: Any = None) -> ClientResult:
         total = len(work.dataset) * settings.epochs
     planned_steps = len(steps) if dp is not None else _plain_steps(work.dataset, settings)
     decay_rates(optimizer, settings, work.round_number, planned_steps * settings.epochs)
+    averaging = IterateAverage(model, optimizer, settings.ema_decay) if settings.ema_decay else None
     try:
         progress = _progress(work.on_step, total)
         stats = [
@@ -250,6 +298,8 @@ def client_update(work: LocalWork, objective: Any = None) -> ClientResult:
     finally:
         if dp is not None:
             update.detach()
+    if averaging is not None:
+        averaging.load()
     clipping = update.mode if dp is not None else None
     upload = {n: p.detach().clone() for n, p in model.named_parameters() if n in work.plan.uploaded}
     # The aggregation weight: under add/remove the site's released noisy

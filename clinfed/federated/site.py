@@ -53,6 +53,7 @@ from clinfed.federated.state import load_tensors, save_tensors
 from clinfed.federated.strategies import Strategy
 from clinfed.privacy.randomness import reproducible, secret
 from clinfed.privacy.site import SitePrivacy
+from clinfed.privacy.subspace import GradientSubspace
 from clinfed.runs import atomic_write_bytes, atomic_write_json
 from clinfed.tasks.base import Task
 from clinfed.training import predict
@@ -122,6 +123,7 @@ class SiteRunner:
         meter_path: Path | None = None,
         max_evaluations: int | None = None,
         run_name: str = "",
+        subspace: GradientSubspace | None = None,
     ):
         self.name, self.task, self.model, self.strategy = name, task, model, strategy
         self.initial_state = initial_state
@@ -134,6 +136,8 @@ class SiteRunner:
         # The evaluation meter: per run by default; a node's is per dataset.
         self.meter_path = Path(meter_path) if meter_path else self.state_dir / "evaluations.json"
         self.max_evaluations, self.run_name = max_evaluations, run_name
+        # Under DP: the public gradient subspace the noise goes in (or None).
+        self.subspace = subspace
         # An auditing run keeps each site's latest update as the server saw
         # it (the global model it received with the upload overlaid).
         self.audit_dir = audit_dir
@@ -502,6 +506,7 @@ class SiteRunner:
                     "site_step", {"client": self.name, "done": done, "total": total}
                 ),
                 round_number=round_number,
+                subspace=self.subspace if dp is not None else None,
             )
             result = self.strategy.local_update(work)
             bytes_up = len(payload.encode(result.upload)) if plan.uploaded else 0
@@ -581,6 +586,7 @@ def build_site_runner(
         lr_decay=config.lr_decay,
         rounds=config.rounds,
         optimizer=config.optimizer,
+        ema_decay=config.ema_decay,
     )
     return SiteRunner(
         name,

@@ -23,7 +23,12 @@ from torch.nn import functional as F
 from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.models import special_tokens
 from clinfed.tasks.base import SPLIT_KEY, Corpus, ScoreTable, Task, rows_to_dataset
-from clinfed.tasks.i2b2.bio import decode_tags, encode_tags
+from clinfed.tasks.i2b2.bio import (
+    allowed_transitions,
+    best_valid_tags,
+    decode_tags,
+    encode_tags,
+)
 from clinfed.tasks.i2b2.brat import read_brat
 from clinfed.tasks.i2b2.conll import conll_files, read_conll
 from clinfed.tasks.i2b2.format import Document, read_corpus, write_con
@@ -520,7 +525,16 @@ class I2b2Task(Task):
         return self.token_losses(logits, batch).sum(dim=1) / labelled
 
     def outputs(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> list[Any]:
-        predicted = logits.argmax(-1).cpu().numpy()
+        """Label ids per token: on each window's first sub-tokens (the words),
+        the best valid BIO sequence (:func:`best_valid_tags`), not argmax
+        word by word; other positions keep argmax and are never read."""
+        log_probs = F.log_softmax(logits.float(), dim=-1).cpu().numpy()
+        predicted = log_probs.argmax(-1)
+        words = (batch["labels"] != IGNORE).cpu().numpy()
+        allowed = allowed_transitions(self.labels)
+        for i in range(predicted.shape[0]):
+            positions = np.flatnonzero(words[i])
+            predicted[i, positions] = best_valid_tags(log_probs[i, positions], allowed)
         return [predicted[i] for i in range(predicted.shape[0])]
 
     def partition_keys(self, records: list[Document], examples: datasets.Dataset):

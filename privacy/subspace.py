@@ -1,0 +1,161 @@
+"""DP-SGD noise in a public gradient subspace.
+
+DP-SGD noises every trainable number: the noise on a step grows as the
+square root of their count while the clipped signal does not, so with
+30,000 bias terms the noise on a site's averaged step is 15 times the
+signal (docs/results.md, "Private models"). Gradients of a fine-tuned
+model mostly lie in a subspace of far lower dimension, and that subspace
+can be found on public text (Zhou et al. 2021, "Bypassing the ambient
+dimension: private SGD with gradient subspace identification"; Yu et al.
+2021, "Do not let privacy overbill utility: gradient embedding
+perturbation").
+
+A :class:`GradientSubspace` holds an orthonormal basis ``V`` (``rank`` rows)
+over the trainable tensors, found on public text at the starting model:
+the top principal directions of per-example gradients of the encoder's
+tensors, and for a linear head every label paired with the top principal
+directions of the tokens' features (:func:`label_feature_basis`, so the
+types public text never labels still learn); tensors outside it (the
+head's bias) are kept whole. Each DP-SGD step then
+releases ``V S + z`` (and the kept tensors' sums plus noise) instead of
+``S + z`` for the step's sum of clipped gradients ``S``, and steps on
+``V^T (V S + z)``.
+
+Privacy is unchanged: ``V`` has orthonormal rows and depends on public text
+and the public starting model only, so ``||V g|| <= ||g|| <= C`` for every
+clipped per-unit gradient ``g``, and the released vector is the Gaussian
+mechanism with the same sensitivity ``C`` and the same noise multiplier
+over fewer coordinates; the step taken from it is post-processing. The
+accounting (sampling rate, steps, noise multiplier) is the same line by
+line. What changes is utility: ``rank + kept`` numbers carry noise instead
+of every trainable one, and the part of the private gradient outside the
+subspace is dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+def top_directions(gradients: torch.Tensor, rank: int) -> tuple[torch.Tensor, float]:
+    """The ``rank`` leading right singular vectors of ``gradients``
+    (``(examples, dimension)``, one per-example gradient a row), as the rows
+    of an orthonormal ``(rank, dimension)`` basis, and the share of the
+    gradients' squared norm that basis holds."""
+    if gradients.ndim != 2 or gradients.shape[0] == 0:
+        raise ValueError("top_directions needs a (examples, dimension) matrix with rows")
+    if not 1 <= rank <= min(gradients.shape):
+        raise ValueError(
+            f"rank {rank} must be between 1 and min(examples, dimension) = {min(gradients.shape)}"
+        )
+    gradients = gradients.double()
+    _, singular, vh = torch.linalg.svd(gradients, full_matrices=False)
+    energy = singular.square()
+    held = float(energy[:rank].sum() / energy.sum()) if energy.sum() > 0 else 0.0
+    return vh[:rank].float().contiguous(), held
+
+
+def label_feature_basis(features: torch.Tensor, labels: int) -> torch.Tensor:
+    """The basis of a linear head's weight ``(labels, hidden)`` whose rows
+    are ``e_l x u_j``: every label, paired with each feature direction
+    ``u_j`` (the rows of ``features``, ``(rank, hidden)``, orthonormal).
+
+    A token's gradient on the head is ``e h^T`` (label error times the token's
+    features): its projection keeps ``e`` whole, so a type the public text
+    never labels still learns, and only ``h`` is taken to the public feature
+    directions. ``(labels * rank, labels * hidden)``, orthonormal rows."""
+    return torch.kron(torch.eye(labels), features)
+
+
+def stack_blocks(groups: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One basis from bases over disjoint tensors, block-diagonally: each
+    group's rows are zero on the other groups' tensors, so orthonormal rows
+    per group give orthonormal rows overall."""
+    ranks = [next(iter(g.values())).shape[0] if g else 0 for g in groups]
+    out: dict[str, torch.Tensor] = {}
+    for index, group in enumerate(groups):
+        before, after = sum(ranks[:index]), sum(ranks[index + 1 :])
+        for name, block in group.items():
+            if name in out:
+                raise ValueError(f"tensor {name} is in two groups of the basis")
+            zeros = block.new_zeros
+            out[name] = torch.cat(
+                [zeros(before, block.shape[1]), block, zeros(after, block.shape[1])]
+            )
+    return out
+
+
+@dataclass
+class GradientSubspace:
+    """Where DP-SGD's noise goes: ``basis[name]`` is the ``(rank, numel)``
+    block of the orthonormal basis for tensor ``name``; tensors in ``kept``
+    are noised whole.
+
+    Attributes
+    ----------
+    basis
+        Per projected tensor, its columns of ``V`` (the rows of ``V``,
+        concatenated over the tensors in ``names`` order, are orthonormal).
+    kept
+        Trainable tensors outside the basis, noised coordinate by coordinate.
+    held
+        Share of the public per-example gradients' squared norm inside the
+        basis (a diagnostic; public).
+    """
+
+    basis: dict[str, torch.Tensor]
+    kept: frozenset[str]
+    held: float = 0.0
+
+    @property
+    def rank(self) -> int:
+        return next(iter(self.basis.values())).shape[0] if self.basis else 0
+
+    def noised_numbers(self, shapes: Mapping[str, torch.Size]) -> int:
+        """How many numbers a step noises for trainable tensors ``shapes``."""
+        kept = sum(int(torch.Size(s).numel()) for n, s in shapes.items() if n in self.kept)
+        return self.rank + kept
+
+    def check(self, names: Sequence[str]) -> None:
+        """Every trainable tensor must be in the basis or kept whole: a
+        tensor in neither would step on nothing the noise covers."""
+        unknown = [n for n in names if n not in self.basis and n not in self.kept]
+        if unknown:
+            raise ValueError(
+                f"trainable tensor {unknown[0]} is outside the public gradient subspace: "
+                "the subspace was found for other trainable tensors"
+            )
+
+    def noisy_gradients(
+        self,
+        sums: Mapping[str, torch.Tensor],
+        noise: Callable[[int], torch.Tensor],
+    ) -> dict[str, torch.Tensor]:
+        """Each tensor's noised sum, from the step's clipped sums ``sums``.
+
+        ``noise(n)`` draws ``n`` values of ``N(0, (noise_multiplier *
+        max_grad_norm)^2)``: ``rank`` for the coordinates in the basis,
+        then one per number of the kept tensors (in ``sums`` order).
+        """
+        self.check(list(sums))
+        projected = [n for n in sums if n in self.basis]
+        kept = [n for n in sums if n in self.kept]
+        sizes = [sums[n].numel() for n in kept]
+        drawn = noise(self.rank + sum(sizes))
+        coordinates = drawn[: self.rank].clone()
+        out: dict[str, torch.Tensor] = {}
+        if projected:
+            device = sums[projected[0]].device
+            coordinates = coordinates.to(device)
+            for name in projected:
+                block = self.basis[name].to(device)
+                coordinates += block @ sums[name].reshape(-1).float()
+            for name in projected:
+                block = self.basis[name].to(device)
+                out[name] = (coordinates @ block).view_as(sums[name]).to(sums[name].dtype)
+        for name, part in zip(kept, drawn[self.rank :].split(sizes), strict=True):
+            out[name] = sums[name] + part.view_as(sums[name]).to(sums[name].device)
+        return out

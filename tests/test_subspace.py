@@ -1,0 +1,167 @@
+"""--dp-subspace: DP-SGD's noise in a public gradient subspace, at the same
+noise multiplier and accounting."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from clinfed.errors import ClinfedError
+from clinfed.privacy import subspace as subspace_module
+from clinfed.privacy.subspace import (
+    GradientSubspace,
+    label_feature_basis,
+    stack_blocks,
+    top_directions,
+)
+from clinfed.warmstart import HEAD_FEATURE_RANK
+
+from .test_warmstart import _public
+
+
+def _space(rank: int = 3, seed: int = 0) -> tuple[GradientSubspace, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    gradients = torch.randn(20, 5, generator=generator) @ torch.randn(5, 12, generator=generator)
+    basis, held = top_directions(gradients, rank)
+    blocks = basis.split([8, 4], dim=1)
+    return GradientSubspace({"a": blocks[0], "b": blocks[1]}, frozenset({"head"}), held), basis
+
+
+def test_the_basis_is_orthonormal_and_holds_the_gradients_it_came_from():
+    generator = torch.Generator().manual_seed(1)
+    low_rank = torch.randn(30, 4, generator=generator) @ torch.randn(4, 50, generator=generator)
+    basis, held = top_directions(low_rank, 4)
+    torch.testing.assert_close(basis @ basis.T, torch.eye(4), atol=1e-5, rtol=0)
+    assert held == pytest.approx(1.0)  # rank-4 gradients lie in 4 directions
+    _, partial = top_directions(low_rank, 2)
+    assert 0 < partial < 1
+    with pytest.raises(ValueError):
+        top_directions(low_rank, 31)
+
+
+def test_a_unit_moves_the_released_coordinates_by_at_most_the_clip_norm():
+    _, basis = _space()
+    generator = torch.Generator().manual_seed(2)
+    for _ in range(200):
+        g = torch.randn(12, generator=generator)
+        g = g / g.norm()  # a clipped unit at the bound C = 1
+        assert float((basis @ g).norm()) <= 1.0 + 1e-6
+
+
+def test_the_noise_lies_in_the_subspace_and_the_head_is_noised_whole():
+    space, basis = _space()
+    sums = {"a": torch.zeros(2, 4), "b": torch.zeros(4), "head": torch.zeros(3)}
+    drawn = []
+
+    def noise(n):
+        drawn.append(n)
+        return torch.arange(1.0, n + 1.0)
+
+    out = space.noisy_gradients(sums, noise)
+    assert drawn == [3 + 3]  # rank coordinates, then the head's three numbers
+    flat = torch.cat([out["a"].reshape(-1), out["b"]])
+    torch.testing.assert_close(flat, torch.tensor([1.0, 2.0, 3.0]) @ basis)
+    torch.testing.assert_close(out["head"], torch.tensor([4.0, 5.0, 6.0]))
+    assert space.noised_numbers({n: s.shape for n, s in sums.items()}) == 6
+
+
+def test_without_noise_the_step_is_the_sum_projected_onto_the_subspace():
+    space, basis = _space()
+    generator = torch.Generator().manual_seed(3)
+    sums = {"a": torch.randn(2, 4, generator=generator), "b": torch.randn(4, generator=generator)}
+    sums["head"] = torch.randn(3, generator=generator)
+    out = space.noisy_gradients(sums, torch.zeros)
+    full = torch.cat([sums["a"].reshape(-1), sums["b"]])
+    projected = (basis @ full) @ basis
+    torch.testing.assert_close(torch.cat([out["a"].reshape(-1), out["b"]]), projected)
+    torch.testing.assert_close(out["head"], sums["head"])
+
+
+def test_a_trainable_tensor_outside_the_subspace_is_refused():
+    space, _ = _space()
+    with pytest.raises(ValueError, match="outside the public gradient subspace"):
+        space.noisy_gradients({"a": torch.zeros(2, 4), "other": torch.zeros(2)}, torch.zeros)
+
+
+@pytest.mark.parametrize("clipping", ["bk", "hooks"])
+def test_a_private_run_noises_in_the_public_subspace_at_the_same_epsilon(
+    clipping, tiny_run, tmp_path, monkeypatch
+):
+    calls = []
+    original = subspace_module.GradientSubspace.noisy_gradients
+
+    def spy(self, sums, noise):
+        calls.append(self.noised_numbers({n: t.shape for n, t in sums.items()}))
+        return original(self, sums, noise)
+
+    monkeypatch.setattr(subspace_module.GradientSubspace, "noisy_gradients", spy)
+    common = dict(
+        adapter="bias", noise_multiplier=2.0, batch_size=8, local_epochs=1,
+        public_data=str(_public(tmp_path / "public")),
+        public_types="Disease=problem,Chemical=treatment", reproducible_noise=True,
+        clipping=clipping, max_length=128,
+    )  # fmt: skip
+    projected = tiny_run(out=tmp_path / "sub", dp_subspace=4, **common)
+    found = json.loads((tmp_path / "sub" / "config.json").read_text())["public_subspace"]
+    assert found["rank"] == 4 and found["public_examples"] == 60
+    (labels, hidden), _ = _head_shapes(tmp_path / "sub")
+    assert found["head_feature_rank"] == min(HEAD_FEATURE_RANK, hidden)
+    # K encoder directions, every label with each feature direction, the head's bias.
+    assert found["noised_numbers"] == 4 + labels * found["head_feature_rank"] + labels
+    assert found["noised_numbers"] < found["trainable_numbers"]
+    assert calls and set(calls) == {found["noised_numbers"]}  # every step, every site
+    whole = tiny_run(out=tmp_path / "whole", **common)
+    assert projected["epsilon"] == whole["epsilon"]  # the same accounting
+    assert projected["f1"] is not None
+
+
+def _head_shapes(run):
+    from safetensors import safe_open
+
+    with safe_open(str(run / "model" / "model.safetensors"), "pt") as f:
+        return [f.get_slice(k).get_shape() for k in ("head.weight", "head.bias")]
+
+
+def test_the_head_basis_keeps_every_label_and_public_feature_directions():
+    generator = torch.Generator().manual_seed(4)
+    features, _ = top_directions(torch.randn(40, 6, generator=generator), 2)  # (2, 6)
+    basis = label_feature_basis(features, labels=3)
+    assert basis.shape == (6, 18)
+    torch.testing.assert_close(basis @ basis.T, torch.eye(6), atol=1e-5, rtol=0)
+    # A token's head gradient e h^T with h among the public directions is kept
+    # whole, whichever label it is for (one the public text never labels too).
+    h = 0.7 * features[0] - 0.2 * features[1]
+    e = torch.tensor([0.0, 0.0, 1.5])
+    gradient = torch.outer(e, h).reshape(-1)
+    torch.testing.assert_close((basis @ gradient) @ basis, gradient, atol=1e-5, rtol=0)
+    # Feature directions outside the public ones are dropped.
+    outside = torch.randn(6, generator=generator)
+    outside -= features.T @ (features @ outside)
+    assert float((basis @ torch.outer(e, outside).reshape(-1)).norm()) < 1e-5
+
+
+def test_bases_over_disjoint_tensors_stack_into_one_orthonormal_basis():
+    first, _ = top_directions(torch.randn(10, 5), 2)
+    second, _ = top_directions(torch.randn(10, 3), 3)
+    stacked = stack_blocks([{"a": first}, {"b": second}])
+    full = torch.cat([stacked["a"], stacked["b"]], dim=1)
+    assert full.shape == (5, 8)
+    torch.testing.assert_close(full @ full.T, torch.eye(5), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="two groups"):
+        stack_blocks([{"a": first}, {"a": first}])
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"dp_subspace": 4, "adapter": "bias", "public_data": "P"}, "needs DP"),
+        ({"dp_subspace": 4, "adapter": "bias", "noise_multiplier": 1.0}, "needs --public-data"),
+        ({"dp_subspace": 4, "public_data": "P", "noise_multiplier": 1.0}, "needs an adapter"),
+        ({"public_epochs": 0, "public_data": "P"}, "leaves --public-data unused"),
+    ],
+)
+def test_a_subspace_without_what_it_needs_is_refused(tiny_config, settings, message):
+    with pytest.raises(ClinfedError, match=message):
+        tiny_config(**settings).resolved().validate(check_data=False)
