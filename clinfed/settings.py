@@ -259,8 +259,9 @@ class PrivacySettings:
     delta: float = setting(1e-5, "DP delta (below 1 / site examples).", above=0.0, below=1.0)
     noise_multiplier: float | None = setting(
         None,
-        "DP-SGD with this noise multiplier at every site instead of calibrating one.",
-        above=0.0,
+        "DP-SGD with this noise multiplier at every site instead of calibrating one "
+        "(at least 0.1).",
+        minimum=0.1,
     )
     max_grad_norm: float = setting(1.0, "DP-SGD per-example clipping norm.", above=0.0)
     neighbours: str = setting(

@@ -136,7 +136,7 @@ def warm_start(
 # Public examples whose per-example gradients span --dp-subspace, and the
 # most numbers (examples x projected dimension) their matrix may hold.
 SUBSPACE_EXAMPLES = 1024
-SUBSPACE_MAX_NUMBERS = 200_000_000
+SUBSPACE_MAX_NUMBERS = 500_000_000
 # Feature directions of the head's basis (each paired with every label).
 HEAD_FEATURE_RANK = 32
 

@@ -31,6 +31,11 @@ from clinfed.privacy.accountants import (
 )
 
 ACCOUNTANT = BUDGET.description
+# The smallest noise multiplier clinfed accounts for. Below it one step
+# already costs epsilon in the tens (q = 0.01, sigma 0.3, one step: 10.6;
+# q = 0.1, sigma 0.1, 30 steps: 583), and the privacy loss distribution
+# grows as 1 / sigma^2 until it fills memory (sigma 0.01: out of memory).
+MIN_NOISE_MULTIPLIER = 0.1
 REFERENCE_ACCOUNTANT = REFERENCE.description
 
 __all__ = [
@@ -86,7 +91,9 @@ def calibrate_noise(
     Returns
     -------
     float
-        A noise multiplier whose planned epsilon is at most the target.
+        A noise multiplier whose planned epsilon is at most the target, never
+        below :data:`MIN_NOISE_MULTIPLIER` (the search stops there however
+        large the target).
 
     Raises
     ------
@@ -110,13 +117,16 @@ def calibrate_noise(
         high = _bisect(
             lambda s: planned(s, rough),
             target_epsilon,
-            0.0,
+            MIN_NOISE_MULTIPLIER,
             _bracket(lambda s: planned(s, rough), target_epsilon, delta, rounds),
             0.02,
         )
-        low = high * 0.8 if planned(high * 0.8, accountant) > target_epsilon else 0.0
+        low = MIN_NOISE_MULTIPLIER
+        if high * 0.8 > low and planned(high * 0.8, accountant) > target_epsilon:
+            low = high * 0.8
     else:
-        low, high = 0.0, _bracket(lambda s: planned(s, accountant), target_epsilon, delta, rounds)
+        high = _bracket(lambda s: planned(s, accountant), target_epsilon, delta, rounds)
+        low = MIN_NOISE_MULTIPLIER
     return _bisect(lambda s: planned(s, accountant), target_epsilon, low, high, tolerance)
 
 
@@ -136,7 +146,10 @@ def _bracket(planned: Callable[[float], float], target: float, delta: float, rou
 def _bisect(
     planned: Callable[[float], float], target: float, low: float, high: float, tolerance: float
 ) -> float:
-    """Narrow [low, high] (``high`` meets the target) until it is within ``tolerance``."""
+    """Narrow [low, high] (``high`` meets the target) until it is within
+    ``tolerance``; ``low`` itself is never tried (the floor)."""
+    if high <= low:
+        return high
     for _ in range(100):
         mid = (low + high) / 2
         eps = planned(mid)

@@ -16,7 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clinfed.privacy.accountant import RELATION, Mechanism, calibrate_noise, epsilon
+from clinfed.privacy.accountant import (
+    MIN_NOISE_MULTIPLIER,
+    RELATION,
+    Mechanism,
+    calibrate_noise,
+    epsilon,
+)
 from clinfed.privacy.accountants import budget_accountant
 from clinfed.privacy.count import COUNT_MECHANISM, count_mechanism, keep_count
 from clinfed.privacy.dpsgd import CLIPPINGS, DPSettings, round_mechanism
@@ -69,8 +75,12 @@ def check_settings(
         raise SettingError("target_epsilon", f"must be positive, not {target_epsilon}")
     if not 0 < delta < 1:
         raise SettingError("delta", f"must be in (0, 1), not {delta}")
-    if noise_multiplier is not None and not noise_multiplier > 0:
-        raise SettingError("noise_multiplier", f"must be positive, not {noise_multiplier}")
+    if noise_multiplier is not None and not noise_multiplier >= MIN_NOISE_MULTIPLIER:
+        raise SettingError(
+            "noise_multiplier",
+            f"must be at least {MIN_NOISE_MULTIPLIER} (below it one step costs epsilon in the "
+            f"tens and the accountant runs out of memory), not {noise_multiplier}",
+        )
     if not max_grad_norm > 0:
         raise SettingError("max_grad_norm", f"must be positive, not {max_grad_norm}")
     if clipping not in CLIPPINGS:

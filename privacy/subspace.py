@@ -44,18 +44,35 @@ def top_directions(gradients: torch.Tensor, rank: int) -> tuple[torch.Tensor, fl
     """The ``rank`` leading right singular vectors of ``gradients``
     (``(examples, dimension)``, one per-example gradient a row), as the rows
     of an orthonormal ``(rank, dimension)`` basis, and the share of the
-    gradients' squared norm that basis holds."""
+    gradients' squared norm that basis holds.
+
+    Found from the smaller of the ``examples x examples`` Gram matrix and the
+    ``dimension x dimension`` second-moment matrix (in float64), so the
+    memory stays near the gradients' own."""
     if gradients.ndim != 2 or gradients.shape[0] == 0:
         raise ValueError("top_directions needs a (examples, dimension) matrix with rows")
     if not 1 <= rank <= min(gradients.shape):
         raise ValueError(
             f"rank {rank} must be between 1 and min(examples, dimension) = {min(gradients.shape)}"
         )
-    gradients = gradients.double()
-    _, singular, vh = torch.linalg.svd(gradients, full_matrices=False)
-    energy = singular.square()
-    held = float(energy[:rank].sum() / energy.sum()) if energy.sum() > 0 else 0.0
-    return vh[:rank].float().contiguous(), held
+    examples, dimension = gradients.shape
+    if dimension <= examples:  # the right singular vectors directly
+        moment = (gradients.T @ gradients).double()
+        values, vectors = torch.linalg.eigh(moment)  # ascending
+        values, vectors = values.flip(0).clamp(min=0), vectors.flip(1)
+        total = float(values.sum())
+        held = float(values[:rank].sum()) / total if total > 0 else 0.0
+        return vectors[:, :rank].T.to(gradients.dtype).contiguous(), held
+    gram = (gradients @ gradients.T).double()
+    values, vectors = torch.linalg.eigh(gram)  # ascending
+    values, vectors = values.flip(0).clamp(min=0), vectors.flip(1)
+    total = float(values.sum())
+    held = float(values[:rank].sum()) / total if total > 0 else 0.0
+    # v_i = G^T u_i / sqrt(lambda_i), then orthonormalised: directions with a
+    # (near) zero singular value come out of the QR as any completing ones.
+    directions = vectors[:, :rank].to(gradients.dtype).T @ gradients
+    q, _ = torch.linalg.qr(directions.T.double())
+    return q.T.to(gradients.dtype).contiguous(), held
 
 
 def label_feature_basis(features: torch.Tensor, labels: int) -> torch.Tensor:

@@ -94,6 +94,29 @@ def test_composition_and_calibration_end_just_under_the_target():
         calibrate_noise(0.01, 1e-5, lambda s: [Mechanism("x", 0.5, 1.0, 1)], rounds=3)
 
 
+def test_noise_below_the_floor_is_neither_searched_nor_accepted(tiny_config):
+    from clinfed.errors import ClinfedError
+    from clinfed.privacy.accountant import MIN_NOISE_MULTIPLIER
+
+    tried = []
+
+    def per_round(sigma):
+        tried.append(sigma)
+        return [Mechanism("dp-sgd", sigma, 0.01, 1)]
+
+    # A budget so large that any noise meets it: the search stops at the floor
+    # instead of driving sigma (and the accountant's memory) towards zero.
+    sigma = calibrate_noise(1e4, 1e-5, per_round, rounds=1)
+    assert MIN_NOISE_MULTIPLIER <= sigma <= MIN_NOISE_MULTIPLIER * 1.01
+    assert min(tried) >= MIN_NOISE_MULTIPLIER
+    with pytest.raises(ClinfedError, match="at least 0.1"):
+        tiny_config(noise_multiplier=0.01)
+    bad = run_cli("privacy", "epsilon", "--sample-rate", "0.1", "--noise-multiplier", "0.01",
+                  "--steps", "30")  # fmt: skip
+    assert bad.returncode == 2 and "--noise-multiplier must be at least 0.1" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
 def test_ledger_is_append_only_reloads_and_enforces_its_budget(tmp_path):
     path = tmp_path / "site1.jsonl"
     round_cost = [Mechanism("dp-sgd", 4.0, 0.1, 10)]

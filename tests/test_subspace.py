@@ -165,3 +165,14 @@ def test_bases_over_disjoint_tensors_stack_into_one_orthonormal_basis():
 def test_a_subspace_without_what_it_needs_is_refused(tiny_config, settings, message):
     with pytest.raises(ClinfedError, match=message):
         tiny_config(**settings).resolved().validate(check_data=False)
+
+
+@pytest.mark.parametrize("shape", [(40, 6), (6, 40)])
+def test_both_ways_of_finding_the_basis_agree_with_the_svd(shape):
+    generator = torch.Generator().manual_seed(5)
+    gradients = torch.randn(*shape, generator=generator, dtype=torch.float64).float()
+    basis, held = top_directions(gradients, 3)
+    _, singular, vh = torch.linalg.svd(gradients.double(), full_matrices=False)
+    # The same subspace (the projectors agree) and the same share held.
+    torch.testing.assert_close((basis.T @ basis).double(), vh[:3].T @ vh[:3], atol=1e-4, rtol=0)
+    assert held == pytest.approx(float(singular[:3].square().sum() / singular.square().sum()))

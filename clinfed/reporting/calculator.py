@@ -8,6 +8,7 @@ from typing import Any
 from clinfed.errors import ClinfedError
 from clinfed.privacy.accountant import (
     ACCOUNTANT,
+    MIN_NOISE_MULTIPLIER,
     REFERENCE_ACCOUNTANT,
     RELATION,
     Mechanism,
@@ -38,8 +39,11 @@ def epsilon_for(sample_rate: float, noise: float, steps: int, delta: float) -> d
     ``steps`` subsampled Gaussian steps."""
     _check(sample_rate, steps, delta)
     _finite("--noise-multiplier", noise)
-    if not noise > 0:
-        raise ClinfedError(f"--noise-multiplier must be positive, not {noise}")
+    if not noise >= MIN_NOISE_MULTIPLIER:
+        raise ClinfedError(
+            f"--noise-multiplier must be at least {MIN_NOISE_MULTIPLIER} (below it one step "
+            f"costs epsilon in the tens and the accountant runs out of memory), not {noise}"
+        )
     mechanism = [Mechanism("dp-sgd", noise, sample_rate, steps)]
     return {
         "epsilon": epsilon(mechanism, delta),
