@@ -129,6 +129,8 @@ def test_flower_run_settings_refuse_what_belongs_to_the_simulator(tmp_path):
     # A warm start on Flower is a saved model every node loads and pins.
     with pytest.raises(ClinfedError, match="public_data: on Flower, train the starting model"):
         flower_run_config({"task": "i2b2", "strategy": "fedavg", "public_data": "p"}, tmp_path)
+    with pytest.raises(ClinfedError, match="dp_subspace: not on Flower yet"):
+        flower_run_config({"task": "i2b2", "strategy": "fedavg", "dp_subspace": 8}, tmp_path)
     # MIMIC-III needs no code list up front: the public one is the default.
     assert flower_run_config({"task": "mimic3", "strategy": "fedavg"}, tmp_path).labels is None
     with pytest.raises(ClinfedError, match="unknown setting"):
