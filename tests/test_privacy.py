@@ -394,7 +394,7 @@ def test_sites_refuse_rounds_past_the_budget_and_the_run_stops_cleanly(i2b2_corp
     [
         (["--target-epsilon", "0"], "--target-epsilon must be positive"),
         (["--target-epsilon", "1", "--delta", "1"], "--delta must be in (0, 1)"),
-        (["--noise-multiplier", "-1"], "--noise-multiplier must be positive"),
+        (["--noise-multiplier", "-1"], "--noise-multiplier must be at least 0.1"),
         (["--target-epsilon", "0.001", "--strategy", "safl", "--selection", "private"], "reach"),
         (["--target-epsilon", "1", "--strategy", "centralized"], "not --strategy centralized"),
     ],
