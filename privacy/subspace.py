@@ -146,6 +146,13 @@ class GradientSubspace:
                 "the subspace was found for other trainable tensors"
             )
 
+    def _on(self, name: str, device: torch.device) -> torch.Tensor:
+        """``basis[name]`` on ``device``, moved there once (every step uses it)."""
+        block = self.basis[name]
+        if block.device != device:
+            block = self.basis[name] = block.to(device)
+        return block
+
     def noisy_gradients(
         self,
         sums: Mapping[str, torch.Tensor],
@@ -167,12 +174,11 @@ class GradientSubspace:
         if projected:
             device = sums[projected[0]].device
             coordinates = coordinates.to(device)
+            blocks = {name: self._on(name, device) for name in projected}
             for name in projected:
-                block = self.basis[name].to(device)
-                coordinates += block @ sums[name].reshape(-1).float()
+                coordinates += blocks[name] @ sums[name].reshape(-1).float()
             for name in projected:
-                block = self.basis[name].to(device)
-                out[name] = (coordinates @ block).view_as(sums[name]).to(sums[name].dtype)
+                out[name] = (coordinates @ blocks[name]).view_as(sums[name]).to(sums[name].dtype)
         for name, part in zip(kept, drawn[self.rank :].split(sizes), strict=True):
             out[name] = sums[name] + part.view_as(sums[name]).to(sums[name].device)
         return out
