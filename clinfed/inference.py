@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.models import load_saved_model, saved_run_model
 from clinfed.runs import ensure_new_run_folder
+from clinfed.scratch import temporary_folder
 from clinfed.tasks import get_task
 from clinfed.training import predict
 
@@ -32,7 +32,7 @@ def _outputs(run: Path, data: Path, problems: ProblemLog, cache_dir: str):
 def evaluate_run(run: Path, data: Path, on_error: str = "strict") -> dict[str, Any]:
     """Metrics of the run's final model on every annotated document of ``data``."""
     problems = ProblemLog(on_error)
-    with tempfile.TemporaryDirectory(prefix="clinfed-cache-") as cache:
+    with temporary_folder("cache") as cache:
         task, records, examples, outputs = _outputs(run, data, problems, cache)
         metrics = task.evaluate(records, examples, outputs)
     return metrics | {"warnings": [str(p) for p in problems.problems]}
@@ -43,7 +43,7 @@ def predict_run(run: Path, data: Path, out: Path, on_error: str = "strict") -> i
     ``out`` in the task's format; return how many records were predicted."""
     ensure_new_run_folder(out, "predictions")
     problems = ProblemLog(on_error)
-    with tempfile.TemporaryDirectory(prefix="clinfed-cache-") as cache:
+    with temporary_folder("cache") as cache:
         task, records, examples, outputs = _outputs(run, data, problems, cache)
         Path(out).mkdir(parents=True, exist_ok=True)
         task.write_predictions(records, examples, outputs, Path(out))

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -64,6 +63,7 @@ from clinfed.runs import (
     claimed_run_folder,
     create_run_folder,
 )
+from clinfed.scratch import temporary_folder
 from clinfed.settings import RunConfig, load_file
 from clinfed.tasks import TASKS, get_task
 from clinfed.tasks.base import Corpus, Task
@@ -191,7 +191,7 @@ def _train(config: RunConfig, report: Reporter) -> dict[str, Any]:
     problems = ProblemLog(config.on_error)
     # Tokenized notes are protected health information: unless the user names
     # a cache folder, they live in a temporary one removed after the run.
-    with tempfile.TemporaryDirectory(prefix="clinfed-cache-") as tmp:
+    with temporary_folder("cache") as tmp:
         cache_dir = config.cache_dir or tmp
         task = make_task(config, cache_dir)
         corpus = task.load(Path(config.data), problems)
@@ -458,7 +458,7 @@ def warm_start_model(config: RunConfig, report: Reporter = _quiet) -> dict[str, 
         raise ClinfedError(f"--out {out}: already exists; name a new folder")
     use_threads(config.threads)
     problems = ProblemLog(config.on_error)
-    with tempfile.TemporaryDirectory(prefix="clinfed-cache-") as cache_dir:
+    with temporary_folder("cache") as cache_dir:
         task = make_task(config, cache_dir)
         task.load(Path(config.data), problems)  # fixes the label set
         tokenizer = load_tokenizer(config.model)
@@ -714,7 +714,7 @@ def _serve(
     from clinfed.federated.engine import RoundEngine
 
     out = Path(config.out)
-    with tempfile.TemporaryDirectory(prefix="clinfed-server-") as cache:
+    with temporary_folder("server") as cache:
         task = make_task(config, cache)
         tokenizer = load_tokenizer(config.model)
         model = make_model(config, task)

@@ -16,6 +16,12 @@ folder for all of them:
 * a SIGKILL cannot be caught: the next clinfed process removes the scratch
   folders of processes that no longer exist before it starts.
 
+Every shorter-lived temporary folder (a site's tokenized data, a
+command's ``datasets`` cache) comes from :func:`temporary_folder`: inside
+the scratch folder when one is open, and otherwise (library use) named for
+its process too, so a SIGKILL there leaves nothing the next clinfed
+process does not remove.
+
 ``--cache-dir`` is the only lasting cache, in a folder the user names.
 """
 
@@ -96,6 +102,15 @@ def cache_folder(cache_dir: str | None) -> str:
         )
         atexit.register(shutil.rmtree, _LIBRARY_SCRATCH, True)
     return str(_LIBRARY_SCRATCH)
+
+
+def temporary_folder(kind: str) -> tempfile.TemporaryDirectory:
+    """A temporary folder for protected data (removed by its ``cleanup`` or
+    context exit), in the current temporary folder (this process's scratch
+    folder when one is open) and named ``clinfed-scratch-<pid>-<kind>-...``,
+    so :func:`remove_stale` finds it if this process dies without removing
+    it."""
+    return tempfile.TemporaryDirectory(prefix=f"{PREFIX}{os.getpid()}-{kind}-")
 
 
 @contextlib.contextmanager

@@ -597,18 +597,30 @@ site.runner.handle(Message("train", 1, {}, False, False, base=0, expect=expect))
 
 @pytest.mark.parametrize("stage", ["before-charge", "after-charge"])
 def test_a_node_killed_around_its_charge_charges_the_round_once(i2b2_corpus, tmp_path, stage):
+    import os
     import subprocess
     import sys
 
     from clinfed.adapters import shared_state
     from clinfed.federated import payload
     from clinfed.federated.engine import Message
+    from clinfed.scratch import remove_stale
 
+    # Its own temporary folder, outside any scratch folder (library use).
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
     killed = subprocess.run(
         [sys.executable, "-c", NODE_KILLER, str(i2b2_corpus), str(tmp_path), stage],
-        capture_output=True, timeout=600,
+        capture_output=True, timeout=600, env=os.environ | {"TMPDIR": str(temporary)},
     )  # fmt: skip
     assert killed.returncode == -9, killed.stderr.decode()[-2000:]
+    # The SIGKILL left the site's tokenized notes on disk; every folder it
+    # left is named for the dead process, so the next clinfed process
+    # removes them all.
+    left = [p for p in temporary.iterdir() if p.name.startswith("clinfed")]
+    assert left and list(next(iter(left)).rglob("*.arrow"))
+    assert sorted(remove_stale(temporary)) == sorted(left)
+    assert not [p for p in temporary.iterdir() if p.name.startswith("clinfed")]
     # The SuperNode restarts; the server sends round 1 again.
     site = _node_site(i2b2_corpus, tmp_path, target_epsilon=8.0, rounds=3)
     try:

@@ -94,7 +94,6 @@ Nothing here imports Flower: :func:`build_site` returns the same
 from __future__ import annotations
 
 import re
-import tempfile
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -123,6 +122,7 @@ from clinfed.pipeline import (
 from clinfed.privacy.ledger import Ledger
 from clinfed.privacy.site import SitePrivacy
 from clinfed.provenance import data_fingerprint
+from clinfed.scratch import temporary_folder
 from clinfed.tasks.base import SPLIT_KEY
 
 
@@ -410,7 +410,7 @@ class NodeSite:
         folder = node.state / safe_run_name(run_name)
         # Tokenized notes are protected: they live in a temporary folder at
         # the site, removed when the message is done.
-        self._tmp = tempfile.TemporaryDirectory(prefix="clinfed-site-")
+        self._tmp = temporary_folder("site")
         cache_dir = self._tmp.name
         try:
             task = make_task(config, cache_dir)

@@ -30,7 +30,6 @@ the guarantee.
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +42,7 @@ from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.federated.state import load_tensors
 from clinfed.models import load_saved_model
 from clinfed.runs import atomic_write_json
+from clinfed.scratch import temporary_folder
 from clinfed.settings import RunConfig, read_run_config
 from clinfed.training import split_batches
 
@@ -185,7 +185,7 @@ def audit(run: Path, max_examples: int = 400, seed: int = 0) -> dict[str, Any]:
     config = RunConfig.from_values(read_run_config(run), str(config_path)).resolved()
     model, tokenizer, meta = load_saved_model(model_dir)
     rng = np.random.default_rng(seed)
-    with tempfile.TemporaryDirectory(prefix="clinfed-cache-") as cache:
+    with temporary_folder("cache") as cache:
         task = make_task(config, cache)
         corpus = task.load(Path(config.data), ProblemLog(config.on_error))
         task.labels = list(meta["labels"])
