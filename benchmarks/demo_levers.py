@@ -9,7 +9,14 @@ without DP; ``PUBLIC`` is a folder of public annotated text for the warm
 start (``clinfed/public`` is what the demo ships) or ``none``; the JSON
 object overrides settings (``"_plan": "bias"`` picks the demo's other plan).
 The corpus is the demo's (3 synthetic hospitals x 30 notes, seed 0), written
-once to ``benchmarks/results/demo-corpus``. Prints one JSON line: F1 by
+once to ``benchmarks/results/demo-corpus``.
+
+``PUBLIC`` may also be the folder ``clinfed demo --out`` wrote: the run then
+repeats that demo's run (its plan, its ``data/``, its 10% audit holdout)
+from its starting model (``start/``) with no warm start, which is how the
+demo's private rounds are drawn again with fresh secret noise; a
+``"dp_subspace"`` override finds the subspace on the demo's ``public/``
+notes, or on ``"_subspace_public"``. Prints one JSON line: F1 by
 round, final F1, epsilon per site. One thread per run, so two runs share 2
 cores; each run takes 1.5 to 5 minutes on MiniLM.
 """
@@ -40,6 +47,8 @@ def main(out: Path, dp: bool, public: str, extra: dict) -> dict:
             partial.rename(DATA)
         except OSError:  # the other run's corpus got there first (the same one)
             shutil.rmtree(partial)
+    if (Path(public) / "demo.json").is_file():
+        return _repeat_demo(out, dp, Path(public), extra)
     plan = extra.pop("_plan", "safl+fedfrozen")
     keys = ("public_data", "public_types", "public_examples", "audit_holdout")
     settings = {k: v for k, v in COMMON.items() if k not in keys} | PLANS[plan]
@@ -49,14 +58,32 @@ def main(out: Path, dp: bool, public: str, extra: dict) -> dict:
     if public != "none":
         settings |= {"public_data": public, "public_types": "Disease=problem,Chemical=treatment"}
     settings |= extra
-    summary = run_training(RunConfig.of(data=str(DATA), out=str(out), **settings))
+    return _run(out, dp, public, extra, DATA, settings)
+
+
+def _repeat_demo(out: Path, dp: bool, demo: Path, extra: dict) -> dict:
+    """The demo's run from the demo folder's own corpus and starting model."""
+    plan = json.loads((demo / "demo.json").read_text())["plan"]
+    settings = {k: v for k, v in COMMON.items() if not k.startswith("public_")} | PLANS[plan]
+    settings |= {"model": str(demo / "start"), "threads": 1, "seed": SEED}
+    if not dp:
+        settings.pop("target_epsilon")
+    subspace_public = extra.pop("_subspace_public", str(demo / "public"))
+    if extra.get("dp_subspace"):
+        settings |= {"public_data": subspace_public, "public_epochs": 0}
+    settings |= extra
+    return _run(out, dp, str(demo), extra, demo / "data", settings)
+
+
+def _run(out: Path, dp: bool, public: str, extra: dict, data: Path, settings: dict) -> dict:
+    summary = run_training(RunConfig.of(data=str(data), out=str(out), **settings))
     rounds = [r for r in read_jsonl(out / "metrics.jsonl") if "f1" in r and "client" not in r]
     return {
         "out": str(out),
         "dp": dp,
         "public": public,
         "extra": extra,
-        "f1_by_round": [round(r["f1"], 3) for r in rounds],
+        "f1_by_round": [round(r["f1"], 4) for r in rounds],
         "f1": round(summary["f1"], 4),
         "epsilon": summary.get("epsilon"),
     }
