@@ -45,6 +45,9 @@ COMMON: dict[str, Any] = {
     # and is accounted under add/remove neighbours (clinfed.privacy.count):
     # 23% less noise at epsilon 8 here, private F1 0.593 -> 0.636.
     "neighbours": "add-remove",
+    # The synthetic hospitals annotate every type, and say so: under DP a
+    # site's annotated types are declared, never read from its data.
+    "annotated_types": "*=problem,treatment,test",
 }
 PLANS: dict[str, dict[str, Any]] = {
     # SAFL's two best layers, their attention query/key frozen from round 2.
