@@ -23,6 +23,12 @@ Corpora:
 synthetic notes of other patients, say (``clinfed data synth i2b2 --out
 synth-public --sites 3 --docs 60 --seed 7``, then ``--public synth-public``:
 the same kind of notes as the sites', as a public clinical corpus would be).
+``--public drugs`` (bc5cdr) adds chemicals the public start otherwise
+lacks: NCBI-disease's train split plus public synthetic notes (the
+generator at seed 7, 3 x 60 notes, other patients) with their drug names
+as ``Chemical`` and their problems as ``Disease`` (procedures and tests
+left ``O``): public annotated text of a kind BC5CDR's chemicals share a
+vocabulary with, written once to ``bc5cdr-corpus/public-drugs``.
 ``--public none`` starts from the bundled encoder; ``--public-examples N``
 caps the public sentences. ``--set KEY=VALUE`` (repeatable) overrides any
 run setting (JSON values: ``--set local_epochs=3``). ``--epsilon inf`` runs
@@ -65,6 +71,58 @@ TYPES = "Disease=problem,Chemical=treatment"
 
 
 # ------------------------------------------------------------------ corpora
+def drug_notes(folder: Path) -> Path:
+    """NCBI-disease train and public synthetic notes as CoNLL, BC5CDR's
+    types: a note's drug names (the generator's list) are ``Chemical``, its
+    problems ``Disease``, the rest ``O``. Written once, aside then renamed."""
+    import re
+
+    from clinfed.tasks.i2b2.synth import generate
+    from clinfed.tasks.i2b2.vocabulary import DRUGS
+
+    if folder.exists():
+        return folder
+    partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
+    notes = partial / "notes"
+    generate(notes, sites=3, docs=60, seed=7)
+    drugs = {alias for drug in DRUGS for alias in drug.split("|")}
+    concept = re.compile(r'c=".*" (\d+):(\d+) (\d+):(\d+)\|\|t="(\w+)"')
+    rows = []
+    for con in sorted(notes.rglob("*.con")):
+        lines = [
+            line.split()
+            for line in (con.parent.parent / "txt" / f"{con.stem}.txt").read_text().splitlines()
+        ]
+        tags = [["O"] * len(words) for words in lines]
+        for match in map(concept.match, con.read_text().splitlines()):
+            line, first, last_line, last, kind = match.groups()
+            if line != last_line:  # a concept across lines (a test, here)
+                continue
+            words, span = lines[int(line) - 1], range(int(first), int(last) + 1)
+            if kind == "problem":
+                picked, name = list(span), "Disease"
+            elif kind == "treatment":  # the drug names only; procedures stay O
+                picked, name = [i for i in span if words[i].lower() in drugs], "Chemical"
+            else:
+                continue
+            for n, i in enumerate(picked):
+                inside = n > 0 and picked[n - 1] == i - 1
+                tags[int(line) - 1][i] = ("I-" if inside else "B-") + name
+        rows += [
+            "\n".join(f"{w}\t{t}" for w, t in zip(words, tag))
+            for words, tag in zip(lines, tags)
+            if words
+        ]
+    shutil.rmtree(notes)
+    (partial / "synthetic-drugs.tsv").write_text("\n\n".join(rows) + "\n")
+    shutil.copy(PUBLIC / "ncbi-disease-train.tsv", partial)
+    try:
+        partial.rename(folder)
+    except OSError:  # another run's got there first (the same files)
+        shutil.rmtree(partial)
+    return folder
+
+
 def corpus(kind: str, folder: Path, docs: int) -> tuple[dict, Path, str]:
     """Write the corpus under ``folder`` once: (settings, public folder, public types)."""
     data = folder / "data"
@@ -84,6 +142,13 @@ def corpus(kind: str, folder: Path, docs: int) -> tuple[dict, Path, str]:
     return {}, PUBLIC, TYPES
 
 
+# The warm start's own batch and head rate, whatever the run sets: a run's
+# --set batch_size or head_lr must change its private phase only. (Until
+# this was fixed they reached the warm start too, so every lever on the
+# batch or the head's rate also changed the starting model.)
+WARM_START = {"batch_size": None, "head_lr": 0.01}
+
+
 def starting_model(work: Path, settings: dict) -> Path:
     """The warm-started model for these public settings, made once (written
     aside and renamed, so runs started together never read half of one)."""
@@ -91,6 +156,7 @@ def starting_model(work: Path, settings: dict) -> Path:
 
     from clinfed.pipeline import RunConfig, warm_start_model
 
+    settings = settings | WARM_START
     keys = (
         *("public_data", "public_types", "public_examples", "public_epochs", "public_lr"),
         *("model", "max_length", "seed", "head_lr", "batch_size", "weight_decay"),
@@ -229,7 +295,7 @@ def main() -> None:
     parser.add_argument("--corpus", choices=("bc5cdr", "i2b2"), default="bc5cdr")
     parser.add_argument("--docs", type=int, default=160, help="i2b2: notes per site")
     parser.add_argument("--epsilon", type=float, default=8.0, help="inf: no DP")
-    parser.add_argument("--public", default="auto", help="auto, none or a folder")
+    parser.add_argument("--public", default="auto", help="auto, none, drugs (bc5cdr) or a folder")
     parser.add_argument("--public-examples", type=int, default=0)
     parser.add_argument(
         "--public-types", default=None, help="with --public DIR: its types mapped (--types syntax)"
@@ -262,6 +328,10 @@ def main() -> None:
             settings[key] = json.loads(value)
         except json.JSONDecodeError:
             settings[key] = value
+    if args.public == "drugs":
+        if args.corpus != "bc5cdr":
+            parser.error("--public drugs is for --corpus bc5cdr")
+        public, public_types, args.public = drug_notes(work / "public-drugs"), TYPES, "auto"
     if args.public != "none":
         # Warm-started once per corpus and public text (clinfed warm-start),
         # then every run starts from the saved model, with or without DP.

@@ -164,7 +164,8 @@ class TrainingSettings:
     batch_size: int | None = setting(
         None,
         "Examples per step (default: the task's; under DP each site's expected Poisson batch "
-        "is its units / 16, 64 to 1024, with the rates scaled by sqrt(batch / task batch)).",
+        "is its units / 16, 64 to 1024, with the rates scaled by sqrt(batch / task batch)); "
+        "a public warm start always takes the task's.",
         minimum=1,
         maximum=65_536,
     )

@@ -82,6 +82,25 @@ def test_a_warm_start_trains_the_encoder_at_the_whole_model_rate_under_an_adapte
     assert config["training"]["lr"] == 1e-3  # the private rounds keep the adapter's
 
 
+def test_a_run_s_batch_size_does_not_change_its_warm_start(i2b2_corpus, tmp_path):
+    # --batch-size is the private rounds' batch; the public phase keeps the
+    # task's, so runs that differ only in batch start from the same model.
+    public = _public(tmp_path / "public")
+    mapped = ("--public-data", str(public), "--public-types", "Disease=problem,Chemical=treatment")
+    for run, batch in (("small", "4"), ("large", "24")):
+        result = _train(i2b2_corpus, tmp_path / run, *mapped, "--batch-size", batch)
+        assert result.returncode == 0, result.stderr
+
+    def start(run: str) -> tuple[str, dict]:
+        config = json.loads((tmp_path / run / "config.json").read_text())
+        digest = json.loads((tmp_path / run / "state.json").read_text())["digests"]["0"]
+        return digest, config["public_start"]
+
+    (small, small_record), (large, large_record) = start("small"), start("large")
+    assert small == large
+    assert small_record["batch_size"] == large_record["batch_size"] == 16  # i2b2's
+
+
 def test_a_warm_start_leaves_lora_factors_at_their_seeded_start(tiny_config, tmp_path):
     import tempfile
 

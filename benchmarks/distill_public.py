@@ -1,0 +1,135 @@
+"""Distil a private model into a whole-model student on public text.
+
+Usage (from the repository root, after ``make install``)::
+
+    .venv/bin/python benchmarks/distill_public.py RUN PUBLIC.tsv DATA OUT [--from-teacher]
+
+``RUN`` is a finished concept-extraction run (its ``model/`` is the
+teacher: under DP, a released model, so everything below is
+post-processing and costs no privacy); ``PUBLIC.tsv`` is public text in
+CoNLL (its own tags are ignored); ``DATA`` is the corpus the run trained
+on (its ``test/`` scores the student). The teacher labels the public
+sentences (``clinfed predict``), the labels go back onto the CoNLL tokens,
+and ``clinfed warm-start`` trains every parameter of a student on them, 2
+epochs at the task's whole-model rate: from the run's own starting model,
+or with ``--from-teacher`` from the teacher's weights. Prints the
+teacher's and the student's strict F1 on ``DATA/test`` as one JSON line
+and writes it to ``OUT/distill.json``.
+
+The labelled public text stays under ``OUT`` (public sentences, no note of
+any site).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+CLINFED = str(Path(sys.executable).with_name("clinfed"))
+# The benchmark corpora's mapping (dp_utility.py): run type -> CoNLL name.
+NAMES = {"problem": "Disease", "treatment": "Chemical"}
+CONCEPT = re.compile(r'c=".*" (\d+):(\d+) (\d+):(\d+)\|\|t="(\w+)"')
+
+
+def relabel(public: Path, predictions: Path, out: Path) -> int:
+    """The teacher's .con spans (sentence line, 0-based words) as the tags
+    of ``public``'s tokens; returns the number of spans kept."""
+    sentences: list[list[list[str]]] = [[]]
+    for line in public.read_text().splitlines():
+        if line.strip():
+            sentences[-1].append([line.split("\t")[0], "O"])
+        elif sentences[-1]:
+            sentences.append([])
+    sentences = [s for s in sentences if s]
+    kept = 0
+    for con in predictions.glob("*.con"):
+        for match in map(CONCEPT.match, con.read_text().splitlines()):
+            line, first, last_line, last, kind = match.groups()
+            if line != last_line or kind not in NAMES:
+                continue
+            words = sentences[int(line) - 1]
+            for i in range(int(first), int(last) + 1):
+                words[i][1] = ("B-" if i == int(first) else "I-") + NAMES[kind]
+            kept += 1
+    out.parent.mkdir(parents=True, exist_ok=True)
+    body = "\n\n".join("\n".join(f"{w}\t{t}" for w, t in s) for s in sentences)
+    out.write_text(body + "\n")
+    return kept
+
+
+def f1(model: Path, test: Path) -> dict:
+    result = subprocess.run(
+        [CLINFED, "evaluate", str(model), "--data", str(test), "--json"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    scores = json.loads(result.stdout)["scores"]["exact"]
+    return {kind: round(scores[kind]["f1"], 4) for kind in ("micro", *NAMES)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run", type=Path)
+    parser.add_argument("public", type=Path)
+    parser.add_argument("data", type=Path)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--from-teacher", action="store_true")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+
+    config = json.loads((args.run / "config.json").read_text())
+    folder = args.out / "public"
+    folder.mkdir(parents=True)
+    shutil.copy(args.public, folder)
+    subprocess.run(
+        [
+            CLINFED,
+            "-q",
+            "predict",
+            str(args.run),
+            "--data",
+            str(folder),
+            "--out",
+            str(args.out / "teacher"),
+        ],
+        check=True,
+    )
+    labelled = args.out / "labelled" / args.public.name
+    spans = relabel(args.public, args.out / "teacher", labelled)
+    types = ",".join(f"{name}={kind}" for kind, name in NAMES.items())
+    start = args.run / "model" if args.from_teacher else Path(config["model"]["model"])
+    max_length = str(config["data"]["max_length"])
+    common = ["--types", types, "--format", "conll", "--max-length", max_length]
+    subprocess.run(
+        [CLINFED, "-q", "warm-start", "--out", str(args.out / "student"), "--model", str(start)]
+        + ["--public-data", str(labelled.parent), "--public-types", types, "--data", str(args.data)]
+        + common
+        + [
+            "--head-lr",
+            str(config["training"]["head_lr"] or 0.01),
+            "--seed",
+            "0",
+            "--public-epochs",
+            "2",
+        ]
+        + ["--threads", str(args.threads)],
+        check=True,
+    )
+    result = {
+        "command": " ".join(sys.argv),
+        "spans": spans,
+        "teacher": f1(args.run, args.data / "test"),
+        "student": f1(args.out / "student", args.data / "test"),
+    }
+    (args.out / "distill.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
