@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
 import subprocess
 import sys
@@ -33,31 +32,35 @@ from pathlib import Path
 CLINFED = str(Path(sys.executable).with_name("clinfed"))
 # The benchmark corpora's mapping (dp_utility.py): run type -> CoNLL name.
 NAMES = {"problem": "Disease", "treatment": "Chemical"}
-CONCEPT = re.compile(r'c=".*" (\d+):(\d+) (\d+):(\d+)\|\|t="(\w+)"')
 
 
 def relabel(public: Path, predictions: Path, out: Path) -> int:
-    """The teacher's .con spans (sentence line, 0-based words) as the tags
+    """The teacher's .con spans (one line per public sentence) as the tags
     of ``public``'s tokens; returns the number of spans kept."""
-    sentences: list[list[list[str]]] = [[]]
+    from clinfed.errors import ProblemLog
+    from clinfed.tasks.i2b2.format import read_con
+
+    sentences: list[list[str]] = [[]]
     for line in public.read_text().splitlines():
         if line.strip():
-            sentences[-1].append([line.split("\t")[0], "O"])
+            sentences[-1].append(line.split("\t")[0])
         elif sentences[-1]:
             sentences.append([])
     sentences = [s for s in sentences if s]
+    tags = [["O"] * len(words) for words in sentences]
     kept = 0
     for con in predictions.glob("*.con"):
-        for match in map(CONCEPT.match, con.read_text().splitlines()):
-            line, first, last_line, last, kind = match.groups()
-            if line != last_line or kind not in NAMES:
+        for concept in read_con(con, sentences, ProblemLog()):
+            (line, first), (last_line, last) = concept.start, concept.end
+            if line != last_line or concept.type not in NAMES:
                 continue
-            words = sentences[int(line) - 1]
-            for i in range(int(first), int(last) + 1):
-                words[i][1] = ("B-" if i == int(first) else "I-") + NAMES[kind]
+            for i in range(first, last + 1):
+                tags[line - 1][i] = ("B-" if i == first else "I-") + NAMES[concept.type]
             kept += 1
     out.parent.mkdir(parents=True, exist_ok=True)
-    body = "\n\n".join("\n".join(f"{w}\t{t}" for w, t in s) for s in sentences)
+    body = "\n\n".join(
+        "\n".join(f"{w}\t{t}" for w, t in zip(words, tag)) for words, tag in zip(sentences, tags)
+    )
     out.write_text(body + "\n")
     return kept
 

@@ -75,45 +75,38 @@ def drug_notes(folder: Path) -> Path:
     """NCBI-disease train and public synthetic notes as CoNLL, BC5CDR's
     types: a note's drug names (the generator's list) are ``Chemical``, its
     problems ``Disease``, the rest ``O``. Written once, aside then renamed."""
-    import re
-
+    from clinfed.tasks.i2b2.format import read_corpus
     from clinfed.tasks.i2b2.synth import generate
     from clinfed.tasks.i2b2.vocabulary import DRUGS
 
     if folder.exists():
         return folder
     partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
-    notes = partial / "notes"
-    generate(notes, sites=3, docs=60, seed=7)
+    generate(partial / "notes", sites=3, docs=60, seed=7)
     drugs = {alias for drug in DRUGS for alias in drug.split("|")}
-    concept = re.compile(r'c=".*" (\d+):(\d+) (\d+):(\d+)\|\|t="(\w+)"')
     rows = []
-    for con in sorted(notes.rglob("*.con")):
-        lines = [
-            line.split()
-            for line in (con.parent.parent / "txt" / f"{con.stem}.txt").read_text().splitlines()
-        ]
-        tags = [["O"] * len(words) for words in lines]
-        for match in map(concept.match, con.read_text().splitlines()):
-            line, first, last_line, last, kind = match.groups()
+    for note in sorted(read_corpus(partial / "notes"), key=lambda d: str(d.con_path)):
+        tags = [["O"] * len(words) for words in note.lines]
+        for concept in note.concepts:
+            (line, first), (last_line, last) = concept.start, concept.end
             if line != last_line:  # a concept across lines (a test, here)
                 continue
-            words, span = lines[int(line) - 1], range(int(first), int(last) + 1)
-            if kind == "problem":
+            words, span = note.lines[line - 1], range(first, last + 1)
+            if concept.type == "problem":
                 picked, name = list(span), "Disease"
-            elif kind == "treatment":  # the drug names only; procedures stay O
+            elif concept.type == "treatment":  # the drug names only; procedures stay O
                 picked, name = [i for i in span if words[i].lower() in drugs], "Chemical"
             else:
                 continue
             for n, i in enumerate(picked):
                 inside = n > 0 and picked[n - 1] == i - 1
-                tags[int(line) - 1][i] = ("I-" if inside else "B-") + name
+                tags[line - 1][i] = ("I-" if inside else "B-") + name
         rows += [
             "\n".join(f"{w}\t{t}" for w, t in zip(words, tag))
-            for words, tag in zip(lines, tags)
+            for words, tag in zip(note.lines, tags)
             if words
         ]
-    shutil.rmtree(notes)
+    shutil.rmtree(partial / "notes")
     (partial / "synthetic-drugs.tsv").write_text("\n\n".join(rows) + "\n")
     shutil.copy(PUBLIC / "ncbi-disease-train.tsv", partial)
     try:
