@@ -9,7 +9,7 @@ teacher: under DP, a released model, so everything below is
 post-processing and costs no privacy); ``PUBLIC.tsv`` is public text in
 CoNLL (its own tags are ignored); ``DATA`` is the corpus the run trained
 on (its ``test/`` scores the student). The teacher labels the public
-sentences (``clinfed predict``), the labels go back onto the CoNLL tokens,
+sentences (``clinfed.api.predict``), the labels go back onto the CoNLL tokens,
 and ``clinfed warm-start`` trains every parameter of a student on them, 2
 epochs at the task's whole-model rate: from the run's own starting model,
 or with ``--from-teacher`` from the teacher's weights. Prints the
@@ -25,11 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
-CLINFED = str(Path(sys.executable).with_name("clinfed"))
 # The benchmark corpora's mapping (dp_utility.py): run type -> CoNLL name.
 NAMES = {"problem": "Disease", "treatment": "Chemical"}
 
@@ -66,17 +64,16 @@ def relabel(public: Path, predictions: Path, out: Path) -> int:
 
 
 def f1(model: Path, test: Path) -> dict:
-    result = subprocess.run(
-        [CLINFED, "evaluate", str(model), "--data", str(test), "--json"],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    scores = json.loads(result.stdout)["scores"]["exact"]
+    from clinfed import api
+
+    scores = api.evaluate(model, test)["scores"]["exact"]
     return {kind: round(scores[kind]["f1"], 4) for kind in ("micro", *NAMES)}
 
 
 def main() -> None:
+    from clinfed import api
+    from clinfed.pipeline import RunConfig, warm_start_model
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run", type=Path)
     parser.add_argument("public", type=Path)
@@ -90,40 +87,26 @@ def main() -> None:
     folder = args.out / "public"
     folder.mkdir(parents=True)
     shutil.copy(args.public, folder)
-    subprocess.run(
-        [
-            CLINFED,
-            "-q",
-            "predict",
-            str(args.run),
-            "--data",
-            str(folder),
-            "--out",
-            str(args.out / "teacher"),
-        ],
-        check=True,
-    )
+    api.predict(args.run, folder, args.out / "teacher")
     labelled = args.out / "labelled" / args.public.name
     spans = relabel(args.public, args.out / "teacher", labelled)
     types = ",".join(f"{name}={kind}" for kind, name in NAMES.items())
-    start = args.run / "model" if args.from_teacher else Path(config["model"]["model"])
-    max_length = str(config["data"]["max_length"])
-    common = ["--types", types, "--format", "conll", "--max-length", max_length]
-    subprocess.run(
-        [CLINFED, "-q", "warm-start", "--out", str(args.out / "student"), "--model", str(start)]
-        + ["--public-data", str(labelled.parent), "--public-types", types, "--data", str(args.data)]
-        + common
-        + [
-            "--head-lr",
-            str(config["training"]["head_lr"] or 0.01),
-            "--seed",
-            "0",
-            "--public-epochs",
-            "2",
-        ]
-        + ["--threads", str(args.threads)],
-        check=True,
+    student = RunConfig.of(
+        task="i2b2",
+        out=str(args.out / "student"),
+        model=str(args.run / "model" if args.from_teacher else config["model"]["model"]),
+        public_data=str(labelled.parent),
+        public_types=types,
+        public_epochs=2,
+        data=str(args.data),
+        types=types,
+        format="conll",
+        max_length=config["data"]["max_length"],
+        head_lr=config["training"]["head_lr"] or 0.01,
+        seed=0,
+        threads=args.threads,
     )
+    warm_start_model(student)
     result = {
         "command": " ".join(sys.argv),
         "spans": spans,
