@@ -49,6 +49,7 @@ from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.federated.engine import RoundEngine
 from clinfed.federated.inprocess import InProcessTransport
 from clinfed.federated.partition import partition
+from clinfed.federated.public_check import PublicCheck
 from clinfed.federated.site import build_site_runner, check_delta_cap
 from clinfed.federated.state import check_metrics
 from clinfed.federated.strategies import STRATEGIES, Strategy, StrategyContext
@@ -131,6 +132,8 @@ class _Prepared:
     cache_dir: str
     # Under --dp-subspace: where the sites' DP noise goes (public).
     subspace: GradientSubspace | None = None
+    # Under --public-check: the server's judge of each round's model (public).
+    check: PublicCheck | None = None
 
 
 def _finish(
@@ -222,9 +225,18 @@ def _train(config: RunConfig, report: Reporter) -> dict[str, Any]:
             subspace, subspace_record = public_subspace(
                 config, task, model, tokenizer, cache_dir, problems, report
             )
+        check = check_record = None
+        if config.public_check:
+            # The server's judge of each round (clinfed.federated.public_check),
+            # on a copy of the starting model: public text, no privacy spent.
+            from clinfed.warmstart import public_check
+
+            check, check_record = public_check(config, task, model, tokenizer, cache_dir, problems)
         train = task.encode(corpus.train, tokenizer, config.max_length, cache_dir)
         test = task.encode(corpus.test, tokenizer, config.max_length, cache_dir)
-        prep = _Prepared(task, corpus, tokenizer, model, Path(config.out), cache_dir, subspace)
+        prep = _Prepared(
+            task, corpus, tokenizer, model, Path(config.out), cache_dir, subspace, check
+        )
         if strategy_cls.pooled:
             out = create_run_folder(config.out)
             _write_start(out, config, task, corpus, "pooled", public)
@@ -253,7 +265,9 @@ def _train(config: RunConfig, report: Reporter) -> dict[str, Any]:
                 _check_round_one(policies)
         if not config.resume:
             out = create_run_folder(config.out)
-            _write_start(out, config, task, corpus, "in-process", public, subspace_record)
+            _write_start(
+                out, config, task, corpus, "in-process", public, subspace_record, check_record
+            )
             if holdout:
                 atomic_write_json(
                     out / AUDIT_HOLDOUT,
@@ -329,6 +343,7 @@ def _write_start(
     runner: str,
     public=None,
     subspace=None,
+    check=None,
 ) -> None:
     from clinfed.provenance import data_fingerprint
 
@@ -337,6 +352,8 @@ def _write_start(
         record["public_start"] = public
     if subspace is not None:
         record["public_subspace"] = subspace
+    if check is not None:
+        record["public_check_text"] = check
     if config.data and Path(config.data).is_dir():
         # Which data the run read, without naming a note: SHA-256 over its files.
         record["data_fingerprint"] = data_fingerprint(Path(config.data))
@@ -664,6 +681,7 @@ def _federated(
         report=report,
         full_bytes=fedavg_bytes(model),
         summation=summation(config),
+        public_check=prep.check,
     )
     if config.resume:
         engine.resume()

@@ -146,6 +146,14 @@ class ModelSettings:
         minimum=0,
         maximum=10_000_000,
     )
+    public_check: str | None = setting(
+        None,
+        "A folder of public annotated text the server scores each round's proposed model on "
+        "(types mapped with --public-types); the last model is kept when F1 there would not "
+        "rise. Reads no site's data: no privacy spent. Recorded in config.json and each "
+        "round's record.",
+        simulator_only=True,
+    )
 
 
 @dataclass
@@ -375,6 +383,7 @@ PANELS = {
 METADATA_KEYS = {
     "public_start",
     "public_subspace",
+    "public_check_text",
     "clinfed_version",
     "runner",
     "deployment",
@@ -529,6 +538,14 @@ class RunConfig(
                 "--public-epochs 0 leaves --public-data unused: give --dp-subspace, or "
                 "at least one epoch"
             )
+        if self.public_check:
+            if strategy.pooled or not strategy.shares_model:
+                raise ClinfedError(
+                    f"--public-check needs a strategy with one shared model, not --strategy "
+                    f"{self.strategy}: the server scores the global model"
+                )
+            if check_data and not Path(self.public_check).is_dir():
+                raise ClinfedError(f"--public-check {self.public_check}: not a folder")
         if self.optimizer != "adamw" and not self.dp:
             raise ClinfedError(
                 f"--optimizer {self.optimizer} needs DP (--target-epsilon or "

@@ -17,6 +17,7 @@ the public text never annotates (as for a site that does not annotate it).
 
 from __future__ import annotations
 
+import copy
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from torch import nn
 
 from clinfed.device import device_of, to_device
 from clinfed.errors import ClinfedError, ProblemLog
+from clinfed.federated.public_check import PublicCheck
 from clinfed.privacy.subspace import (
     GradientSubspace,
     label_feature_basis,
@@ -35,10 +37,46 @@ from clinfed.privacy.subspace import (
 )
 from clinfed.tasks import get_task
 from clinfed.tasks.base import Task
-from clinfed.training import make_optimizer, train_epoch
+from clinfed.training import make_optimizer, predict, train_epoch
 
 # The site name public documents carry while they are encoded.
 PUBLIC_SITE = "(public)"
+
+
+def read_public(
+    folder: Path,
+    flag: str,
+    config: Any,
+    task: Task,
+    tokenizer: Any,
+    cache_dir: str,
+    problems: ProblemLog,
+) -> tuple[list[Any], Any, list[str]]:
+    """The annotated documents of the public text in ``folder`` (given as
+    ``flag``), read by the run's task (types mapped with ``--public-types``),
+    encoded; and the run types the text annotates."""
+    if not folder.is_dir():
+        raise ClinfedError(f"{flag} {folder}: not a folder")
+    if task.head != "token":
+        raise ClinfedError(f"{flag}: task {task.name} has no public text to start from")
+    reader = get_task(config.task, types=config.public_types, format="auto", cache_dir=cache_dir)
+    corpus = reader.load(folder, problems)
+    documents = [d for d in (*corpus.train, *corpus.test) if d.concepts or d.annotated]
+    annotated = sorted({c.type for d in documents for c in d.concepts})
+    unknown = [t for t in annotated if t not in task.entity_types]
+    if unknown:
+        raise ClinfedError(
+            f"{flag} {folder}: type {unknown[0]} is not one of the run's "
+            f"({', '.join(task.entity_types)}); map it with --public-types"
+        )
+    for document in documents:
+        document.site = PUBLIC_SITE
+    task.site_types[PUBLIC_SITE] = set(annotated)
+    try:
+        examples = task.encode(documents, tokenizer, config.max_length, cache_dir)
+    finally:
+        del task.site_types[PUBLIC_SITE]
+    return documents, examples, annotated
 
 
 def public_examples(
@@ -53,31 +91,53 @@ def public_examples(
     mapped with ``--public-types``), at most ``--public-examples`` of them
     drawn from ``order``; and the run types the public text annotates."""
     folder = Path(config.public_data)
-    if not folder.is_dir():
-        raise ClinfedError(f"--public-data {folder}: not a folder")
-    if task.head != "token":
-        raise ClinfedError(f"--public-data: task {task.name} has no public text to start from")
-    reader = get_task(config.task, types=config.public_types, format="auto", cache_dir=cache_dir)
-    corpus = reader.load(folder, problems)
-    documents = [d for d in (*corpus.train, *corpus.test) if d.concepts or d.annotated]
-    annotated = sorted({c.type for d in documents for c in d.concepts})
-    unknown = [t for t in annotated if t not in task.entity_types]
-    if unknown:
-        raise ClinfedError(
-            f"--public-data {folder}: type {unknown[0]} is not one of the run's "
-            f"({', '.join(task.entity_types)}); map it with --public-types"
-        )
-    for document in documents:
-        document.site = PUBLIC_SITE
-    task.site_types[PUBLIC_SITE] = set(annotated)
-    try:
-        examples = task.encode(documents, tokenizer, config.max_length, cache_dir)
-    finally:
-        del task.site_types[PUBLIC_SITE]
+    _, examples, annotated = read_public(
+        folder, "--public-data", config, task, tokenizer, cache_dir, problems
+    )
     if config.public_examples and config.public_examples < len(examples):
         keep = np.sort(order.choice(len(examples), config.public_examples, replace=False))
         examples = examples.select(keep.tolist())
     return examples, annotated
+
+
+def public_check(
+    config: Any,
+    task: Task,
+    model: nn.Module,
+    tokenizer: Any,
+    cache_dir: str,
+    problems: ProblemLog,
+) -> tuple[PublicCheck, dict[str, Any]]:
+    """``--public-check``: the server's judge of each round's proposed
+    model, F1 on the public text of ``config.public_check`` scored on a copy
+    of ``model`` of its own; and what ``config.json`` says of it."""
+    from clinfed.adapters import load_shared
+    from clinfed.provenance import data_fingerprint
+
+    folder = Path(config.public_check)
+    documents, examples, annotated = read_public(
+        folder, "--public-check", config, task, tokenizer, cache_dir, problems
+    )
+    missing = [t for t in task.entity_types if t not in annotated]
+    if not documents or missing:
+        raise ClinfedError(
+            f"--public-check {folder}: "
+            + (f"no span of type {missing[0]}" if documents else "no annotated documents")
+            + ": its F1 scores every type of the run, so it needs text that annotates them all"
+        )
+    judge = copy.deepcopy(model)
+
+    def score(state: dict[str, torch.Tensor]) -> float:
+        load_shared(judge, state)
+        return task.evaluate(documents, examples, predict(judge, task, examples))["f1"]
+
+    record = {
+        "folder": str(folder),
+        "data_fingerprint": data_fingerprint(folder),
+        "examples": len(examples),
+        "types": annotated,
+    }
+    return PublicCheck(score), record
 
 
 def warm_start(

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from clinfed.commands import main
+from clinfed.runs import read_jsonl
 
 from .conftest import CANARY
 
@@ -498,6 +499,15 @@ def test_the_demo_runs_the_private_federated_path_end_to_end(tmp_path):
     hospitals = {p.read_bytes() for p in (out / "data").rglob("*.txt")}
     notes = {p.read_bytes() for p in (out / "public").rglob("*.txt")}
     assert notes and not notes & hospitals
+    # The server checks each round on public notes of yet other patients,
+    # in the private run and its reference alike.
+    checked = {p.read_bytes() for p in (out / "public-check").rglob("*.txt")}
+    assert checked and not checked & (hospitals | notes)
+    for run in ("private", "no-dp"):
+        config = json.loads((out / run / "config.json").read_text())
+        assert config["public_check_text"]["folder"] == str(out / "public-check")
+        rounds = [r for r in read_jsonl(out / run / "metrics.jsonl") if "client" not in r]
+        assert all(isinstance(r["public_check"]["kept"], bool) for r in rounds)
     assert 0 <= summary["f1_start"] <= 1 and summary["public"] == "notes"
     content = json.loads((out / "private" / "report" / "privacy.json").read_text())
     assert content["reference_f1"] == pytest.approx(summary["f1_no_dp"])

@@ -39,6 +39,7 @@ import torch
 from clinfed.errors import ClinfedError
 from clinfed.federated import payload, state
 from clinfed.federated.messages import Message, Reply, Transport
+from clinfed.federated.public_check import PublicCheck
 from clinfed.federated.strategies import Strategy
 from clinfed.federated.summation import PlainSummation, RoundContext, Summation
 from clinfed.runs import append_jsonl, atomic_write_json, atomic_write_text
@@ -184,8 +185,12 @@ class RoundEngine:
         log: Callable[[str], None] = lambda line: None,
         full_bytes: int | None = None,
         summation: Summation | None = None,
+        public_check: PublicCheck | None = None,
     ):
         self.task, self.strategy, self.names = task, strategy, names
+        # --public-check: the server keeps a round's update only when public
+        # F1 does not fall (clinfed.federated.public_check).
+        self.public_check = public_check
         self.global_state = {k: v.detach().clone() for k, v in global_state.items()}
         self.out, self.rounds, self.fraction = Path(out), rounds, fraction
         self.deployment = deployment or Deployment()
@@ -472,13 +477,24 @@ class RoundEngine:
         mean, sent = summed.mean(self.global_state)
         previous = self.global_state
         self.global_state = self.strategy.apply(round_number, self.global_state, mean, sent)
+        check = None
+        if self.public_check is not None:
+            self.global_state, check = self.public_check.choose(previous, self.global_state)
         for name, value in self.global_state.items():
             if not torch.equal(value, previous[name]):
                 self.changed[name] = round_number
+        if check is not None and not check["kept"]:
+            # Each site's copy holds its own training of this round, not the
+            # model kept: what the sites trained goes out again next round.
+            for name in sent:
+                self.changed[name] = round_number
+            self.log(f"round {round_number}: public F1 would fall; the last model is kept")
         self.digests[str(round_number)] = payload.digest(self.global_state)
         for old in sorted(self.digests, key=int)[:-KEPT_DIGESTS]:
             del self.digests[old]
         self.pending_observed = self.strategy.observe(round_number, self.global_state)
+        if check is not None:
+            self.pending_observed["public_check"] = check
         self._commit(round_number)
         return True
 

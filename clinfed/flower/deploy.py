@@ -206,6 +206,11 @@ def flower_run_config(settings: dict[str, Any], out: Path, resume: bool = False)
                 "sites in one process; every node would have to find the same one from the "
                 "same public text and pin it"
             )
+        if key == "public_check":
+            raise ClinfedError(
+                f"{name}: not on Flower yet: the server scores each round's model on the "
+                "public text in one process (clinfed train)"
+            )
         if key in fields and fields[key].metadata.get("simulator_only"):
             raise ClinfedError(
                 f"{name}: not a Flower setting (each SuperNode is a site with its own data)"

@@ -45,6 +45,19 @@ def _starting_model(raw: dict[str, Any]) -> str:
     return "the encoder as given, with a new task head (no public warm start)"
 
 
+def _public_check(text: dict[str, Any], records: list[dict[str, Any]]) -> str:
+    """--public-check in words: what the server scored, and which rounds it kept."""
+    checks = {r["round"]: r["public_check"] for r in records if "public_check" in r}
+    kept = [str(n) for n, c in sorted(checks.items()) if c["kept"]]
+    refused = [str(n) for n, c in sorted(checks.items()) if not c["kept"]]
+    return (
+        f"the server scored each round's model on public text {Path(text['folder']).name} "
+        f"({text['examples']:,} examples) and kept it only when F1 there rose (no site's "
+        f"data, no privacy spent): kept round {', '.join(kept) or 'none'}; "
+        f"kept the last model instead in round {', '.join(refused) or 'none'}"
+    )
+
+
 def _pooled(strategy: Any) -> bool:
     """Whether the run pooled every site's data (no federation)."""
     return strategy in STRATEGIES and STRATEGIES[strategy].pooled
@@ -299,6 +312,8 @@ def _header(run: Path, run_data: dict[str, Any], raw: dict[str, Any]) -> list[tu
         rows.append(("Sites", f"{len(sites)}: {', '.join(sites)}"))
         rows.append(("Transport", "Flower" if raw.get("runner") == "flower" else "in-process"))
         rows.append(("Secure aggregation", "on" if config.get("secure_aggregation") else "off"))
+        if raw.get("public_check_text"):
+            rows.append(("Public check", _public_check(raw["public_check_text"], records)))
     rows.append(("Versions (at training)", versions if recorded else "not recorded"))
     rows.append(("Command", f"`{raw['command']}`" if raw.get("command") else "not recorded"))
     if fingerprint:
