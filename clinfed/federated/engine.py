@@ -189,7 +189,7 @@ class RoundEngine:
     ):
         self.task, self.strategy, self.names = task, strategy, names
         # --public-check: the server keeps a round's update only when public
-        # F1 does not fall (clinfed.federated.public_check).
+        # F1 rises (clinfed.federated.public_check).
         self.public_check = public_check
         self.global_state = {k: v.detach().clone() for k, v in global_state.items()}
         self.out, self.rounds, self.fraction = Path(out), rounds, fraction
@@ -488,7 +488,7 @@ class RoundEngine:
             # model kept: what the sites trained goes out again next round.
             for name in sent:
                 self.changed[name] = round_number
-            self.log(f"round {round_number}: public F1 would fall; the last model is kept")
+            self.log(f"round {round_number}: public F1 would not rise; the last model is kept")
         self.digests[str(round_number)] = payload.digest(self.global_state)
         for old in sorted(self.digests, key=int)[:-KEPT_DIGESTS]:
             del self.digests[old]

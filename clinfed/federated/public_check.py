@@ -1,5 +1,5 @@
 """``--public-check DIR``: the server keeps a round's update only when the
-new global model's F1 on public annotated text does not fall.
+new global model's F1 on public annotated text rises.
 
 Under DP, once a model is close to what its sites' data can teach, the
 noise on each averaged step dwarfs the signal left, and a round moves the
