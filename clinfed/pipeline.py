@@ -729,22 +729,42 @@ def run_federation(
 def _serve(
     config: RunConfig, deployment: Any, transport: Any, log: Callable[[str], None]
 ) -> dict[str, Any]:
+    # The cache lives as long as the run: --public-check scores each round
+    # on public text encoded into it.
+    with temporary_folder("server") as cache:
+        return _serve_in(config, deployment, transport, log, cache)
+
+
+def _serve_in(
+    config: RunConfig,
+    deployment: Any,
+    transport: Any,
+    log: Callable[[str], None],
+    cache: str,
+) -> dict[str, Any]:
     from clinfed.federated.engine import RoundEngine
 
     out = Path(config.out)
-    with temporary_folder("server") as cache:
-        task = make_task(config, cache)
-        tokenizer = load_tokenizer(config.model)
-        model = make_model(config, task)
-        # (SAFL's strategy object carries the public probe set; the server
-        # never profiles with it.)
-        strategy = make_strategy(config, task, tokenizer, cache)
+    task = make_task(config, cache)
+    tokenizer = load_tokenizer(config.model)
+    model = make_model(config, task)
+    # (SAFL's strategy object carries the public probe set; the server
+    # never profiles with it.)
+    strategy = make_strategy(config, task, tokenizer, cache)
+    check = check_record = None
+    if config.public_check:
+        # The server's judge of each round, as in-process: public text read
+        # where the ServerApp runs, scored on a copy of the starting model.
+        from clinfed.warmstart import public_check
+
+        problems = ProblemLog(config.on_error)
+        check, check_record = public_check(config, task, model, tokenizer, cache, problems)
     if not config.resume:
         create_run_folder(out)
-        atomic_write_json(
-            out / "config.json",
-            config_record(config, "flower") | {"deployment": asdict(deployment)},
-        )
+        record = config_record(config, "flower") | {"deployment": asdict(deployment)}
+        if check_record is not None:
+            record["public_check_text"] = check_record
+        atomic_write_json(out / "config.json", record)
         atomic_write_json(out / "labels.json", {"labels": task.labels, "source": task.label_source})
     engine = RoundEngine(
         task,
@@ -759,6 +779,7 @@ def _serve(
         log=log,
         full_bytes=fedavg_bytes(model),
         summation=summation(config),
+        public_check=check,
     )
     if config.resume:
         engine.resume()

@@ -151,8 +151,7 @@ class ModelSettings:
         "A folder of public annotated text the server scores each round's proposed model on "
         "(types mapped with --public-types); the last model is kept when F1 there would not "
         "rise. Reads no site's data: no privacy spent. Recorded in config.json and each "
-        "round's record.",
-        simulator_only=True,
+        "round's record. On Flower the ServerApp reads the folder.",
     )
 
 

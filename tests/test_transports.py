@@ -76,6 +76,9 @@ class InProcessGrid:
 def _run_both(tmp_path: Path, **settings):
     data = tmp_path / "data"
     generate(data, sites=3, docs=6, seed=0)
+    if settings.get("public_check"):  # public notes of other patients, for the server
+        generate(tmp_path / "public", sites=1, docs=6, seed=5)
+        settings["public_check"] = str(tmp_path / "public")
     values = {
         "task": "i2b2",
         "model": "tiny",
@@ -121,6 +124,9 @@ def _run_both(tmp_path: Path, **settings):
             {"target_epsilon": 8.0, "reproducible_noise": True, "secure_aggregation": True},
             id="dp-secure",
         ),
+        # The server judges each round on public notes: the rounds it does not
+        # keep must reach every node again (the kept model, not their own).
+        pytest.param({"public_check": True, "rounds": 3}, id="public-check"),
     ],
 )
 def test_a_run_gives_the_same_records_and_weights_through_either_transport(
@@ -145,6 +151,12 @@ def test_a_run_gives_the_same_records_and_weights_through_either_transport(
         return [{k: v for k, v in r.items() if k not in timing} for r in read_jsonl(path)]
 
     assert records(flower / "metrics.jsonl") == records(inprocess / "metrics.jsonl")
+    if settings.get("public_check"):
+        rows = read_jsonl(flower / "metrics.jsonl")
+        checked = [r["public_check"] for r in rows if "public_check" in r]
+        assert len(checked) == 3 and not all(c["kept"] for c in checked)
+        config = json.loads((flower / "config.json").read_text())
+        assert config["public_check_text"]["folder"] == str(tmp_path / "public")
     if settings.get("secure_aggregation"):
         trained = [r for r in read_jsonl(flower / "metrics.jsonl") if "bytes_up" in r]
         assert trained and all(r["secure"] for r in trained)

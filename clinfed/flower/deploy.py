@@ -206,11 +206,6 @@ def flower_run_config(settings: dict[str, Any], out: Path, resume: bool = False)
                 "sites in one process; every node would have to find the same one from the "
                 "same public text and pin it"
             )
-        if key == "public_check":
-            raise ClinfedError(
-                f"{name}: not on Flower yet: the server scores each round's model on the "
-                "public text in one process (clinfed train)"
-            )
         if key in fields and fields[key].metadata.get("simulator_only"):
             raise ClinfedError(
                 f"{name}: not a Flower setting (each SuperNode is a site with its own data)"
@@ -220,6 +215,9 @@ def flower_run_config(settings: dict[str, Any], out: Path, resume: bool = False)
     if config.fraction != 1.0:
         raise ClinfedError("--fraction: not a Flower setting yet (every connected node trains)")
     config = config.replace(out=str(Path(out).resolve()), resume=resume)
+    if config.public_check:
+        # The ServerApp reads it (the server judges each round), from its own folder.
+        config = config.replace(public_check=str(Path(config.public_check).resolve()))
     if config.task in TASKS:
         TASKS[config.task].check_deployment(config)
     if config.strategy in STRATEGIES and STRATEGIES[config.strategy].pooled:
