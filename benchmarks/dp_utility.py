@@ -55,6 +55,7 @@ import argparse
 import json
 import math
 import os
+import random
 import shutil
 import sys
 import time
@@ -109,6 +110,73 @@ def drug_notes(folder: Path) -> Path:
     shutil.rmtree(partial / "notes")
     (partial / "synthetic-drugs.tsv").write_text("\n\n".join(rows) + "\n")
     shutil.copy(PUBLIC / "ncbi-disease-train.tsv", partial)
+    try:
+        partial.rename(folder)
+    except OSError:  # another run's got there first (the same files)
+        shutil.rmtree(partial)
+    return folder
+
+
+LEXICON = Path(__file__).resolve().parent / "data" / "chemicals.txt"
+
+
+def lexicon_tags(words: list[str], tags: list[str], names: set, stems: tuple) -> int:
+    """Tag as ``Chemical`` the words of one sentence the public lexicon names
+    (longest name first, up to three words; a word of 7+ letters ending in
+    an INN stem), where the gold tags say ``O``. Returns the mentions tagged."""
+    lower, found, i = [w.lower() for w in words], 0, 0
+    while i < len(words):
+        for size in (3, 2, 1):
+            span = range(i, i + size)
+            if i + size > len(words) or any(tags[j] != "O" for j in span):
+                continue
+            text = " ".join(lower[i : i + size])
+            stem = size == 1 and len(text) >= 7 and text.isalpha() and text.endswith(stems)
+            if text in names or stem:
+                for j in span:
+                    tags[j] = ("I-" if j > i else "B-") + "Chemical"
+                found, i = found + 1, i + size - 1
+                break
+        i += 1
+    return found
+
+
+def lexicon_notes(folder: Path) -> Path:
+    """``--public drugs`` with NCBI-disease's chemicals tagged by the public
+    lexicon (``data/chemicals.txt``): distant supervision, so the start no
+    longer learns from NCBI-disease that every chemical is ``O``."""
+    if folder.exists():
+        return folder
+    drugs = drug_notes(folder.with_name("public-drugs"))
+    entries = [
+        line.strip() for line in LEXICON.read_text().splitlines() if line.strip()[:1] not in "#"
+    ]
+    names = {e for e in entries if not e.startswith("~")}
+    stems = tuple(e[1:] for e in entries if e.startswith("~"))
+    partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
+    partial.mkdir(parents=True)
+    out, mentions = [], 0
+    for block in (PUBLIC / "ncbi-disease-train.tsv").read_text().strip().split("\n\n"):
+        words, tags = zip(*(line.split("\t") for line in block.splitlines()))
+        tags = list(tags)
+        mentions += lexicon_tags(list(words), tags, names, stems)
+        out.append("\n".join(f"{w}\t{t}" for w, t in zip(words, tags)))
+    (partial / "ncbi-disease-train.tsv").write_text("\n\n".join(out) + "\n")
+    # The synthetic notes know 51 drugs: each of their drug mentions becomes
+    # a name drawn from the lexicon, so the start sees every name in context.
+    draw, out = random.Random(7), []
+    for block in (drugs / "synthetic-drugs.tsv").read_text().strip().split("\n\n"):
+        rows = []
+        for line in block.splitlines():
+            word, tag = line.split("\t")
+            if tag == "B-Chemical":
+                name = draw.choice(sorted(names)).split()
+                rows += [(w, ("I-" if n else "B-") + "Chemical") for n, w in enumerate(name)]
+            elif tag != "I-Chemical":
+                rows.append((word, tag))
+        out.append("\n".join(f"{w}\t{t}" for w, t in rows))
+    (partial / "synthetic-drugs.tsv").write_text("\n\n".join(out) + "\n")
+    print(f"public lexicon: {mentions} chemical mentions tagged in NCBI-disease train", flush=True)
     try:
         partial.rename(folder)
     except OSError:  # another run's got there first (the same files)
@@ -288,7 +356,9 @@ def main() -> None:
     parser.add_argument("--corpus", choices=("bc5cdr", "i2b2"), default="bc5cdr")
     parser.add_argument("--docs", type=int, default=160, help="i2b2: notes per site")
     parser.add_argument("--epsilon", type=float, default=8.0, help="inf: no DP")
-    parser.add_argument("--public", default="auto", help="auto, none, drugs (bc5cdr) or a folder")
+    parser.add_argument(
+        "--public", default="auto", help="auto, none, drugs or lexicon (bc5cdr), or a folder"
+    )
     parser.add_argument("--public-examples", type=int, default=0)
     parser.add_argument(
         "--public-types", default=None, help="with --public DIR: its types mapped (--types syntax)"
@@ -321,10 +391,12 @@ def main() -> None:
             settings[key] = json.loads(value)
         except json.JSONDecodeError:
             settings[key] = value
-    if args.public == "drugs":
+    if args.public in ("drugs", "lexicon"):
         if args.corpus != "bc5cdr":
-            parser.error("--public drugs is for --corpus bc5cdr")
-        public, public_types, args.public = drug_notes(work / "public-drugs"), TYPES, "auto"
+            parser.error(f"--public {args.public} is for --corpus bc5cdr")
+        make = drug_notes if args.public == "drugs" else lexicon_notes
+        public, public_types = make(work / f"public-{args.public}"), TYPES
+        args.public = "auto"
     if args.public != "none":
         # Warm-started once per corpus and public text (clinfed warm-start),
         # then every run starts from the saved model, with or without DP.
