@@ -29,6 +29,12 @@ generator at seed 7, 3 x 60 notes, other patients) with their drug names
 as ``Chemical`` and their problems as ``Disease`` (procedures and tests
 left ``O``): public annotated text of a kind BC5CDR's chemicals share a
 vocabulary with, written once to ``bc5cdr-corpus/public-drugs``.
+``--public lexicon`` (bc5cdr) is the same text with a public chemical
+lexicon (``benchmarks/data/chemicals.txt``, hand-written from drug INNs,
+elements and common compounds, never edited against BC5CDR) applied:
+NCBI-disease's chemicals, which its annotation leaves ``O``, tagged
+``Chemical`` by lookup, and each drug mention of the synthetic notes
+replaced by a name drawn from the lexicon (distant supervision).
 ``--public none`` starts from the bundled encoder; ``--public-examples N``
 caps the public sentences. ``--set KEY=VALUE`` (repeatable) overrides any
 run setting (JSON values: ``--set local_epochs=3``). ``--epsilon inf`` runs
