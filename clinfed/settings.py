@@ -149,8 +149,9 @@ class ModelSettings:
     public_check: str | None = setting(
         None,
         "A folder of public annotated text the server scores each round's proposed model on "
-        "(types mapped with --public-types); the last model is kept when F1 there would not "
-        "rise. Reads no site's data: no privacy spent. Recorded in config.json and each "
+        "(types mapped with --public-types); the last model is kept unless the proposal is "
+        "better there than chance (F1 rises, and a one-sided sign test at 5% on the spans it "
+        "changed passes). Reads no site's data: no privacy spent. Recorded in config.json and each "
         "round's record. On Flower the ServerApp reads the folder.",
     )
 

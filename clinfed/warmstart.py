@@ -28,7 +28,7 @@ from torch import nn
 
 from clinfed.device import device_of, to_device
 from clinfed.errors import ClinfedError, ProblemLog
-from clinfed.federated.public_check import PublicCheck
+from clinfed.federated.public_check import PublicCheck, Scored
 from clinfed.privacy.subspace import (
     GradientSubspace,
     label_feature_basis,
@@ -37,6 +37,7 @@ from clinfed.privacy.subspace import (
 )
 from clinfed.tasks import get_task
 from clinfed.tasks.base import Task
+from clinfed.tasks.i2b2.metrics import score_concepts
 from clinfed.training import make_optimizer, predict, train_epoch
 
 # The site name public documents carry while they are encoded.
@@ -126,10 +127,19 @@ def public_check(
             + ": its F1 scores every type of the run, so it needs text that annotates them all"
         )
     judge = copy.deepcopy(model)
+    gold = {d.doc_id: d.concepts for d in documents if d.annotated}
 
-    def score(state: dict[str, torch.Tensor]) -> float:
+    def spans(concepts: dict[str, list]) -> frozenset:
+        return frozenset(
+            (doc, c.start, c.end, c.type) for doc, found in concepts.items() for c in found
+        )
+
+    def score(state: dict[str, torch.Tensor]) -> Scored:
         load_shared(judge, state)
-        return task.evaluate(documents, examples, predict(judge, task, examples))["f1"]
+        found = task.predicted_concepts(documents, examples, predict(judge, task, examples))
+        found = {doc: concepts for doc, concepts in found.items() if doc in gold}
+        f1 = score_concepts(gold, found, task.entity_types)["exact"]["micro"]["f1"]
+        return Scored(f1, spans(found))
 
     record = {
         "folder": str(folder),
@@ -137,7 +147,7 @@ def public_check(
         "examples": len(examples),
         "types": annotated,
     }
-    return PublicCheck(score), record
+    return PublicCheck(score, spans(gold)), record
 
 
 def warm_start(

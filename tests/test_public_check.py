@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from clinfed.federated.public_check import PublicCheck
+from clinfed.federated.public_check import PublicCheck, Scored, changed_spans, significant
 from clinfed.runs import read_jsonl
 
 from .test_cli import run_cli
@@ -23,14 +23,43 @@ def _train(corpus: Path, out: Path, *extra: str):
     )  # fmt: skip
 
 
-def test_the_last_model_is_kept_unless_public_f1_rises():
-    scores = iter([0.5, 0.4, 0.5, 0.6])
-    check = PublicCheck(lambda state: next(scores))
+def test_a_proposal_is_kept_only_when_f1_rises_by_more_than_chance():
+    gold = frozenset(range(20))
+    start = frozenset(range(10))  # half the gold spans, nothing spurious
+    proposals = [
+        Scored(0.4, frozenset(range(9))),  # F1 falls
+        Scored(0.6, frozenset(range(11))),  # one span better: a coin gives that half the time
+        Scored(0.6, frozenset(range(4, 16))),  # six better, four worse
+        Scored(0.7, frozenset(range(16))),  # six better, none worse: p = 1/64
+    ]
+    scores = iter([Scored(0.5, start), *proposals])
+    check = PublicCheck(lambda state: next(scores), gold)
     old, new = {"w": 0}, {"w": 1}
-    assert check.choose(old, new) == (old, {"f1_before": 0.5, "f1_proposed": 0.4, "kept": False})
-    assert check.choose(old, new)[0] is old  # a tie keeps the last model
-    kept, record = check.choose(old, new)
-    assert kept is new and record == {"f1_before": 0.5, "f1_proposed": 0.6, "kept": True}
+    records = []
+    for _ in proposals:
+        chosen, record = check.choose(old, new)
+        records.append(record)
+        assert chosen is (new if record["kept"] else old)
+    assert [r["kept"] for r in records] == [False, False, False, True]
+    assert all(type(r["kept"]) is bool for r in records)  # written to metrics.jsonl
+    assert [(r["spans_better"], r["spans_worse"]) for r in records] == [
+        (0, 1), (1, 0), (6, 4), (6, 0)
+    ]  # fmt: skip
+    assert records[3]["f1_before"] == 0.5 and records[3]["f1_proposed"] == 0.7
+    assert check.last.f1 == 0.7  # the next proposal is judged against the kept one
+
+
+def test_changed_spans_count_spurious_spans_too():
+    gold = frozenset({"a", "b"})
+    # "a" found, spurious "x" dropped: two better; "b" lost, spurious "y" added: two worse.
+    assert changed_spans(frozenset({"b", "x"}), frozenset({"a", "y"}), gold) == (2, 2)
+    assert changed_spans(frozenset({"a"}), frozenset({"a"}), gold) == (0, 0)
+
+
+def test_the_sign_test_is_one_sided_at_five_percent():
+    assert significant(5, 0) and not significant(4, 0)  # 1/32 and 1/16
+    assert significant(10, 2) and not significant(9, 3)  # 0.019 and 0.073
+    assert not significant(0, 0) and not significant(2, 9)
 
 
 @pytest.mark.parametrize("rises", [False, True])
@@ -41,11 +70,18 @@ def test_a_round_not_kept_leaves_the_global_model_and_the_sites_in_step(
     # or only rises (every round kept).
     judged = iter(range(100))
 
-    def forced(self, score):
-        self.last = None
-        self.score = lambda state: next(judged) if rises else -next(judged)
+    def judge(state):
+        # Each proposal finds one more gold span (rises) or loses one (falls).
+        n = next(judged)
+        return Scored(n / 100, frozenset(range(n))) if rises else Scored(-n, frozenset())
+
+    def forced(self, score, gold):
+        self.last, self.gold, self.score = None, frozenset(range(100)), judge
 
     monkeypatch.setattr(PublicCheck, "__init__", forced)
+    # One span a round is chance to the sign test: here it passes, so that
+    # only the F1 decides.
+    monkeypatch.setattr("clinfed.federated.public_check.significant", lambda b, w: True)
     out = tmp_path / "run"
     result = _train(i2b2_corpus, out, "--public-check", str(i2b2_corpus))
     assert result.returncode == 0, result.stderr
@@ -109,6 +145,11 @@ def test_the_judge_scores_a_copy_and_leaves_the_run_s_model_alone(tiny_config, i
         )
         before = {n: v.clone() for n, v in shared_state(model).items()}
         zeroed = {n: torch.zeros_like(v) for n, v in before.items()}
-        assert 0.0 <= check.score(zeroed) <= 1.0
+        assert 0.0 <= check.score(zeroed).f1 <= 1.0
         assert all(torch.equal(v, shared_state(model)[n]) for n, v in before.items())
+        # The judge's spans and F1 are the run's own scoring of the public text.
+        scored = check.score(before)
+        assert scored.predicted and check.gold
+        hits = len(scored.predicted & check.gold)
+        assert scored.f1 == pytest.approx(2 * hits / (len(scored.predicted) + len(check.gold)))
     assert record["examples"] > 0 and record["types"] == ["problem", "test", "treatment"]

@@ -488,7 +488,10 @@ class RoundEngine:
             # model kept: what the sites trained goes out again next round.
             for name in sent:
                 self.changed[name] = round_number
-            self.log(f"round {round_number}: public F1 would not rise; the last model is kept")
+            self.log(
+                f"round {round_number}: not better than chance on the public text; "
+                "the last model is kept"
+            )
         self.digests[str(round_number)] = payload.digest(self.global_state)
         for old in sorted(self.digests, key=int)[:-KEPT_DIGESTS]:
             del self.digests[old]

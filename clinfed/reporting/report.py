@@ -52,7 +52,8 @@ def _public_check(text: dict[str, Any], records: list[dict[str, Any]]) -> str:
     refused = [str(n) for n, c in sorted(checks.items()) if not c["kept"]]
     return (
         f"the server scored each round's model on public text {Path(text['folder']).name} "
-        f"({text['examples']:,} examples) and kept it only when F1 there rose (no site's "
+        f"({text['examples']:,} examples) and kept it only when it was better there than "
+        f"chance (F1 rose and a sign test on the spans it changed passed; no site's "
         f"data, no privacy spent): kept round {', '.join(kept) or 'none'}; "
         f"kept the last model instead in round {', '.join(refused) or 'none'}"
     )
