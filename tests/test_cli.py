@@ -503,6 +503,9 @@ def test_the_demo_runs_the_private_federated_path_end_to_end(tmp_path):
     # in the private run and its reference alike.
     checked = {p.read_bytes() for p in (out / "public-check").rglob("*.txt")}
     assert checked and not checked & (hospitals | notes)
+    # As many notes as the hospitals hold, in each hospital's style.
+    styles = {p.name for p in (out / "public-check").glob("*/*")}
+    assert len(checked) == len(hospitals) and styles == {"beth", "partners", "site3"}
     for run in ("private", "no-dp"):
         config = json.loads((out / run / "config.json").read_text())
         assert config["public_check_text"]["folder"] == str(out / "public-check")
