@@ -188,8 +188,8 @@ class RoundEngine:
         public_check: PublicCheck | None = None,
     ):
         self.task, self.strategy, self.names = task, strategy, names
-        # --public-check: the server keeps a round's update only when public
-        # F1 rises (clinfed.federated.public_check).
+        # --public-check: the server keeps a round's update only when it is
+        # better on public text than chance (clinfed.federated.public_check).
         self.public_check = public_check
         self.global_state = {k: v.detach().clone() for k, v in global_state.items()}
         self.out, self.rounds, self.fraction = Path(out), rounds, fraction
