@@ -44,10 +44,10 @@ Prints one line per round: strict F1 (micro, then recall and precision per
 type), and under DP the mean over the round's steps of the clipped
 signal's norm on the averaged step (``||sum of clipped gradients|| / B``,
 at most the clip norm) against the noise's (``sigma C sqrt(d) / B``, ``d``
-the noised numbers), the share of units clipped (both observed under
-book-keeping clipping, the default wherever every unit is one row; runs
-clipped by Opacus's hooks, as BC5CDR's multi-window sentences are, print
-neither), the norm of each site's local update, and epsilon per site.
+the noised numbers), the share of units clipped (observed where the
+clipping happens: book-keeping clipping, the default wherever every unit
+is one row, or Opacus's hooks, as BC5CDR's multi-window sentences take;
+ghost clipping prints neither), the norm of each site's local update, and epsilon per site.
 Writes ``OUT/dp_utility.json``.
 
 These figures are computed inside the sites from their training data, so
@@ -310,6 +310,49 @@ class Observer:
 
         dpsgd.add_noise, bookkeeping.clip_factors = noised, factors
         site.SiteRunner.train_round, adapter.score_concepts = trained, scored
+        self.attach_opacus()
+
+    def attach_opacus(self) -> None:
+        """The same figures where Opacus clips (its hooks, as BC5CDR's
+        multi-window sentences take): the units' norms as its optimizer
+        computes them, and the clipped sum when it (or the public subspace
+        in its place) adds the noise."""
+        from opacus.optimizers import DPOptimizer
+
+        from clinfed.privacy import dpsgd
+
+        accumulate, opacus_noise = DPOptimizer.clip_and_accumulate, DPOptimizer.add_noise
+        subspace_noise = dpsgd.PrivateStep._noise_in_subspace
+
+        def clip_and_accumulate(optimizer):
+            if len(optimizer.grad_samples[0]):
+                norms = torch.stack(
+                    [g.reshape(len(g), -1).norm(2, dim=-1) for g in optimizer.grad_samples], dim=1
+                ).norm(2, dim=1)
+                self.clipped[self.current][0] += int((norms > optimizer.max_grad_norm).sum())
+                self.clipped[self.current][1] += len(norms)
+            return accumulate(optimizer)
+
+        def observe(optimizer, noised: int) -> None:
+            squares = sum(float((p.summed_grad.float() ** 2).sum()) for p in optimizer.params)
+            batch = optimizer.expected_batch_size
+            self.signal[self.current].append(math.sqrt(squares) / batch)
+            self.noise[self.current].append(
+                optimizer.noise_multiplier * optimizer.max_grad_norm * math.sqrt(noised) / batch
+            )
+
+        def add_noise(optimizer):
+            observe(optimizer, sum(p.numel() for p in optimizer.params))
+            return opacus_noise(optimizer)
+
+        def noise_in_subspace(step):
+            names, space = step.subspace
+            shapes = {n: p.shape for n, p in zip(names, step.params, strict=True)}
+            observe(step.dp_optimizer, space.noised_numbers(shapes))
+            return subspace_noise(step)
+
+        DPOptimizer.clip_and_accumulate, DPOptimizer.add_noise = clip_and_accumulate, add_noise
+        dpsgd.PrivateStep._noise_in_subspace = noise_in_subspace
 
     def round_line(self, record: dict) -> dict:
         """The round's figures (and print them on one line)."""
@@ -341,8 +384,8 @@ class Observer:
         )
         dp = ""
         if line["signal"] is not None:
-            # Observed where the noise is added here (book-keeping clipping);
-            # Opacus's hooks and ghost clipping add theirs inside Opacus.
+            # Observed where the noise is added (ghost clipping adds its
+            # inside Opacus, unobserved).
             dp = (
                 f" | signal {line['signal']:.3f} noise {line['noise']:.3f} over {line['steps']} "
                 f"steps, clipped {line['clipped']:.0%}"
