@@ -68,6 +68,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import torch
 from real_ner import sentences, write_sites  # the same three sites as real_ner.py's table (a)
 
@@ -254,6 +255,8 @@ class Observer:
         self.signal: dict[int, list[float]] = defaultdict(list)
         self.noise: dict[int, list[float]] = defaultdict(list)
         self.clipped: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+        # Per-unit gradient norms before clipping (observed under Opacus's hooks).
+        self.norms: dict[int, list[float]] = defaultdict(list)
         self.updates: dict[int, dict[str, float]] = defaultdict(dict)
         self.epsilon: dict[int, dict[str, float]] = defaultdict(dict)
         self.types: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
@@ -331,6 +334,7 @@ class Observer:
                 ).norm(2, dim=1)
                 self.clipped[self.current][0] += int((norms > optimizer.max_grad_norm).sum())
                 self.clipped[self.current][1] += len(norms)
+                self.norms[self.current].extend(norms.tolist())
             return accumulate(optimizer)
 
         def observe(optimizer, noised: int) -> None:
@@ -375,6 +379,11 @@ class Observer:
             "noise": sum(noise) / len(noise) if noise else None,
             "steps": len(signal),
             "clipped": clipped[0] / clipped[1] if clipped[1] else None,
+            "unit_norm_quartiles": (
+                [float(q) for q in np.quantile(self.norms[number], [0.25, 0.5, 0.75])]
+                if self.norms[number]
+                else None
+            ),
             "update_norm": updates,
             "epsilon": epsilon,
         }
@@ -390,6 +399,8 @@ class Observer:
                 f" | signal {line['signal']:.3f} noise {line['noise']:.3f} over {line['steps']} "
                 f"steps, clipped {line['clipped']:.0%}"
             )
+            if line["unit_norm_quartiles"]:
+                dp += ", unit norms " + "/".join(f"{q:.2f}" for q in line["unit_norm_quartiles"])
         if updates:
             dp += " | update " + ", ".join(f"{v:.2f}" for v in updates.values())
         if epsilon:
