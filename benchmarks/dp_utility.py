@@ -51,8 +51,8 @@ ghost clipping prints neither), the norm of each site's local update, and epsilo
 Writes ``OUT/dp_utility.json``.
 
 These figures are computed inside the sites from their training data, so
-they exist only in this benchmark (it observes the code by wrapping three
-functions); a run never releases them.
+they exist only in this benchmark (it observes the code by wrapping a few
+of its functions and Opacus's); a run never releases them.
 """
 
 from __future__ import annotations
