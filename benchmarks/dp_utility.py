@@ -276,7 +276,7 @@ class Observer:
             dims = sum(p.numel() for p in params)
             if subspace is not None:  # noise on the subspace's coordinates and the kept tensors
                 names, space = subspace
-                dims = space.noised_numbers({n: p.shape for n, p in zip(names, params)})
+                dims = space.noise_dimensions({n: p.shape for n, p in zip(names, params)})
             self.signal[self.current].append(math.sqrt(squares) / expected_batch)
             self.noise[self.current].append(
                 noise_multiplier * max_grad_norm * math.sqrt(dims) / expected_batch
@@ -337,7 +337,7 @@ class Observer:
                 self.norms[self.current].extend(norms.tolist())
             return accumulate(optimizer)
 
-        def observe(optimizer, noised: int) -> None:
+        def observe(optimizer, noised: float) -> None:
             squares = sum(float((p.summed_grad.float() ** 2).sum()) for p in optimizer.params)
             batch = optimizer.expected_batch_size
             self.signal[self.current].append(math.sqrt(squares) / batch)
@@ -352,7 +352,7 @@ class Observer:
         def noise_in_subspace(step):
             names, space = step.subspace
             shapes = {n: p.shape for n, p in zip(names, step.params, strict=True)}
-            observe(step.dp_optimizer, space.noised_numbers(shapes))
+            observe(step.dp_optimizer, space.noise_dimensions(shapes))
             return subspace_noise(step)
 
         DPOptimizer.clip_and_accumulate, DPOptimizer.add_noise = clip_and_accumulate, add_noise

@@ -315,6 +315,15 @@ class PrivacySettings:
         maximum=4_096,
         simulator_only=True,
     )
+    dp_residual: float = setting(
+        0.0,
+        "Under --dp-subspace: also step on this share of the noised gradient outside the "
+        "public subspace (0: the subspace alone; 1: plain DP-SGD). Post-processing of the "
+        "same Gaussian release: the accounting does not change.",
+        minimum=0.0,
+        maximum=1.0,
+        simulator_only=True,
+    )
     reproducible_noise: bool = setting(
         False,
         "Derive DP noise and sampling from the public seed instead of OS entropy (tests and "
@@ -533,6 +542,11 @@ class RunConfig(
                     "--dp-subspace needs an adapter (--adapter bias, head or lora): a whole "
                     "encoder has too many numbers to find their subspace"
                 )
+        if self.dp_residual and not self.dp_subspace:
+            raise ClinfedError(
+                "--dp-residual is the share kept outside the public subspace: it needs "
+                "--dp-subspace"
+            )
         if self.public_epochs == 0 and self.public_data and not self.dp_subspace:
             raise ClinfedError(
                 "--public-epochs 0 leaves --public-data unused: give --dp-subspace, or "

@@ -292,7 +292,10 @@ def public_subspace(
         {"head.weight": label_feature_basis(directions, head.out_features)},
     ]
     space = GradientSubspace(
-        {n: b.contiguous() for n, b in stack_blocks(groups).items()}, frozenset(kept), held
+        {n: b.contiguous() for n, b in stack_blocks(groups).items()},
+        frozenset(kept),
+        held,
+        residual=config.dp_residual,
     )
     shapes = {n: params[n].shape for n in trainable}
     record = {
@@ -302,6 +305,7 @@ def public_subspace(
         "public_tokens": len(tokens),
         "kept_whole": kept,
         "noised_numbers": space.noised_numbers(shapes),
+        "residual": config.dp_residual,
         "trainable_numbers": sum(params[n].numel() for n in trainable),
         "public_gradient_share": round(held, 4),
         "public_feature_share": round(feature_held, 4),

@@ -30,6 +30,18 @@ accounting (sampling rate, steps, noise multiplier) is the same line by
 line. What changes is utility: ``rank + kept`` numbers carry noise instead
 of every trainable one, and the part of the private gradient outside the
 subspace is dropped.
+
+The dropped part can be kept at a discount instead (``residual`` ``a`` in
+``[0, 1]``): the step is then ``V^T V y + a (y - V^T V y)`` for the plain
+DP-SGD release ``y = S + z`` over the projected tensors. Since ``V z`` is
+``N(0, sigma^2 C^2 I_rank)`` for orthonormal ``V``, the subspace's step is
+itself post-processing of that release, and so is every ``a``: the
+accounting is plain DP-SGD's, the same as above. ``a = 0`` is the subspace
+alone, ``a = 1`` plain DP-SGD; between, the outside part of the gradient
+comes back with ``a`` times its noise. (Releasing the outside part with a
+larger noise ``r sigma`` instead, as gradient embedding perturbation does
+with its own clip, is worse at equal accounting: its signal-to-noise is
+``1 / r`` of this one's.)
 """
 
 from __future__ import annotations
@@ -121,20 +133,41 @@ class GradientSubspace:
     held
         Share of the public per-example gradients' squared norm inside the
         basis (a diagnostic; public).
+    residual
+        Share of the noised gradient outside the basis the step keeps, in
+        ``[0, 1]`` (0: none, the subspace alone; 1: plain DP-SGD).
     """
 
     basis: dict[str, torch.Tensor]
     kept: frozenset[str]
     held: float = 0.0
+    residual: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.residual <= 1.0:
+            raise ValueError(f"residual {self.residual} must be in [0, 1]")
 
     @property
     def rank(self) -> int:
         return next(iter(self.basis.values())).shape[0] if self.basis else 0
 
     def noised_numbers(self, shapes: Mapping[str, torch.Size]) -> int:
-        """How many numbers a step noises for trainable tensors ``shapes``."""
+        """How many numbers a step noises for trainable tensors ``shapes``
+        (the residual's included when it is kept)."""
         kept = sum(int(torch.Size(s).numel()) for n, s in shapes.items() if n in self.kept)
+        if self.residual:
+            return kept + sum(
+                int(torch.Size(s).numel()) for n, s in shapes.items() if n in self.basis
+            )
         return self.rank + kept
+
+    def noise_dimensions(self, shapes: Mapping[str, torch.Size]) -> float:
+        """The squared norm of the noise on a step, in units of one noised
+        number's variance: ``rank + kept`` plus ``residual^2`` per dimension
+        outside the basis."""
+        projected = sum(int(torch.Size(s).numel()) for n, s in shapes.items() if n in self.basis)
+        kept = sum(int(torch.Size(s).numel()) for n, s in shapes.items() if n in self.kept)
+        return self.rank + kept + self.residual**2 * (projected - self.rank)
 
     def check(self, names: Sequence[str]) -> None:
         """Every trainable tensor must be in the basis or kept whole: a
@@ -161,24 +194,61 @@ class GradientSubspace:
         """Each tensor's noised sum, from the step's clipped sums ``sums``.
 
         ``noise(n)`` draws ``n`` values of ``N(0, (noise_multiplier *
-        max_grad_norm)^2)``: ``rank`` for the coordinates in the basis,
-        then one per number of the kept tensors (in ``sums`` order).
+        max_grad_norm)^2)``: ``rank`` for the coordinates in the basis (or,
+        with a ``residual``, one per number of the projected tensors), then
+        one per number of the kept tensors (in ``sums`` order).
         """
         self.check(list(sums))
         projected = [n for n in sums if n in self.basis]
         kept = [n for n in sums if n in self.kept]
         sizes = [sums[n].numel() for n in kept]
-        drawn = noise(self.rank + sum(sizes))
-        coordinates = drawn[: self.rank].clone()
-        out: dict[str, torch.Tensor] = {}
-        if projected:
-            device = sums[projected[0]].device
-            coordinates = coordinates.to(device)
-            blocks = {name: self._on(name, device) for name in projected}
-            for name in projected:
-                coordinates += blocks[name] @ sums[name].reshape(-1).float()
-            for name in projected:
-                out[name] = (coordinates @ blocks[name]).view_as(sums[name]).to(sums[name].dtype)
-        for name, part in zip(kept, drawn[self.rank :].split(sizes), strict=True):
+        if self.residual and projected:
+            whole = [sums[n].numel() for n in projected]
+            drawn = noise(sum(whole) + sum(sizes))
+            out = self._with_residual(sums, projected, drawn[: sum(whole)].split(whole))
+            rest = drawn[sum(whole) :]
+        else:
+            drawn = noise(self.rank + sum(sizes))
+            out = self._projected(sums, projected, drawn[: self.rank].clone())
+            rest = drawn[self.rank :]
+        for name, part in zip(kept, rest.split(sizes), strict=True):
             out[name] = sums[name] + part.view_as(sums[name]).to(sums[name].device)
+        return out
+
+    def _projected(
+        self, sums: Mapping[str, torch.Tensor], projected: list[str], coordinates: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """``V^T (V S + z)``: ``coordinates`` holds the noise ``z`` (``rank`` values)."""
+        out: dict[str, torch.Tensor] = {}
+        if not projected:
+            return out
+        device = sums[projected[0]].device
+        coordinates = coordinates.to(device)
+        blocks = {name: self._on(name, device) for name in projected}
+        for name in projected:
+            coordinates += blocks[name] @ sums[name].reshape(-1).float()
+        for name in projected:
+            out[name] = (coordinates @ blocks[name]).view_as(sums[name]).to(sums[name].dtype)
+        return out
+
+    def _with_residual(
+        self,
+        sums: Mapping[str, torch.Tensor],
+        projected: list[str],
+        parts: Sequence[torch.Tensor],
+    ) -> dict[str, torch.Tensor]:
+        """``V^T V y + a (y - V^T V y)`` for ``y = S + z`` (``parts``: ``z``
+        per projected tensor)."""
+        device = sums[projected[0]].device
+        released = {
+            name: sums[name].reshape(-1).float() + part.to(device)
+            for name, part in zip(projected, parts, strict=True)
+        }
+        blocks = {name: self._on(name, device) for name in projected}
+        coordinates = sum(blocks[name] @ released[name] for name in projected)
+        out: dict[str, torch.Tensor] = {}
+        for name in projected:
+            inside = coordinates @ blocks[name]
+            step = inside + self.residual * (released[name] - inside)
+            out[name] = step.view_as(sums[name]).to(sums[name].dtype)
         return out

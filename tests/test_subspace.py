@@ -79,6 +79,53 @@ def test_without_noise_the_step_is_the_sum_projected_onto_the_subspace():
     torch.testing.assert_close(out["head"], sums["head"])
 
 
+def _residual_space(residual: float) -> tuple[GradientSubspace, torch.Tensor]:
+    space, basis = _space()
+    return GradientSubspace(space.basis, space.kept, space.held, residual=residual), basis
+
+
+def test_the_residual_keeps_its_share_of_the_noised_gradient_outside_the_subspace():
+    generator = torch.Generator().manual_seed(6)
+    sums = {"a": torch.randn(2, 4, generator=generator), "b": torch.randn(4, generator=generator)}
+    sums["head"] = torch.randn(3, generator=generator)
+    z = torch.randn(12 + 3, generator=generator)
+    drawn = []
+
+    def noise(n):
+        drawn.append(n)
+        return z[:n]
+
+    space, basis = _residual_space(0.25)
+    out = space.noisy_gradients(sums, noise)
+    assert drawn == [12 + 3]  # every projected number is noised, then the head's
+    released = torch.cat([sums["a"].reshape(-1), sums["b"]]) + z[:12]  # plain DP-SGD's y
+    inside = (basis @ released) @ basis
+    step = torch.cat([out["a"].reshape(-1), out["b"]])
+    torch.testing.assert_close(step, inside + 0.25 * (released - inside))
+    torch.testing.assert_close(out["head"], sums["head"] + z[12:])
+    shapes = {n: t.shape for n, t in sums.items()}
+    assert space.noised_numbers(shapes) == 15
+    assert space.noise_dimensions(shapes) == pytest.approx(3 + 3 + 0.25**2 * (12 - 3))
+
+
+def test_a_residual_of_one_is_plain_dp_sgd():
+    generator = torch.Generator().manual_seed(7)
+    sums = {"a": torch.randn(2, 4, generator=generator), "b": torch.randn(4, generator=generator)}
+    sums["head"] = torch.randn(3, generator=generator)
+    z = torch.randn(15, generator=generator)
+    out = _residual_space(1.0)[0].noisy_gradients(sums, lambda n: z[:n])
+    flat = torch.cat([out[n].reshape(-1) for n in ("a", "b", "head")])
+    plain = torch.cat([sums[n].reshape(-1) for n in ("a", "b", "head")]) + z
+    torch.testing.assert_close(flat, plain)
+
+
+def test_a_residual_outside_zero_to_one_is_refused(tiny_config):
+    with pytest.raises(ValueError, match="residual"):
+        _residual_space(1.5)
+    with pytest.raises(ClinfedError, match="needs --dp-subspace"):
+        tiny_config(dp_residual=0.1, noise_multiplier=1.0).resolved().validate(check_data=False)
+
+
 def test_a_trainable_tensor_outside_the_subspace_is_refused():
     space, _ = _space()
     with pytest.raises(ValueError, match="outside the public gradient subspace"):
@@ -115,6 +162,26 @@ def test_a_private_run_noises_in_the_public_subspace_at_the_same_epsilon(
     whole = tiny_run(out=tmp_path / "whole", **common)
     assert projected["epsilon"] == whole["epsilon"]  # the same accounting
     assert projected["f1"] is not None
+
+
+def test_a_run_keeps_the_residual_it_is_given(tiny_run, tmp_path, monkeypatch):
+    residuals = []
+    original = subspace_module.GradientSubspace.noisy_gradients
+
+    def spy(self, sums, noise):
+        residuals.append(self.residual)
+        return original(self, sums, noise)
+
+    monkeypatch.setattr(subspace_module.GradientSubspace, "noisy_gradients", spy)
+    tiny_run(
+        out=tmp_path / "res", adapter="bias", noise_multiplier=2.0, batch_size=8,
+        local_epochs=1, public_data=str(_public(tmp_path / "public")),
+        public_types="Disease=problem,Chemical=treatment", reproducible_noise=True,
+        max_length=128, dp_subspace=4, dp_residual=0.5,
+    )  # fmt: skip
+    found = json.loads((tmp_path / "res" / "config.json").read_text())["public_subspace"]
+    assert found["residual"] == 0.5
+    assert residuals and set(residuals) == {0.5}  # every step, every site
 
 
 def _head_shapes(run):
