@@ -257,6 +257,8 @@ class Observer:
         self.clipped: dict[int, list[int]] = defaultdict(lambda: [0, 0])
         # Per-unit gradient norms before clipping (observed under Opacus's hooks).
         self.norms: dict[int, list[float]] = defaultdict(list)
+        # Share of each step's clipped sum (projected tensors) the public subspace holds.
+        self.held: dict[int, list[float]] = defaultdict(list)
         self.updates: dict[int, dict[str, float]] = defaultdict(dict)
         self.epsilon: dict[int, dict[str, float]] = defaultdict(dict)
         self.types: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
@@ -277,6 +279,8 @@ class Observer:
             if subspace is not None:  # noise on the subspace's coordinates and the kept tensors
                 names, space = subspace
                 dims = space.noise_dimensions({n: p.shape for n, p in zip(names, params)})
+                sums = {n: p.grad for n, p in zip(names, params) if p.grad is not None}
+                self.held[self.current].append(subspace_share(space, sums))
             self.signal[self.current].append(math.sqrt(squares) / expected_batch)
             self.noise[self.current].append(
                 noise_multiplier * max_grad_norm * math.sqrt(dims) / expected_batch
@@ -353,6 +357,8 @@ class Observer:
             names, space = step.subspace
             shapes = {n: p.shape for n, p in zip(names, step.params, strict=True)}
             observe(step.dp_optimizer, space.noise_dimensions(shapes))
+            sums = {n: p.summed_grad for n, p in zip(names, step.params, strict=True)}
+            self.held[self.current].append(subspace_share(space, sums))
             return subspace_noise(step)
 
         DPOptimizer.clip_and_accumulate, DPOptimizer.add_noise = clip_and_accumulate, add_noise
@@ -384,6 +390,9 @@ class Observer:
                 if self.norms[number]
                 else None
             ),
+            "subspace_share": (
+                sum(self.held[number]) / len(self.held[number]) if self.held[number] else None
+            ),
             "update_norm": updates,
             "epsilon": epsilon,
         }
@@ -401,6 +410,8 @@ class Observer:
             )
             if line["unit_norm_quartiles"]:
                 dp += ", unit norms " + "/".join(f"{q:.2f}" for q in line["unit_norm_quartiles"])
+            if line["subspace_share"] is not None:
+                dp += f", subspace holds {line['subspace_share']:.0%} of the clipped sum"
         if updates:
             dp += " | update " + ", ".join(f"{v:.2f}" for v in updates.values())
         if epsilon:
@@ -408,6 +419,19 @@ class Observer:
         print(f"round {number}: F1 {record.get('f1', 0):.3f}  {types}{dp}", flush=True)
         self.types.clear()  # the next round's model is scored after this line
         return line
+
+
+def subspace_share(space, sums: dict[str, torch.Tensor]) -> float:
+    """The share of the squared norm of ``sums`` (the projected tensors')
+    that the public basis holds: ``||V S||^2 / ||S||^2``."""
+    projected = [n for n in sums if n in space.basis]
+    total = sum(float(sums[n].float().square().sum()) for n in projected)
+    if not total:
+        return 0.0
+    coordinates = sum(
+        space.basis[n].to(sums[n].device) @ sums[n].reshape(-1).float() for n in projected
+    )
+    return float(coordinates.square().sum()) / total
 
 
 def main() -> None:
