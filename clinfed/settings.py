@@ -315,6 +315,15 @@ class PrivacySettings:
         maximum=4_096,
         simulator_only=True,
     )
+    dp_subspace_examples: int = setting(
+        1_024,
+        "Under --dp-subspace: public examples whose per-example gradients the subspace is "
+        "found from (at most; drawn with the run's seed). Their gradients are held in memory "
+        "at once: examples x trainable numbers at most 500 million.",
+        minimum=1,
+        maximum=65_536,
+        simulator_only=True,
+    )
     dp_residual: float = setting(
         0.0,
         "Under --dp-subspace: also step on this share of the noised gradient outside the "

@@ -208,9 +208,8 @@ def warm_start(
     }
 
 
-# Public examples whose per-example gradients span --dp-subspace, and the
-# most numbers (examples x projected dimension) their matrix may hold.
-SUBSPACE_EXAMPLES = 1024
+# The most numbers (examples x projected dimension) the matrix of public
+# per-example gradients that spans --dp-subspace may hold (2 GB in float32).
 SUBSPACE_MAX_NUMBERS = 500_000_000
 # Feature directions of the head's basis (each paired with every label).
 HEAD_FEATURE_RANK = 32
@@ -227,7 +226,7 @@ def public_subspace(
 ) -> tuple[GradientSubspace, dict[str, Any]]:
     """Where DP-SGD's noise goes under ``--dp-subspace K``
     (:mod:`clinfed.privacy.subspace`), found at the starting ``model`` on
-    up to :data:`SUBSPACE_EXAMPLES` public examples (drawn with the run's
+    up to ``--dp-subspace-examples`` public examples (drawn with the run's
     seed, from those the warm start drew): the top ``K`` principal
     directions of the per-example gradients of the encoder's trainable
     tensors; for the head's weight, every label paired with the top
@@ -249,7 +248,7 @@ def public_subspace(
     encoder = [n for n in trainable if not n.startswith("head.")]
     kept = [n for n in trainable if n.startswith("head.") and params[n] is not head.weight]
     dimension = sum(params[n].numel() for n in encoder)
-    count = min(SUBSPACE_EXAMPLES, len(examples))
+    count = min(config.dp_subspace_examples, len(examples))
     if not 1 <= config.dp_subspace <= min(count, dimension):
         raise ClinfedError(
             f"--dp-subspace {config.dp_subspace}: must be between 1 and the public examples "
@@ -257,8 +256,9 @@ def public_subspace(
         )
     if count * dimension > SUBSPACE_MAX_NUMBERS:
         raise ClinfedError(
-            f"--dp-subspace: {dimension:,} trainable numbers are too many to find a subspace "
-            "for; train an adapter (--adapter bias or lora)"
+            f"--dp-subspace: {count:,} public examples x {dimension:,} trainable numbers are "
+            "too many to hold at once: lower --dp-subspace-examples or train a smaller "
+            "adapter (--adapter bias)"
         )
     rows = order.choice(len(examples), count, replace=False)
     report("public_subspace", {"examples": count, "rank": config.dp_subspace})

@@ -164,7 +164,9 @@ def test_a_private_run_noises_in_the_public_subspace_at_the_same_epsilon(
     assert projected["f1"] is not None
 
 
-def test_a_run_keeps_the_residual_it_is_given(tiny_run, tmp_path, monkeypatch):
+def test_a_run_keeps_the_residual_and_the_public_examples_it_is_given(
+    tiny_run, tmp_path, monkeypatch
+):
     residuals = []
     original = subspace_module.GradientSubspace.noisy_gradients
 
@@ -177,10 +179,11 @@ def test_a_run_keeps_the_residual_it_is_given(tiny_run, tmp_path, monkeypatch):
         out=tmp_path / "res", adapter="bias", noise_multiplier=2.0, batch_size=8,
         local_epochs=1, public_data=str(_public(tmp_path / "public")),
         public_types="Disease=problem,Chemical=treatment", reproducible_noise=True,
-        max_length=128, dp_subspace=4, dp_residual=0.5,
+        max_length=128, dp_subspace=4, dp_residual=0.5, dp_subspace_examples=30,
     )  # fmt: skip
     found = json.loads((tmp_path / "res" / "config.json").read_text())["public_subspace"]
     assert found["residual"] == 0.5
+    assert found["public_examples"] == 30  # of the 60 public sentences
     assert residuals and set(residuals) == {0.5}  # every step, every site
 
 
