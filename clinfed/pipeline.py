@@ -130,8 +130,9 @@ class _Prepared:
     model: nn.Module
     out: Path
     cache_dir: str
-    # Under --dp-subspace: where the sites' DP noise goes (public).
-    subspace: GradientSubspace | None = None
+    # Under --dp-subspace: where the sites' DP noise goes (public), by the
+    # model a round starts from.
+    subspace: Callable[[nn.Module], GradientSubspace] | None = None
     # Under --public-check: the server's judge of each round's model (public).
     check: PublicCheck | None = None
 
@@ -220,11 +221,15 @@ def _train(config: RunConfig, report: Reporter) -> dict[str, Any]:
         if config.dp and config.dp_subspace:
             # Where DP-SGD's noise goes (clinfed.privacy.subspace): found on
             # public text at the starting model, so it costs no privacy.
-            from clinfed.warmstart import public_subspace
+            from clinfed.warmstart import PublicSubspaces, public_subspace
 
-            subspace, subspace_record = public_subspace(
+            first, subspace_record = public_subspace(
                 config, task, model, tokenizer, cache_dir, problems, report
             )
+            subspace = PublicSubspaces(
+                config, task, tokenizer, cache_dir, problems, model, first, report
+            )
+            subspace_record["refresh"] = config.dp_subspace_refresh
         check = check_record = None
         if config.public_check:
             # The server's judge of each round (clinfed.federated.public_check),

@@ -324,6 +324,13 @@ class PrivacySettings:
         maximum=65_536,
         simulator_only=True,
     )
+    dp_subspace_refresh: bool = setting(
+        False,
+        "Under --dp-subspace: find the subspace again at each round's global model (a DP "
+        "release, so no privacy is spent), on the same public text, instead of once at the "
+        "start.",
+        simulator_only=True,
+    )
     dp_residual: float = setting(
         0.0,
         "Under --dp-subspace: also step on this share of the noised gradient outside the "
@@ -551,6 +558,11 @@ class RunConfig(
                     "--dp-subspace needs an adapter (--adapter bias, head or lora): a whole "
                     "encoder has too many numbers to find their subspace"
                 )
+        if self.dp_subspace_refresh and not self.dp_subspace:
+            raise ClinfedError(
+                "--dp-subspace-refresh finds the public subspace again each round: it needs "
+                "--dp-subspace"
+            )
         if self.dp_residual and not self.dp_subspace:
             raise ClinfedError(
                 "--dp-residual is the share kept outside the public subspace: it needs "

@@ -215,6 +215,62 @@ SUBSPACE_MAX_NUMBERS = 500_000_000
 HEAD_FEATURE_RANK = 32
 
 
+class PublicSubspaces:
+    """``--dp-subspace``'s basis for the model a round starts from.
+
+    Found once at the starting model, or, under ``--dp-subspace-refresh``,
+    again at each global model a site starts a round from: the gradients
+    move away from the start's public directions as the model trains, and
+    the global model is a DP release (post-processing, no privacy spent).
+    The latest basis is kept, by the digest of the model's trainable
+    tensors, so in-process sites that start from the same global model
+    find it once.
+
+    Call it with a site's model (the global weights loaded) to get the
+    round's :class:`~clinfed.privacy.subspace.GradientSubspace`.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        task: Task,
+        tokenizer: Any,
+        cache_dir: str,
+        problems: ProblemLog,
+        start: nn.Module,
+        first: GradientSubspace,
+        report=lambda event, info: None,
+    ):
+        self.config, self.task, self.tokenizer = config, task, tokenizer
+        self.cache_dir, self.problems, self.report = cache_dir, problems, report
+        self.refresh = bool(config.dp_subspace_refresh)
+        self.latest = (self._digest(start), first)
+        self.found = 1  # bases found so far (the start's included)
+
+    @staticmethod
+    def _digest(model: nn.Module) -> str:
+        from clinfed.adapters import shared_names
+        from clinfed.federated.payload import digest
+
+        params = dict(model.named_parameters())
+        return digest({n: params[n] for n in shared_names(model)})
+
+    def __call__(self, model: nn.Module) -> GradientSubspace:
+        if not self.refresh:
+            return self.latest[1]
+        key = self._digest(model)
+        if key != self.latest[0]:
+            # A log of its own: the public text was read once already, and
+            # the run's log holds its warnings since.
+            problems = ProblemLog(self.problems.on_error)
+            space, record = public_subspace(
+                self.config, self.task, model, self.tokenizer, self.cache_dir, problems
+            )
+            self.latest, self.found = (key, space), self.found + 1
+            self.report("public_subspace_found", record)
+        return self.latest[1]
+
+
 def public_subspace(
     config: Any,
     task: Task,

@@ -187,6 +187,53 @@ def test_a_run_keeps_the_residual_and_the_public_examples_it_is_given(
     assert residuals and set(residuals) == {0.5}  # every step, every site
 
 
+@pytest.mark.parametrize("refresh", [False, True])
+def test_the_subspace_is_found_again_at_each_global_model_when_asked(
+    refresh, tiny_run, tmp_path, monkeypatch
+):
+    import clinfed.warmstart as warmstart
+    from clinfed.federated.site import SiteRunner
+
+    found, used, starts = [], [], {}
+    find, original = warmstart.public_subspace, subspace_module.GradientSubspace.noisy_gradients
+    train_round = SiteRunner.train_round
+
+    def training(runner, round_number, *rest):
+        starts[(round_number, runner.name)] = runner.model.head.weight.detach().clone()
+        return train_round(runner, round_number, *rest)
+
+    def finding(config, task, model, *rest, **kw):
+        params = dict(model.named_parameters())
+        found.append(params["head.weight"].detach().clone())  # the model it was found at
+        return find(config, task, model, *rest, **kw)
+
+    def spy(self, sums, noise):
+        used.append(id(self))
+        return original(self, sums, noise)
+
+    monkeypatch.setattr(warmstart, "public_subspace", finding)
+    monkeypatch.setattr(subspace_module.GradientSubspace, "noisy_gradients", spy)
+    monkeypatch.setattr(SiteRunner, "train_round", training)
+    summary = tiny_run(
+        out=tmp_path / "run", adapter="bias", noise_multiplier=2.0, batch_size=8,
+        local_epochs=1, public_data=str(_public(tmp_path / "public")), rounds=2,
+        public_types="Disease=problem,Chemical=treatment", reproducible_noise=True,
+        max_length=128, dp_subspace=4, dp_subspace_refresh=refresh,
+    )  # fmt: skip
+    record = json.loads((tmp_path / "run" / "config.json").read_text())["public_subspace"]
+    assert record["refresh"] is refresh
+    if not refresh:
+        assert len(found) == 1 and len(set(used)) == 1  # the start's basis, every round
+        return
+    # Once at the start, once at round 1's global model: every site of
+    # round 2 starts from it, so it is found once for all of them.
+    assert len(found) == 2 and len(set(used)) == 2
+    assert not torch.equal(found[0], found[1])  # the second at a trained model
+    second = [weight for (number, _), weight in starts.items() if number == 2]
+    assert second and all(torch.equal(found[1], w) for w in second)  # round 2's start
+    assert summary["epsilon"]
+
+
 def _head_shapes(run):
     from safetensors import safe_open
 
@@ -230,6 +277,7 @@ def test_bases_over_disjoint_tensors_stack_into_one_orthonormal_basis():
         ({"dp_subspace": 4, "adapter": "bias", "noise_multiplier": 1.0}, "needs --public-data"),
         ({"dp_subspace": 4, "public_data": "P", "noise_multiplier": 1.0}, "needs an adapter"),
         ({"public_epochs": 0, "public_data": "P"}, "leaves --public-data unused"),
+        ({"dp_subspace_refresh": True, "noise_multiplier": 1.0}, "needs --dp-subspace"),
     ],
 )
 def test_a_subspace_without_what_it_needs_is_refused(tiny_config, settings, message):

@@ -123,7 +123,7 @@ class SiteRunner:
         meter_path: Path | None = None,
         max_evaluations: int | None = None,
         run_name: str = "",
-        subspace: GradientSubspace | None = None,
+        subspace: Callable[[nn.Module], GradientSubspace] | None = None,
     ):
         self.name, self.task, self.model, self.strategy = name, task, model, strategy
         self.initial_state = initial_state
@@ -136,7 +136,8 @@ class SiteRunner:
         # The evaluation meter: per run by default; a node's is per dataset.
         self.meter_path = Path(meter_path) if meter_path else self.state_dir / "evaluations.json"
         self.max_evaluations, self.run_name = max_evaluations, run_name
-        # Under DP: the public gradient subspace the noise goes in (or None).
+        # Under DP: the public gradient subspace the noise goes in, as a
+        # function of the model the round starts from (or None).
         self.subspace = subspace
         # An auditing run keeps each site's latest update as the server saw
         # it (the global model it received with the upload overlaid).
@@ -506,7 +507,11 @@ class SiteRunner:
                     "site_step", {"client": self.name, "done": done, "total": total}
                 ),
                 round_number=round_number,
-                subspace=self.subspace if dp is not None else None,
+                subspace=(
+                    self.subspace(self.model)
+                    if dp is not None and self.subspace is not None
+                    else None
+                ),
             )
             result = self.strategy.local_update(work)
             bytes_up = len(payload.encode(result.upload)) if plan.uploaded else 0
