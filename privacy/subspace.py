@@ -169,6 +169,16 @@ class GradientSubspace:
         kept = sum(int(torch.Size(s).numel()) for n, s in shapes.items() if n in self.kept)
         return self.rank + kept + self.residual**2 * (projected - self.rank)
 
+    def coordinate_noise(self, shapes: Mapping[str, torch.Size]) -> float:
+        """The root-mean-square noise on one trainable number of a step, as
+        a share of the noise DP-SGD without the subspace puts on each:
+        ``sqrt(noise_dimensions / trainable numbers)``. Optimizers that are
+        sized by the noise per coordinate (``--optimizer adambc`` and
+        ``sgd``) must use it, or they step as if every number carried the
+        full noise."""
+        total = sum(int(torch.Size(s).numel()) for s in shapes.values())
+        return (self.noise_dimensions(shapes) / total) ** 0.5 if total else 1.0
+
     def check(self, names: Sequence[str]) -> None:
         """Every trainable tensor must be in the basis or kept whole: a
         tensor in neither would step on nothing the noise covers."""

@@ -247,6 +247,10 @@ def client_update(work: LocalWork, objective: Any = None) -> ClientResult:
     if dp is not None:
         expected = dp.batch_size or settings.batch_size
         noise = mean_noise_std(dp.noise_multiplier, dp.max_grad_norm, expected)
+        if work.subspace is not None:
+            # In the public subspace each number carries far less noise.
+            shapes = {n: p.shape for n, p in model.named_parameters() if p.requires_grad}
+            noise *= work.subspace.coordinate_noise(shapes)
     optimizer = make_optimizer(
         model, settings.lr * scale, settings.weight_decay, head_lr, settings.optimizer, noise
     )
