@@ -234,6 +234,36 @@ def test_the_subspace_is_found_again_at_each_global_model_when_asked(
     assert summary["epsilon"]
 
 
+def test_the_noise_on_one_number_is_the_subspaces_share_of_the_full_noise():
+    space, _ = _space()  # rank 3 over "a" (8 numbers) and "b" (4); "head" (3) whole
+    shapes = {"a": torch.Size([2, 4]), "b": torch.Size([4]), "head": torch.Size([3])}
+    assert space.coordinate_noise(shapes) == pytest.approx(((3 + 3) / 15) ** 0.5)
+    residual, _ = _residual_space(0.5)
+    assert residual.coordinate_noise(shapes) == pytest.approx(((6 + 0.25 * 9) / 15) ** 0.5)
+
+
+def test_a_private_optimizer_is_sized_by_the_noise_in_the_subspace(tiny_run, tmp_path, monkeypatch):
+    from clinfed.privacy import optimizers
+
+    sized = []
+    original = optimizers.private_optimizer
+
+    def spy(kind, groups, weight_decay, noise):
+        sized.append(noise)
+        return original(kind, groups, weight_decay, noise)
+
+    monkeypatch.setattr(optimizers, "private_optimizer", spy)
+    tiny_run(
+        out=tmp_path / "run", adapter="bias", noise_multiplier=2.0, batch_size=8,
+        local_epochs=1, public_data=str(_public(tmp_path / "public")), optimizer="sgd",
+        public_types="Disease=problem,Chemical=treatment", reproducible_noise=True,
+        max_length=128, dp_subspace=4,
+    )  # fmt: skip
+    found = json.loads((tmp_path / "run" / "config.json").read_text())["public_subspace"]
+    share = (found["noised_numbers"] / found["trainable_numbers"]) ** 0.5
+    assert sized and sized == pytest.approx([2.0 * 1.0 / 8 * share] * len(sized))
+
+
 def _head_shapes(run):
     from safetensors import safe_open
 
