@@ -280,7 +280,7 @@ class Observer:
                 names, space = subspace
                 dims = space.noise_dimensions({n: p.shape for n, p in zip(names, params)})
                 sums = {n: p.grad for n, p in zip(names, params) if p.grad is not None}
-                self.held[self.current].append(subspace_share(space, sums))
+                self.held[self.current].append(space.held_share(sums))
             self.signal[self.current].append(math.sqrt(squares) / expected_batch)
             self.noise[self.current].append(
                 noise_multiplier * max_grad_norm * math.sqrt(dims) / expected_batch
@@ -358,7 +358,7 @@ class Observer:
             shapes = {n: p.shape for n, p in zip(names, step.params, strict=True)}
             observe(step.dp_optimizer, space.noise_dimensions(shapes))
             sums = {n: p.summed_grad for n, p in zip(names, step.params, strict=True)}
-            self.held[self.current].append(subspace_share(space, sums))
+            self.held[self.current].append(space.held_share(sums))
             return subspace_noise(step)
 
         DPOptimizer.clip_and_accumulate, DPOptimizer.add_noise = clip_and_accumulate, add_noise
@@ -419,19 +419,6 @@ class Observer:
         print(f"round {number}: F1 {record.get('f1', 0):.3f}  {types}{dp}", flush=True)
         self.types.clear()  # the next round's model is scored after this line
         return line
-
-
-def subspace_share(space, sums: dict[str, torch.Tensor]) -> float:
-    """The share of the squared norm of ``sums`` (the projected tensors')
-    that the public basis holds: ``||V S||^2 / ||S||^2``."""
-    projected = [n for n in sums if n in space.basis]
-    total = sum(float(sums[n].float().square().sum()) for n in projected)
-    if not total:
-        return 0.0
-    coordinates = sum(
-        space.basis[n].to(sums[n].device) @ sums[n].reshape(-1).float() for n in projected
-    )
-    return float(coordinates.square().sum()) / total
 
 
 def main() -> None:

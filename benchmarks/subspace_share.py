@@ -39,16 +39,8 @@ from clinfed.device import to_device
 from clinfed.errors import ProblemLog
 from clinfed.models import load_tokenizer
 from clinfed.pipeline import RunConfig, make_model, make_task
-from clinfed.privacy.subspace import GradientSubspace
 from clinfed.scratch import temporary_folder
 from clinfed.warmstart import public_subspace
-
-
-def share(space: GradientSubspace, sums: dict[str, torch.Tensor]) -> float:
-    """``||V S||^2 / ||S||^2`` over the basis's tensors."""
-    total = sum(float(sums[n].square().sum()) for n in space.basis)
-    coordinates = sum(space.basis[n] @ sums[n].reshape(-1).float() for n in space.basis)
-    return float(coordinates.square().sum()) / total if total else 0.0
 
 
 def clipped_sum(model, task, examples, rows, space, clip: float) -> dict[str, float]:
@@ -69,9 +61,9 @@ def clipped_sum(model, task, examples, rows, space, clip: float) -> dict[str, fl
         factor = min(1.0, clip / (norm + 1e-12))
         for name, g in zip(names, grads, strict=True):
             total[name] += factor * g
-        each.append(share(space, dict(zip(names, grads, strict=True))))
+        each.append(space.held_share(dict(zip(names, grads, strict=True))))
     model.train()
-    return {"sum": share(space, total), "per_example": float(np.mean(each))}
+    return {"sum": space.held_share(total), "per_example": float(np.mean(each))}
 
 
 def main() -> None:

@@ -245,7 +245,6 @@ class PublicSubspaces:
         self.cache_dir, self.problems, self.report = cache_dir, problems, report
         self.refresh = bool(config.dp_subspace_refresh)
         self.latest = (self._digest(start), first)
-        self.found = 1  # bases found so far (the start's included)
 
     @staticmethod
     def _digest(model: nn.Module) -> str:
@@ -266,7 +265,7 @@ class PublicSubspaces:
             space, record = public_subspace(
                 self.config, self.task, model, self.tokenizer, self.cache_dir, problems
             )
-            self.latest, self.found = (key, space), self.found + 1
+            self.latest = (key, space)
             self.report("public_subspace_found", record)
         return self.latest[1]
 

@@ -151,23 +151,35 @@ class GradientSubspace:
     def rank(self) -> int:
         return next(iter(self.basis.values())).shape[0] if self.basis else 0
 
+    def _numbers(self, shapes: Mapping[str, torch.Size]) -> tuple[int, int]:
+        """Trainable numbers in the basis's tensors and in the kept ones."""
+        numel = {n: int(torch.Size(s).numel()) for n, s in shapes.items()}
+        projected = sum(v for n, v in numel.items() if n in self.basis)
+        return projected, sum(v for n, v in numel.items() if n in self.kept)
+
     def noised_numbers(self, shapes: Mapping[str, torch.Size]) -> int:
         """How many numbers a step noises for trainable tensors ``shapes``
         (the residual's included when it is kept)."""
-        kept = sum(int(torch.Size(s).numel()) for n, s in shapes.items() if n in self.kept)
-        if self.residual:
-            return kept + sum(
-                int(torch.Size(s).numel()) for n, s in shapes.items() if n in self.basis
-            )
-        return self.rank + kept
+        projected, kept = self._numbers(shapes)
+        return (projected if self.residual else self.rank) + kept
 
     def noise_dimensions(self, shapes: Mapping[str, torch.Size]) -> float:
         """The squared norm of the noise on a step, in units of one noised
         number's variance: ``rank + kept`` plus ``residual^2`` per dimension
         outside the basis."""
-        projected = sum(int(torch.Size(s).numel()) for n, s in shapes.items() if n in self.basis)
-        kept = sum(int(torch.Size(s).numel()) for n, s in shapes.items() if n in self.kept)
+        projected, kept = self._numbers(shapes)
         return self.rank + kept + self.residual**2 * (projected - self.rank)
+
+    def held_share(self, sums: Mapping[str, torch.Tensor]) -> float:
+        """``||V S||^2 / ||S||^2`` over the basis's tensors of ``sums``: the
+        share of a step's clipped sum the basis holds (a diagnostic)."""
+        projected = [n for n in sums if n in self.basis]
+        total = sum(float(sums[n].float().square().sum()) for n in projected)
+        if not total:
+            return 0.0
+        device = sums[projected[0]].device
+        coordinates = sum(self._on(n, device) @ sums[n].reshape(-1).float() for n in projected)
+        return float(coordinates.square().sum()) / total
 
     def coordinate_noise(self, shapes: Mapping[str, torch.Size]) -> float:
         """The root-mean-square noise on one trainable number of a step, as

@@ -234,6 +234,18 @@ def test_the_subspace_is_found_again_at_each_global_model_when_asked(
     assert summary["epsilon"]
 
 
+def test_the_share_held_is_the_projected_sums_share_of_its_squared_norm():
+    space, basis = _space()
+    inside = 2.0 * basis[0] - basis[2]  # in the basis
+    outside = torch.randn(12, generator=torch.Generator().manual_seed(8))
+    outside -= basis.T @ (basis @ outside)  # orthogonal to it
+    as_sums = lambda v: {"a": v[:8].view(2, 4), "b": v[8:], "head": torch.ones(3)}  # noqa: E731
+    assert space.held_share(as_sums(inside)) == pytest.approx(1.0, abs=1e-5)
+    assert space.held_share(as_sums(outside)) == pytest.approx(0.0, abs=1e-5)
+    mixed = inside / inside.norm() + outside / outside.norm()  # half of each
+    assert space.held_share(as_sums(mixed)) == pytest.approx(0.5, abs=1e-5)
+
+
 def test_the_noise_on_one_number_is_the_subspaces_share_of_the_full_noise():
     space, _ = _space()  # rank 3 over "a" (8 numbers) and "b" (4); "head" (3) whole
     shapes = {"a": torch.Size([2, 4]), "b": torch.Size([4]), "head": torch.Size([3])}
