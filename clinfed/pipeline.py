@@ -230,6 +230,7 @@ def _train(config: RunConfig, report: Reporter) -> dict[str, Any]:
                 config, task, tokenizer, cache_dir, problems, model, first, report
             )
             subspace_record["refresh"] = config.dp_subspace_refresh
+            subspace_record["refresh_epochs"] = config.dp_subspace_refresh_epochs
         check = check_record = None
         if config.public_check:
             # The server's judge of each round (clinfed.federated.public_check),

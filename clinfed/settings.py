@@ -331,6 +331,16 @@ class PrivacySettings:
         "start.",
         simulator_only=True,
     )
+    dp_subspace_refresh_epochs: int = setting(
+        0,
+        "Under --dp-subspace: also find the subspace again at each site's local model every "
+        "N local epochs within a round, on the same public text (the local model follows "
+        "from the site's own noised steps, so no privacy is spent; each costs one pass over "
+        "--dp-subspace-examples public examples). 0: off.",
+        minimum=0,
+        maximum=100,
+        simulator_only=True,
+    )
     dp_residual: float = setting(
         0.0,
         "Under --dp-subspace: also step on this share of the noised gradient outside the "
@@ -562,6 +572,11 @@ class RunConfig(
             raise ClinfedError(
                 "--dp-subspace-refresh finds the public subspace again each round: it needs "
                 "--dp-subspace"
+            )
+        if self.dp_subspace_refresh_epochs and not self.dp_subspace:
+            raise ClinfedError(
+                "--dp-subspace-refresh-epochs finds the public subspace again within a "
+                "round: it needs --dp-subspace"
             )
         if self.dp_residual and not self.dp_subspace:
             raise ClinfedError(

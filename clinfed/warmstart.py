@@ -227,7 +227,9 @@ class PublicSubspaces:
     find it once.
 
     Call it with a site's model (the global weights loaded) to get the
-    round's :class:`~clinfed.privacy.subspace.GradientSubspace`.
+    round's :class:`~clinfed.privacy.subspace.GradientSubspace`;
+    :meth:`at_local_model` finds it at a site's model within a round
+    (``--dp-subspace-refresh-epochs``).
     """
 
     def __init__(
@@ -245,6 +247,9 @@ class PublicSubspaces:
         self.cache_dir, self.problems, self.report = cache_dir, problems, report
         self.refresh = bool(config.dp_subspace_refresh)
         self.latest = (self._digest(start), first)
+        # Within a round the site's model carries DP-SGD's hooks: the public
+        # gradients are taken on a copy of it that has none.
+        self.scratch = copy.deepcopy(start) if config.dp_subspace_refresh_epochs else None
 
     @staticmethod
     def _digest(model: nn.Module) -> str:
@@ -266,8 +271,25 @@ class PublicSubspaces:
                 self.config, self.task, model, self.tokenizer, self.cache_dir, problems
             )
             self.latest = (key, space)
-            self.report("public_subspace_found", record)
+            self.report("public_subspace_found", record | {"at": "global model"})
         return self.latest[1]
+
+    def at_local_model(self, model: nn.Module) -> GradientSubspace:
+        """The subspace at a site's ``model`` within a round: a function of
+        public text and of the site's own noised steps (post-processing)."""
+        if self.scratch is None:
+            raise ValueError("the subspace within a round needs --dp-subspace-refresh-epochs")
+        self.scratch.load_state_dict(model.state_dict())
+        space, record = public_subspace(
+            self.config,
+            self.task,
+            self.scratch,
+            self.tokenizer,
+            self.cache_dir,
+            ProblemLog(self.problems.on_error),
+        )
+        self.report("public_subspace_found", record | {"at": "local model"})
+        return space
 
 
 def public_subspace(

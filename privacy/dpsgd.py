@@ -220,11 +220,11 @@ class PrivateStep:
         self.ready = False
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
+        self.names = [n for n, _ in named]
         self.subspace = None
         if subspace is not None:
-            names = [n for n, _ in named]
-            subspace.check(names)
-            self.subspace = (names, subspace)
+            subspace.check(self.names)
+            self.subspace = (self.names, subspace)
         self.clipper = CLIPPERS[mode](model, dp.max_grad_norm)
         self.dp_optimizer = None
         if self.clipper.optimizer_class is not None:
@@ -252,6 +252,22 @@ class PrivateStep:
             # Opacus noises each tensor's clipped sum in its add_noise: here
             # the sums go to the subspace instead, from the same generator.
             self.dp_optimizer.add_noise = self._noise_in_subspace
+
+    def use_subspace(self, subspace: GradientSubspace) -> None:
+        """Noise the steps from now on in ``subspace`` (same rank, so the
+        optimizer's noise scale holds). A function of public text and of
+        models the noised steps made, it changes nothing the accounting
+        covers."""
+        if self.subspace is None:
+            # Opacus's noise was left in place when the round began.
+            raise ValueError("a step that began without a subspace cannot take one")
+        subspace.check(self.names)
+        if subspace.rank != self.subspace[1].rank:
+            raise ValueError(
+                f"a subspace of rank {subspace.rank} cannot replace one of rank "
+                f"{self.subspace[1].rank} within a round"
+            )
+        self.subspace = (self.names, subspace)
 
     def _noise_in_subspace(self) -> None:
         """Opacus's ``add_noise`` with the noise in the public subspace."""

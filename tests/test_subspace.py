@@ -234,6 +234,96 @@ def test_the_subspace_is_found_again_at_each_global_model_when_asked(
     assert summary["epsilon"]
 
 
+@pytest.mark.parametrize("every", [1, 2])
+def test_the_subspace_is_found_again_at_the_local_model_within_a_round(
+    every, tiny_run, tmp_path, monkeypatch
+):
+    import clinfed.warmstart as warmstart
+
+    found, used = [], []
+    find, original = warmstart.public_subspace, subspace_module.GradientSubspace.noisy_gradients
+    at_local = warmstart.PublicSubspaces.at_local_model
+
+    def finding(config, task, model, *rest, **kw):
+        params = dict(model.named_parameters())
+        found[-1].append(params["head.weight"].detach().clone())  # the model it was found at
+        return find(config, task, model, *rest, **kw)
+
+    def locally(self, model):
+        found.append([model.get_parameter("head.weight").detach().clone()])  # the site's model
+        return at_local(self, model)
+
+    def spy(self, sums, noise):
+        used.append(self)
+        return original(self, sums, noise)
+
+    monkeypatch.setattr(warmstart, "public_subspace", finding)
+    monkeypatch.setattr(warmstart.PublicSubspaces, "at_local_model", locally)
+    monkeypatch.setattr(subspace_module.GradientSubspace, "noisy_gradients", spy)
+    found.append([])  # the start's
+    summary = tiny_run(
+        out=tmp_path / "run", adapter="bias", noise_multiplier=2.0, batch_size=8,
+        local_epochs=3, public_data=str(_public(tmp_path / "public")), rounds=1,
+        public_types="Disease=problem,Chemical=treatment", reproducible_noise=True,
+        max_length=128, dp_subspace=4, dp_subspace_refresh_epochs=every,
+    )  # fmt: skip
+    record = json.loads((tmp_path / "run" / "config.json").read_text())["public_subspace"]
+    assert record["refresh_epochs"] == every
+    sites = len(summary["epsilon"])
+    start, local = found[0], found[1:]
+    # After each `every` local epochs but the last, at each site's own model.
+    assert len(start) == 1 and len(local) == sites * (2 if every == 1 else 1)
+    for site_model, public_model in local:
+        assert torch.equal(site_model, public_model)
+        assert not torch.equal(site_model, start[0])  # trained since the round began
+    # The steps after each refresh noise in the basis found there.
+    bases = []
+    for space in used:
+        if not bases or bases[-1] is not space:
+            bases.append(space)
+    assert len(bases) == sites * (3 if every == 1 else 2)
+    assert summary["epsilon"]
+
+
+def test_a_private_step_noises_in_the_subspace_it_is_handed_within_a_round():
+    from torch import nn
+
+    from clinfed.privacy.dpsgd import DPSettings, PrivateStep
+    from clinfed.privacy.randomness import secret
+
+    def space(rank: int, seed: int) -> GradientSubspace:
+        generator = torch.Generator().manual_seed(seed)
+        basis, held = top_directions(torch.randn(20, 12, generator=generator), rank)
+        return GradientSubspace({"weight": basis}, frozenset({"bias"}), held)
+
+    model = nn.Linear(6, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    first, second = space(3, 0), space(3, 1)
+    step = PrivateStep(
+        model, optimizer, "bk", DPSettings(1.7, 0.5, "bk"), 8, secret().noise, None, first
+    )
+    plain = PrivateStep(model, optimizer, "hooks", DPSettings(1.7, 0.5, "hooks"), 8, secret().noise)
+    try:
+        with pytest.raises(ValueError, match="began without a subspace"):
+            plain.use_subspace(first)  # Opacus would go on noising every number
+    finally:
+        plain.detach()
+    try:
+        with pytest.raises(ValueError, match="rank 2 cannot replace one of rank 3"):
+            step.use_subspace(space(2, 2))  # the optimizer was sized for rank 3
+        step.use_subspace(second)
+        before = model.weight.detach().clone().reshape(-1)
+        step.noise_only()
+        moved = model.weight.detach().reshape(-1) - before
+    finally:
+        step.detach()
+    inside = second.basis["weight"].T @ (second.basis["weight"] @ moved)
+    assert float(moved.norm()) > 0
+    assert torch.allclose(moved, inside, atol=1e-6)  # in the new basis's span
+    outside_first = moved - first.basis["weight"].T @ (first.basis["weight"] @ moved)
+    assert float(outside_first.norm()) > 0.1 * float(moved.norm())  # not the first's
+
+
 def test_the_share_held_is_the_projected_sums_share_of_its_squared_norm():
     space, basis = _space()
     inside = 2.0 * basis[0] - basis[2]  # in the basis
@@ -320,6 +410,7 @@ def test_bases_over_disjoint_tensors_stack_into_one_orthonormal_basis():
         ({"dp_subspace": 4, "public_data": "P", "noise_multiplier": 1.0}, "needs an adapter"),
         ({"public_epochs": 0, "public_data": "P"}, "leaves --public-data unused"),
         ({"dp_subspace_refresh": True, "noise_multiplier": 1.0}, "needs --dp-subspace"),
+        ({"dp_subspace_refresh_epochs": 1, "noise_multiplier": 1.0}, "needs --dp-subspace"),
     ],
 )
 def test_a_subspace_without_what_it_needs_is_refused(tiny_config, settings, message):

@@ -97,7 +97,7 @@ class _ProgressReporter:
             )
         elif event == "public_subspace_found":
             log.info(
-                f"public subspace found again at the global model: {info['rank']} directions "
+                f"public subspace found again at the {info['at']}: {info['rank']} directions "
                 f"holding {info['public_gradient_share']:.1%} of the public gradients "
                 f"({info['seconds']:.0f} s)"
             )

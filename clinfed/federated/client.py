@@ -46,6 +46,9 @@ class LocalSettings:
     # > 0: the site sends an exponential moving average of its local
     # iterates at this decay instead of the last one (IterateAverage).
     ema_decay: float = 0.0
+    # > 0: under DP with a public subspace, find it again at the local model
+    # every this many local epochs (LocalWork.find_subspace).
+    subspace_refresh_epochs: int = 0
 
 
 @dataclass
@@ -74,6 +77,9 @@ class LocalWork:
     # Under DP: a public gradient subspace the step's noise goes in
     # (clinfed.privacy.subspace); None noises every trainable number.
     subspace: GradientSubspace | None = None
+    # The public subspace at a given model (public text only), for
+    # LocalSettings.subspace_refresh_epochs; None keeps ``subspace``.
+    find_subspace: Callable[[nn.Module], GradientSubspace] | None = None
 
 
 @dataclass
@@ -293,12 +299,20 @@ def client_update(work: LocalWork, objective: Any = None) -> ClientResult:
     planned_steps = len(steps) if dp is not None else _plain_steps(work.dataset, settings)
     decay_rates(optimizer, settings, work.round_number, planned_steps * settings.epochs)
     averaging = IterateAverage(model, optimizer, settings.ema_decay) if settings.ema_decay else None
+    every = settings.subspace_refresh_epochs if dp is not None and work.subspace else 0
     try:
         progress = _progress(work.on_step, total)
-        stats = [
-            run_epoch(model, work.task, work.dataset, steps_of_epoch, update, progress)
-            for steps_of_epoch in epochs
-        ]
+        stats = []
+        for epoch, steps_of_epoch in enumerate(epochs, start=1):
+            stats.append(
+                run_epoch(model, work.task, work.dataset, steps_of_epoch, update, progress)
+            )
+            if every and epoch % every == 0 and epoch < settings.epochs and work.find_subspace:
+                # The private steps leave the public directions within a
+                # round: the basis at the local model holds more of the next
+                # ones. That model follows from this site's own noised steps,
+                # so finding it spends no privacy.
+                update.use_subspace(work.find_subspace(model))
     finally:
         if dp is not None:
             update.detach()

@@ -137,7 +137,8 @@ class SiteRunner:
         self.meter_path = Path(meter_path) if meter_path else self.state_dir / "evaluations.json"
         self.max_evaluations, self.run_name = max_evaluations, run_name
         # Under DP: the public gradient subspace the noise goes in, as a
-        # function of the model the round starts from (or None).
+        # function of the model the round starts from (or None); its
+        # ``at_local_model``, where it has one, finds it within a round.
         self.subspace = subspace
         # An auditing run keeps each site's latest update as the server saw
         # it (the global model it received with the upload overlaid).
@@ -512,6 +513,7 @@ class SiteRunner:
                     if dp is not None and self.subspace is not None
                     else None
                 ),
+                find_subspace=getattr(self.subspace, "at_local_model", None),
             )
             result = self.strategy.local_update(work)
             bytes_up = len(payload.encode(result.upload)) if plan.uploaded else 0
@@ -592,6 +594,7 @@ def build_site_runner(
         rounds=config.rounds,
         optimizer=config.optimizer,
         ema_decay=config.ema_decay,
+        subspace_refresh_epochs=config.dp_subspace_refresh_epochs,
     )
     return SiteRunner(
         name,
