@@ -29,6 +29,7 @@ from torch import nn
 from clinfed.device import device_of, to_device
 from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.federated.public_check import PublicCheck, Scored
+from clinfed.privacy.clipping import layer_hooks, per_example_gradients
 from clinfed.privacy.subspace import (
     GradientSubspace,
     label_feature_basis,
@@ -211,6 +212,9 @@ def warm_start(
 # The most numbers (examples x projected dimension) the matrix of public
 # per-example gradients that spans --dp-subspace may hold (2 GB in float32).
 SUBSPACE_MAX_NUMBERS = 500_000_000
+# Public examples per backward pass while their per-example gradients are
+# taken (one pass each was the cost of a refresh).
+SUBSPACE_BATCH = 32
 # Feature directions of the head's basis (each paired with every label).
 HEAD_FEATURE_RANK = 32
 
@@ -343,22 +347,33 @@ def public_subspace(
     features: list[torch.Tensor] = []
     labelled: list[torch.Tensor] = []
     hook = head.register_forward_hook(lambda _m, inputs, _o: features.append(inputs[0].detach()))
+    # Per-example gradients of the encoder's trainable tensors alone,
+    # SUBSPACE_BATCH examples a backward pass (Opacus's layer hooks).
+    flags = {n: p.requires_grad for n, p in params.items()}
+    for name, param in params.items():
+        param.requires_grad_(name in encoder)
+    targets = [params[n] for n in encoder]
     was_training = model.training
     model.eval()  # no dropout: the directions of the model itself
     try:
-        for i, row in enumerate(np.sort(rows).tolist()):
-            batch = to_device(task.collate(examples[[row]]), device_of(model))
-            loss = task.example_losses(model(**task.model_inputs(batch)), batch)[0]
-            labelled.append(features.pop()[batch["labels"] != IGNORE].cpu())
-            grads = torch.autograd.grad(loss, [params[n] for n in encoder], allow_unused=True)
-            gradients[i] = torch.cat(
-                [
-                    (g if g is not None else torch.zeros_like(params[n])).reshape(-1).cpu()
-                    for n, g in zip(encoder, grads, strict=True)
-                ]
-            )
+        with layer_hooks(model):
+            # By length, so a pass pads little (the basis does not depend
+            # on the order of the examples).
+            lengths = np.asarray([len(examples[int(r)]["input_ids"]) for r in rows])
+            ordered = rows[np.lexsort((rows, lengths))].tolist()
+            for start in range(0, count, SUBSPACE_BATCH):
+                chosen = ordered[start : start + SUBSPACE_BATCH]
+                batch = to_device(task.collate(examples[chosen]), device_of(model))
+                losses = task.example_losses(model(**task.model_inputs(batch)), batch)
+                labelled.append(features.pop()[batch["labels"] != IGNORE].cpu())
+                grads = per_example_gradients(model, targets, losses)
+                gradients[start : start + len(chosen)] = torch.cat(
+                    [g.reshape(len(chosen), -1).cpu() for g in grads], dim=1
+                )
     finally:
         hook.remove()
+        for name, param in params.items():
+            param.requires_grad_(flags[name])
         model.train(was_training)
     basis, held = top_directions(gradients, config.dp_subspace)
     tokens = torch.cat(labelled)

@@ -24,6 +24,8 @@ unit is one row, else hooks.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -109,6 +111,58 @@ def _fold_rows(params: list[nn.Parameter], owner: torch.Tensor) -> None:
                 0, owner.to(g.device), g
             )
         p.grad_sample = g
+
+
+def per_example_gradients(
+    model: nn.Module, params: list[nn.Parameter], losses: torch.Tensor
+) -> list[torch.Tensor]:
+    """Each example's gradient of ``losses[i]`` for every tensor of
+    ``params`` (``(examples, *shape)`` each), in one backward pass through
+    Opacus's layer hooks. ``losses`` must come from a forward pass taken
+    inside :func:`layer_hooks` on ``model``; ``.grad`` is left untouched."""
+    saved = [p.grad for p in params]
+    try:
+        with warnings.catch_warnings():
+            # The first trainable layer's input needs no gradient: expected.
+            warnings.filterwarnings("ignore", "Full backward hook is firing", UserWarning)
+            losses.sum().backward(inputs=params)
+        grads = [p.grad_sample for p in params]
+    finally:
+        for p, grad in zip(params, saved, strict=True):
+            p.grad, p.grad_sample = grad, None
+    missing = [i for i, g in enumerate(grads) if g is None]
+    if missing:
+        raise ValueError(f"no per-example gradient for {len(missing)} tensors (unsupported layer)")
+    return grads
+
+
+class layer_hooks:  # noqa: N801 - a context manager, used like a function
+    """Opacus's per-example gradient hooks on ``model`` for the ``with``
+    block (see :func:`per_example_gradients`).
+
+    Opacus records a layer's inputs only in training mode: the layers that
+    own trainable tensors are put in it for the block (linear, LayerNorm
+    and embedding layers compute the same in both), the rest keep their
+    mode, so an evaluating model keeps its dropout off."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __enter__(self):
+        _opacus_with_own_layers()
+        from opacus.grad_sample import GradSampleHooks
+
+        self.modes = {m: m.training for m in self.model.modules()}
+        for module in self.model.modules():
+            if any(p.requires_grad for p in module.parameters(recurse=False)):
+                module.train()
+        self.hooks = GradSampleHooks(self.model, loss_reduction="sum", strict=False)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.hooks.cleanup()
+        for module, training in self.modes.items():
+            module.training = training
 
 
 class HooksClipping:

@@ -324,6 +324,58 @@ def test_a_private_step_noises_in_the_subspace_it_is_handed_within_a_round():
     assert float(outside_first.norm()) > 0.1 * float(moved.norm())  # not the first's
 
 
+def test_per_example_gradients_are_each_examples_own():
+    from torch import nn
+
+    from clinfed.privacy.clipping import layer_hooks, per_example_gradients
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(5, 4), nn.LayerNorm(4), nn.Tanh(), nn.Dropout(0.5), nn.Linear(4, 3)
+    ).eval()  # the dropout stays off
+    model[0].weight.requires_grad_(False)  # only what is asked for
+    targets = [model[0].bias, model[1].weight, model[4].weight]
+    x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
+    with layer_hooks(model):
+        losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+        grads = per_example_gradients(model, targets, losses)
+    for i in range(6):
+        loss = nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1])
+        for got, want in zip(grads, torch.autograd.grad(loss, targets), strict=True):
+            assert torch.allclose(got[i], want, atol=1e-6)
+    assert all(p.grad is None for p in model.parameters())  # .grad left untouched
+    assert not any(m.training for m in model.modules())  # the modes put back
+
+
+def test_the_public_gradients_do_not_depend_on_how_they_are_batched(
+    tiny_run, tmp_path, monkeypatch
+):
+    import clinfed.warmstart as warmstart
+
+    matrices = []
+    find = warmstart.top_directions
+
+    def spy(gradients, rank):
+        if gradients.shape[1] != HEAD_FEATURE_RANK:  # the encoder's, not token features
+            matrices.append(gradients.clone())
+        return find(gradients, rank)
+
+    monkeypatch.setattr(warmstart, "top_directions", spy)
+    public = str(_public(tmp_path / "public"))
+    for batch in (1, 7):  # one example a pass (the reference); 7, padded, not dividing 30
+        monkeypatch.setattr(warmstart, "SUBSPACE_BATCH", batch)
+        tiny_run(
+            out=tmp_path / f"b{batch}", adapter="bias", noise_multiplier=2.0, batch_size=8,
+            local_epochs=1, public_data=public, public_types="Disease=problem,Chemical=treatment",
+            reproducible_noise=True, max_length=128, dp_subspace=4, dp_subspace_examples=30,
+            public_epochs=0,
+        )  # fmt: skip
+    one, batched = matrices[0], matrices[-1]
+    assert one.shape == batched.shape and one.shape[0] == 30
+    assert float(one.abs().max()) > 0
+    assert torch.allclose(one, batched, atol=1e-5, rtol=1e-4)
+
+
 def test_the_share_held_is_the_projected_sums_share_of_its_squared_norm():
     space, basis = _space()
     inside = 2.0 * basis[0] - basis[2]  # in the basis
