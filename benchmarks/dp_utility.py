@@ -477,8 +477,9 @@ def main() -> None:
             "public_examples": args.public_examples,
         }
         settings["model"] = str(starting_model(work, settings | public_settings))
-        if settings.get("dp_subspace"):
-            # The subspace is found on the same public text, at the saved start.
+        if settings.get("dp_subspace") or settings.get("dp_public_mix"):
+            # The subspace is found, and the public gradient taken, on the
+            # same public text, at the saved start.
             settings |= public_settings | {"public_epochs": 0}
     torch.set_num_threads(max(1, args.threads))
 

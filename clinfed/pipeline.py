@@ -135,6 +135,9 @@ class _Prepared:
     subspace: Callable[[nn.Module], GradientSubspace] | None = None
     # Under --public-check: the server's judge of each round's model (public).
     check: PublicCheck | None = None
+    # Under --dp-public-mix: adds the public text's gradient to a site's
+    # private step (public, no privacy spent).
+    public_mix: Callable[[nn.Module], None] | None = None
 
 
 def _finish(
@@ -231,6 +234,13 @@ def _train(config: RunConfig, report: Reporter) -> dict[str, Any]:
             )
             subspace_record["refresh"] = config.dp_subspace_refresh
             subspace_record["refresh_epochs"] = config.dp_subspace_refresh_epochs
+        mix = mix_record = None
+        if config.dp and config.dp_public_mix:
+            # The public text's gradient in every private step
+            # (clinfed.warmstart.PublicMix): post-processing, no privacy spent.
+            from clinfed.warmstart import public_mix
+
+            mix, mix_record = public_mix(config, task, model, tokenizer, cache_dir, problems)
         check = check_record = None
         if config.public_check:
             # The server's judge of each round (clinfed.federated.public_check),
@@ -241,7 +251,7 @@ def _train(config: RunConfig, report: Reporter) -> dict[str, Any]:
         train = task.encode(corpus.train, tokenizer, config.max_length, cache_dir)
         test = task.encode(corpus.test, tokenizer, config.max_length, cache_dir)
         prep = _Prepared(
-            task, corpus, tokenizer, model, Path(config.out), cache_dir, subspace, check
+            task, corpus, tokenizer, model, Path(config.out), cache_dir, subspace, check, mix
         )
         if strategy_cls.pooled:
             out = create_run_folder(config.out)
@@ -272,7 +282,15 @@ def _train(config: RunConfig, report: Reporter) -> dict[str, Any]:
         if not config.resume:
             out = create_run_folder(config.out)
             _write_start(
-                out, config, task, corpus, "in-process", public, subspace_record, check_record
+                out,
+                config,
+                task,
+                corpus,
+                "in-process",
+                public,
+                subspace_record,
+                check_record,
+                mix_record,
             )
             if holdout:
                 atomic_write_json(
@@ -350,6 +368,7 @@ def _write_start(
     public=None,
     subspace=None,
     check=None,
+    mix=None,
 ) -> None:
     from clinfed.provenance import data_fingerprint
 
@@ -360,6 +379,8 @@ def _write_start(
         record["public_subspace"] = subspace
     if check is not None:
         record["public_check_text"] = check
+    if mix is not None:
+        record["public_mix"] = mix
     if config.data and Path(config.data).is_dir():
         # Which data the run read, without naming a note: SHA-256 over its files.
         record["data_fingerprint"] = data_fingerprint(Path(config.data))
@@ -672,6 +693,7 @@ def _federated(
             report=report,
             audit_dir=prep.out / AUDIT_UPDATES if config.audit_holdout else None,
             subspace=prep.subspace,
+            public_mix=prep.public_mix,
         )
         for client, idx in sorted(clients.items())
     }

@@ -350,6 +350,24 @@ class PrivacySettings:
         maximum=1.0,
         simulator_only=True,
     )
+    dp_public_mix: float = setting(
+        0.0,
+        "Under DP with --public-data: add this weight times the gradient of the public "
+        "text's loss, at the site's current local model, to each private step (public "
+        "data-assisted DP-SGD). The public term is noise-free post-processing: the "
+        "accounting does not change. 0: off.",
+        minimum=0.0,
+        maximum=100.0,
+        simulator_only=True,
+    )
+    dp_public_batch: int = setting(
+        32,
+        "Under --dp-public-mix: public examples in each step's public batch (drawn with the "
+        "run's seed: public text, public order).",
+        minimum=1,
+        maximum=4_096,
+        simulator_only=True,
+    )
     reproducible_noise: bool = setting(
         False,
         "Derive DP noise and sampling from the public seed instead of OS entropy (tests and "
@@ -583,10 +601,25 @@ class RunConfig(
                 "--dp-residual is the share kept outside the public subspace: it needs "
                 "--dp-subspace"
             )
-        if self.public_epochs == 0 and self.public_data and not self.dp_subspace:
+        if self.dp_public_mix:
+            if not self.dp:
+                raise ClinfedError(
+                    "--dp-public-mix needs DP (--target-epsilon or --noise-multiplier): "
+                    "without DP, train on the public text with --public-data"
+                )
+            if not self.public_data:
+                raise ClinfedError(
+                    "--dp-public-mix needs --public-data: its gradient is taken on public "
+                    "text (add --public-epochs 0 to keep a warm-started --model as it is)"
+                )
+        if (
+            self.public_epochs == 0
+            and self.public_data
+            and not (self.dp_subspace or self.dp_public_mix)
+        ):
             raise ClinfedError(
-                "--public-epochs 0 leaves --public-data unused: give --dp-subspace, or "
-                "at least one epoch"
+                "--public-epochs 0 leaves --public-data unused: give --dp-subspace or "
+                "--dp-public-mix, or at least one epoch"
             )
         if self.public_check:
             if strategy.pooled or not strategy.shares_model:

@@ -296,6 +296,96 @@ class PublicSubspaces:
         return space
 
 
+class PublicMix:
+    """``--dp-public-mix W``: each private step also descends the public
+    text's loss at the site's current model, at weight ``W``.
+
+    Under DP-SGD a site's step is its clipped, noised gradient; this adds
+    ``W`` times the mean gradient of a batch of ``--dp-public-batch`` public
+    examples, taken at the same local model, before the optimizer steps
+    (public data-assisted DP training: Golatkar et al. 2022, "Mixed
+    differential privacy in computer vision"; Amid et al. 2022, "Public
+    data-assisted mirror descent for private model training"). The public
+    term carries no noise, so the step keeps what the warm start taught
+    instead of letting the noise walk it away, while the private sum
+    adapts the model to the site's text.
+
+    Privacy: the local model is a function of the global model (a DP
+    release) and of the site's own noised steps; the public batch is public
+    text drawn with a public generator. The added term is post-processing
+    of what the accountant already covers, so epsilon does not change.
+
+    Call it with a site's model (DP-SGD's hooks attached) after the noise
+    is on its gradients: the public gradient is taken on a hook-free copy
+    and added to the trainable parameters' ``.grad``.
+    """
+
+    def __init__(self, config: Any, task: Task, examples: Any, start: nn.Module) -> None:
+        if not len(examples):
+            raise ClinfedError("--dp-public-mix: the public text has no annotated examples")
+        self.task, self.examples = task, examples
+        self.weight = float(config.dp_public_mix)
+        self.batch = min(int(config.dp_public_batch), len(examples))
+        # Public text, public order: the draw protects nothing, so it comes
+        # from the run's seed (and is the same wherever the site runs).
+        self.order = np.random.default_rng([config.seed, 13])
+        self.lengths = np.asarray([len(ids) for ids in examples["input_ids"]])
+        # Within a round the site's model carries DP-SGD's hooks, which a
+        # public backward pass must not feed: the gradient is taken on a copy.
+        self.scratch = copy.deepcopy(start)
+
+    def __call__(self, model: nn.Module) -> None:
+        """Add ``W`` times the public batch's mean gradient to the ``.grad``
+        of ``model``'s trainable parameters."""
+        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self.scratch.load_state_dict(model.state_dict())
+        for name, param in self.scratch.named_parameters():
+            param.requires_grad_(name in params)
+            param.grad = None
+        self.scratch.train(model.training)
+        rows = self.order.choice(len(self.examples), self.batch, replace=False)
+        rows = rows[np.argsort(self.lengths[rows], kind="stable")].tolist()
+        batch = to_device(self.task.collate(self.examples[rows]), device_of(model))
+        losses = self.task.example_losses(self.scratch(**self.task.model_inputs(batch)), batch)
+        losses.mean().backward()
+        with torch.no_grad():
+            for name, param in self.scratch.named_parameters():
+                if name not in params or param.grad is None:
+                    continue
+                target = params[name]
+                if target.grad is None:
+                    target.grad = torch.zeros_like(target)
+                target.grad.add_(param.grad, alpha=self.weight)
+                param.grad = None
+
+
+def public_mix(
+    config: Any,
+    task: Task,
+    model: nn.Module,
+    tokenizer: Any,
+    cache_dir: str,
+    problems: ProblemLog,
+) -> tuple[PublicMix, dict[str, Any]]:
+    """``--dp-public-mix``'s public gradient source, on the examples the
+    warm start drew from ``config.public_data``; and what ``config.json``
+    says of it."""
+    from clinfed.provenance import data_fingerprint
+
+    order = np.random.default_rng([config.seed, 11])  # the warm start's draw
+    examples, annotated = public_examples(config, task, tokenizer, cache_dir, problems, order)
+    mix = PublicMix(config, task, examples, model)
+    record = {
+        "folder": str(Path(config.public_data).resolve()),
+        "data_fingerprint": data_fingerprint(Path(config.public_data)),
+        "examples": len(examples),
+        "types": annotated,
+        "weight": mix.weight,
+        "batch": mix.batch,
+    }
+    return mix, record
+
+
 def public_subspace(
     config: Any,
     task: Task,

@@ -80,6 +80,10 @@ class LocalWork:
     # The public subspace at a given model (public text only), for
     # LocalSettings.subspace_refresh_epochs; None keeps ``subspace``.
     find_subspace: Callable[[nn.Module], GradientSubspace] | None = None
+    # Under DP: adds the public text's gradient at the local model to the
+    # model's ``.grad`` after each private step's noise
+    # (clinfed.warmstart.PublicMix); None adds nothing.
+    public_gradient: Callable[[nn.Module], None] | None = None
 
 
 @dataclass
@@ -228,6 +232,27 @@ class IterateAverage:
             param.copy_(self.average[name])
 
 
+def _extra_grad(
+    model: nn.Module, objective: Any, public_gradient: Callable[[nn.Module], None] | None
+) -> Callable[[], None] | None:
+    """What a private step adds after its noise: the strategy's
+    data-independent term (FedProx's proximal gradient) and the public
+    text's gradient at the local model, each costing no privacy."""
+    parts = []
+    if objective is not None:
+        parts.append(objective.grad)
+    if public_gradient is not None:
+        parts.append(lambda: public_gradient(model))
+    if not parts:
+        return None
+
+    def add() -> None:
+        for part in parts:
+            part()
+
+    return add
+
+
 def client_update(work: LocalWork, objective: Any = None) -> ClientResult:
     """Train ``work.model`` on ``work.dataset`` under ``work.plan``; return
     the planned upload. Under DP ``work.randomness`` must be set.
@@ -276,7 +301,7 @@ def client_update(work: LocalWork, objective: Any = None) -> ClientResult:
             dp.batch_size or settings.batch_size,
             work.randomness,
             one_row_per_example=work.task.head == "token",
-            extra_grad=objective.grad if objective is not None else None,
+            extra_grad=_extra_grad(model, objective, work.public_gradient),
             subspace=work.subspace,
         )
         # Each pass over the Poisson steps draws a fresh epoch of batches.

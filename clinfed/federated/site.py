@@ -124,6 +124,7 @@ class SiteRunner:
         max_evaluations: int | None = None,
         run_name: str = "",
         subspace: Callable[[nn.Module], GradientSubspace] | None = None,
+        public_mix: Callable[[nn.Module], None] | None = None,
     ):
         self.name, self.task, self.model, self.strategy = name, task, model, strategy
         self.initial_state = initial_state
@@ -140,6 +141,9 @@ class SiteRunner:
         # function of the model the round starts from (or None); its
         # ``at_local_model``, where it has one, finds it within a round.
         self.subspace = subspace
+        # Under DP: adds the public text's gradient to each private step
+        # (clinfed.warmstart.PublicMix), or None.
+        self.public_mix = public_mix
         # An auditing run keeps each site's latest update as the server saw
         # it (the global model it received with the upload overlaid).
         self.audit_dir = audit_dir
@@ -514,6 +518,7 @@ class SiteRunner:
                     else None
                 ),
                 find_subspace=getattr(self.subspace, "at_local_model", None),
+                public_gradient=self.public_mix if dp is not None else None,
             )
             result = self.strategy.local_update(work)
             bytes_up = len(payload.encode(result.upload)) if plan.uploaded else 0
