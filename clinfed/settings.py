@@ -437,6 +437,7 @@ METADATA_KEYS = {
     "public_start",
     "public_subspace",
     "public_check_text",
+    "public_mix",
     "clinfed_version",
     "runner",
     "deployment",

@@ -14,6 +14,7 @@ from torch import nn
 from clinfed.errors import ClinfedError
 from clinfed.warmstart import PublicMix
 
+from .test_cli import run_cli
 from .test_warmstart import _public
 
 
@@ -143,6 +144,26 @@ def test_a_private_run_adds_the_public_gradient_to_every_step_at_the_same_epsilo
     assert calls == []
     assert mixed_run["epsilon"] == plain["epsilon"]  # the same accounting
     assert "public_mix" not in json.loads((tmp_path / "plain" / "config.json").read_text())
+
+
+def test_the_flag_reaches_the_run_and_its_privacy_report(i2b2_corpus, tmp_path):
+    out = tmp_path / "run"
+    trained = run_cli(
+        "train", "--task", "i2b2", "--data", str(i2b2_corpus), "--model", "tiny",
+        "--strategy", "fedavg", "--adapter", "bias", "--rounds", "1", "--max-length", "32",
+        "--threads", "1", "--target-epsilon", "8", "--out", str(out),
+        "--public-data", str(_public(tmp_path / "public")),
+        "--public-types", "Disease=problem,Chemical=treatment",
+        "--dp-public-mix", "0.25", "--dp-public-batch", "4",
+    )  # fmt: skip
+    assert trained.returncode == 0, trained.stderr
+    record = json.loads((out / "config.json").read_text())["public_mix"]
+    assert (record["weight"], record["batch"]) == (0.25, 4)
+    reported = run_cli("report", str(out))
+    assert reported.returncode == 0, reported.stderr
+    page = (out / "report" / "report.md").read_text()
+    assert "each DP-SGD step also descended the loss on public text public" in page
+    assert "(60 examples, 4 a step) at weight 0.25, without noise" in page
 
 
 @pytest.mark.parametrize(
