@@ -22,7 +22,7 @@ from pathlib import Path
 
 PLAN_KEYS = (
     *("strategy", "adapter", "local_epochs", "lr", "head_lr", "lr_decay", "batch_size"),
-    *("neighbours", "optimizer", "max_grad_norm"),
+    *("neighbours", "optimizer", "max_grad_norm", "dp_public_mix"),
 )
 
 
