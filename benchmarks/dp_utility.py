@@ -35,6 +35,12 @@ elements and common compounds, never edited against BC5CDR) applied:
 NCBI-disease's chemicals, which its annotation leaves ``O``, tagged
 ``Chemical`` by lookup, and each drug mention of the synthetic notes
 replaced by a name drawn from the lexicon (distant supervision).
+``--held-out N`` (bc5cdr) keeps the last N sentences of the train split
+out of the sites and adds them to the public text: text annotated to the
+sites' own guidelines (CDR's), as a hospital has once it annotates some
+public text, or text it may release, as it annotates its notes. The sites
+are cut from the rest (``bc5cdr-held{N}-corpus``); ``--public held-out``
+warm-starts on that text alone.
 ``--public none`` starts from the bundled encoder; ``--public-examples N``
 caps the public sentences. ``--set KEY=VALUE`` (repeatable) overrides any
 run setting (JSON values: ``--set local_epochs=3``). ``--epsilon inf`` runs
@@ -191,12 +197,23 @@ def lexicon_notes(folder: Path) -> Path:
     return folder
 
 
-def corpus(kind: str, folder: Path, docs: int) -> tuple[dict, Path, str]:
-    """Write the corpus under ``folder`` once: (settings, public folder, public types)."""
+def corpus(kind: str, folder: Path, docs: int, held_out: int = 0) -> tuple[dict, Path, str]:
+    """Write the corpus under ``folder`` once: (settings, public folder, public types).
+    With ``held_out``, the train split's last sentences are written to
+    ``folder/held-out/cdr-train-held-out.tsv`` instead of to a site."""
     data = folder / "data"
     if kind == "bc5cdr":
         if not data.exists():
-            write_sites(sentences(SHARED / "bc5cdr" / "train.tsv"), data / "train", "train.tsv")
+            train = sentences(SHARED / "bc5cdr" / "train.tsv")
+            if held_out:
+                if not 0 < held_out < len(train) // 2:
+                    raise SystemExit(f"--held-out {held_out}: 1 to {len(train) // 2 - 1}")
+                train, public = train[:-held_out], train[-held_out:]
+                (folder / "held-out").mkdir(parents=True, exist_ok=True)
+                (folder / "held-out" / "cdr-train-held-out.tsv").write_text(
+                    "\n\n".join(public) + "\n", encoding="utf-8"
+                )
+            write_sites(train, data / "train", "train.tsv")
             write_sites(sentences(SHARED / "bc5cdr" / "devel.tsv"), data / "test", "devel.tsv")
         public = folder / "public"
         if not public.exists():  # NCBI-disease alone: BC5CDR's train split is the private data
@@ -428,9 +445,12 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=160, help="i2b2: notes per site")
     parser.add_argument("--epsilon", type=float, default=8.0, help="inf: no DP")
     parser.add_argument(
-        "--public", default="auto", help="auto, none, drugs or lexicon (bc5cdr), or a folder"
+        "--public", default="auto", help="auto, none, drugs, lexicon, held-out (bc5cdr) or a folder"
     )
     parser.add_argument("--public-examples", type=int, default=0)
+    parser.add_argument(
+        "--held-out", type=int, default=0, help="bc5cdr: train sentences made public, not a site's"
+    )
     parser.add_argument(
         "--public-types", default=None, help="with --public DIR: its types mapped (--types syntax)"
     )
@@ -441,9 +461,14 @@ def main() -> None:
 
     from clinfed.pipeline import RunConfig, run_training
 
+    if args.held_out and args.corpus != "bc5cdr":
+        parser.error("--held-out is for --corpus bc5cdr")
+    if args.public == "held-out" and not args.held_out:
+        parser.error("--public held-out needs --held-out N")
     name = "bc5cdr" if args.corpus == "bc5cdr" else f"i2b2-{args.docs}"
+    name += f"-held{args.held_out}" if args.held_out else ""
     work = args.out.parent / f"{name}-corpus"
-    data_settings, public, public_types = corpus(args.corpus, work, args.docs)
+    data_settings, public, public_types = corpus(args.corpus, work, args.docs, args.held_out)
     settings = {
         "task": "i2b2",
         "data": str(work / "data"),
@@ -468,6 +493,20 @@ def main() -> None:
         make = drug_notes if args.public == "drugs" else lexicon_notes
         public, public_types = make(work / f"public-{args.public}"), TYPES
         args.public = "auto"
+    elif args.public == "held-out":
+        public, public_types, args.public = work / "held-out", TYPES, "auto"
+    if args.held_out and args.public == "auto" and public != work / "held-out":
+        # The guideline-annotated sentences join the chosen public text.
+        both = work / f"{public.name}+held-out"
+        if not both.exists():
+            partial = both.with_name(f"{both.name}.{os.getpid()}.partial")
+            shutil.copytree(public, partial)
+            shutil.copy(work / "held-out" / "cdr-train-held-out.tsv", partial)
+            try:
+                partial.rename(both)
+            except OSError:  # another run's got there first (the same files)
+                shutil.rmtree(partial)
+        public, public_types = both, TYPES
     if args.public != "none":
         # Warm-started once per corpus and public text (clinfed warm-start),
         # then every run starts from the saved model, with or without DP.
