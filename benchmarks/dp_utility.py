@@ -40,7 +40,9 @@ out of the sites and adds them to the public text: text annotated to the
 sites' own guidelines (CDR's), as a hospital has once it annotates some
 public text, or text it may release, as it annotates its notes. The sites
 are cut from the rest (``bc5cdr-held{N}-corpus``); ``--public held-out``
-warm-starts on that text alone.
+warm-starts on that text alone; ``--held-out-epochs E`` warm-starts on
+the ``--public`` text first, then E epochs on the held-out text alone from
+that model (its guidelines last).
 ``--public none`` starts from the bundled encoder; ``--public-examples N``
 caps the public sentences. ``--set KEY=VALUE`` (repeatable) overrides any
 run setting (JSON values: ``--set local_epochs=3``). ``--epsilon inf`` runs
@@ -454,6 +456,12 @@ def main() -> None:
     parser.add_argument(
         "--public-types", default=None, help="with --public DIR: its types mapped (--types syntax)"
     )
+    parser.add_argument(
+        "--held-out-epochs",
+        type=int,
+        default=0,
+        help="warm-start on the --public text, then this many epochs on the held-out alone",
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -463,6 +471,8 @@ def main() -> None:
 
     if args.held_out and args.corpus != "bc5cdr":
         parser.error("--held-out is for --corpus bc5cdr")
+    if args.held_out_epochs and (not args.held_out or args.public in ("held-out", "none")):
+        parser.error("--held-out-epochs needs --held-out N and a --public text to start from")
     if args.public == "held-out" and not args.held_out:
         parser.error("--public held-out needs --held-out N")
     name = "bc5cdr" if args.corpus == "bc5cdr" else f"i2b2-{args.docs}"
@@ -495,7 +505,12 @@ def main() -> None:
         args.public = "auto"
     elif args.public == "held-out":
         public, public_types, args.public = work / "held-out", TYPES, "auto"
-    if args.held_out and args.public == "auto" and public != work / "held-out":
+    if (
+        args.held_out
+        and args.public == "auto"
+        and public != work / "held-out"
+        and not args.held_out_epochs
+    ):
         # The guideline-annotated sentences join the chosen public text.
         both = work / f"{public.name}+held-out"
         if not both.exists():
@@ -516,6 +531,16 @@ def main() -> None:
             "public_examples": args.public_examples,
         }
         settings["model"] = str(starting_model(work, settings | public_settings))
+        if args.held_out_epochs:
+            # Then on the guideline-annotated sentences alone, from that model.
+            public_settings = {
+                "public_data": str(work / "held-out"),
+                "public_types": TYPES,
+                "public_examples": 0,
+                "public_epochs": args.held_out_epochs,
+            }
+            settings["model"] = str(starting_model(work, settings | public_settings))
+            del public_settings["public_epochs"]
         if settings.get("dp_subspace") or settings.get("dp_public_mix"):
             # The subspace is found, and the public gradient taken, on the
             # same public text, at the saved start.

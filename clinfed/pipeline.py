@@ -218,6 +218,7 @@ def _train(config: RunConfig, report: Reporter) -> dict[str, Any]:
             from clinfed.warmstart import warm_start
 
             public = warm_start(config, task, model, tokenizer, cache_dir, problems, report)
+            public = after_saved_start(public, config.model)
         else:
             public = saved_public_start(config.model)
         subspace = subspace_record = None
@@ -473,6 +474,14 @@ def make_model(config: RunConfig, task: Task) -> nn.Module:
     return model
 
 
+def after_saved_start(public: dict[str, Any], spec: str) -> dict[str, Any]:
+    """A warm start on a model that was itself warm-started (``--model
+    START``) keeps the earlier one in its record (``after``), so the run's
+    config and report name every public text its start saw."""
+    earlier = saved_public_start(spec)
+    return public if earlier is None else public | {"after": earlier}
+
+
 def saved_public_start(spec: str) -> dict[str, Any] | None:
     """The public warm start a saved starting model (``--model RUN/model``)
     went through, if any: the run records it as its own, with the model's
@@ -508,6 +517,7 @@ def warm_start_model(config: RunConfig, report: Reporter = _quiet) -> dict[str, 
         tokenizer = load_tokenizer(config.model)
         model = make_model(config, task)
         public = warm_start(config, task, model, tokenizer, cache_dir, problems, report)
+        public = after_saved_start(public, config.model)
     meta = task.meta() | {
         "max_length": config.max_length,
         "encoder": config.model,

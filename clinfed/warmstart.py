@@ -497,10 +497,17 @@ def public_subspace(
 
 
 def describe(record: dict[str, Any]) -> str:
-    """The warm start in one line for a person (the report's header)."""
+    """The warm start in one line for a person (the report's header); a
+    start made on an earlier start names every public text, first to last."""
+    stages = []
+    while record:
+        stages.append(
+            f"{Path(record['folder']).name} ({record['examples']:,} examples, types "
+            f"{', '.join(record['types']) or 'none'}, "
+            f"{record['epochs']} epoch{'s' if record['epochs'] != 1 else ''})"
+        )
+        record = record.get("after")
     return (
-        f"trained on public text {Path(record['folder']).name} "
-        f"({record['examples']:,} examples, types {', '.join(record['types']) or 'none'}, "
-        f"{record['epochs']} epoch{'s' if record['epochs'] != 1 else ''}) before round 1, "
+        f"trained on public text {', then '.join(reversed(stages))} before round 1, "
         "without DP: no site's data, no privacy spent"
     )

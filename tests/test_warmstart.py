@@ -208,3 +208,32 @@ def test_the_audit_measures_from_the_warm_started_model(i2b2_corpus, tmp_path):
         initial = starting_model(config, task, tokenizer, cache)
     started = json.loads((run / "state.json").read_text())["digests"]["0"]
     assert payload.digest(initial.state_dict()) == started
+
+
+def test_a_warm_start_made_on_an_earlier_one_names_both_texts(i2b2_corpus, tmp_path):
+    # General public text first, then text annotated to the sites' own
+    # guidelines (what moved BC5CDR most, docs/results.md): the run's record
+    # and report must name both, first to last.
+    general = _public(tmp_path / "general")
+    ours = _public(tmp_path / "ours", copies=5)
+    mapped = ("--public-types", "Disease=problem,Chemical=treatment")
+    common = ("--task", "i2b2", "--data", str(i2b2_corpus), "--max-length", "32", "--threads", "1")
+    first = run_cli(
+        "warm-start", *common, "--model", "tiny", "--public-data", str(general), *mapped,
+        "--out", str(tmp_path / "s1"),
+    )  # fmt: skip
+    assert first.returncode == 0, first.stderr
+    second = run_cli(
+        "warm-start", *common, "--model", str(tmp_path / "s1"), "--public-data", str(ours),
+        *mapped, "--public-epochs", "3", "--out", str(tmp_path / "s2"),
+    )  # fmt: skip
+    assert second.returncode == 0, second.stderr
+    assert _train(i2b2_corpus, tmp_path / "run", "--model", str(tmp_path / "s2")).returncode == 0
+
+    record = json.loads((tmp_path / "run" / "config.json").read_text())["public_start"]
+    assert (record["examples"], record["epochs"], Path(record["folder"]).name) == (15, 3, "ours")
+    assert (record["after"]["examples"], Path(record["after"]["folder"]).name) == (60, "general")
+    assert run_cli("report", str(tmp_path / "run")).returncode == 0
+    page = (tmp_path / "run" / "report" / "report.md").read_text()
+    assert "public text general (60 examples" in page
+    assert "then ours (15 examples, types problem, treatment, 3 epochs) before round 1" in page
