@@ -47,6 +47,12 @@ that model (its guidelines last).
 caps the public sentences. ``--set KEY=VALUE`` (repeatable) overrides any
 run setting (JSON values: ``--set local_epochs=3``). ``--epsilon inf`` runs
 the same plan without DP from the same starting model (the reference).
+``--extend RUN --rounds R`` continues RUN, this command's finished run of
+fewer rounds, to R rounds (a copy in OUT; RUN is kept): a long run in
+parts, each of which fits a session. Refused unless nothing in RUN's
+rounds depended on the round count (``lr_decay=none``; under DP a fixed
+``--set noise_multiplier``, not a target epsilon); epsilon after R rounds
+is then the same as a run started with R rounds.
 
 Prints one line per round: strict F1 (micro, then recall and precision per
 type), and under DP the mean over the round's steps of the clipped
@@ -440,6 +446,47 @@ class Observer:
         return line
 
 
+def extendable(run: Path, settings: dict) -> dict:
+    """The result of ``run`` if this command may continue it (``--extend``).
+
+    A run of R rounds continued to R' is the run started with R' rounds
+    only when nothing in its first R rounds depended on the round count:
+    a constant rate (a linear decay spreads over the planned rounds) and a
+    fixed noise multiplier (a target epsilon calibrates the noise to the
+    planned rounds). Its noise draws are its own either way (secret)."""
+    path = run / "dp_utility.json"
+    if not path.is_file():
+        sys.exit(f"--extend {run}: no dp_utility.json (not a finished dp_utility run)")
+    earlier = json.loads(path.read_text())
+    if settings.get("lr_decay") != "none":
+        sys.exit("--extend needs --set lr_decay=none: a decaying rate depends on the rounds")
+    if "target_epsilon" in settings:
+        sys.exit(
+            "--extend needs --epsilon inf (with --set noise_multiplier=... under DP): "
+            "a target epsilon's noise depends on the rounds"
+        )
+    ignored = ("rounds", "threads")
+    ours = {k: v for k, v in settings.items() if k not in ignored}
+    theirs = {k: v for k, v in earlier["settings"].items() if k not in ignored}
+    if ours != theirs:
+        differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+        sys.exit(f"--extend {run}: its settings differ in {', '.join(differ)}")
+    if earlier["settings"]["rounds"] >= settings["rounds"]:
+        sys.exit(f"--extend {run}: it has {earlier['settings']['rounds']} rounds already")
+    return earlier
+
+
+def copy_for_extension(run: Path, out: Path, rounds: int) -> None:
+    """``run`` copied to ``out`` with its planned rounds raised to ``rounds``
+    (the one setting a resume may not otherwise change)."""
+    shutil.copytree(run, out)
+    (out / "dp_utility.json").unlink()
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text())
+    config["federation"]["rounds"] = rounds
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
@@ -463,6 +510,13 @@ def main() -> None:
         help="warm-start on the --public text, then this many epochs on the held-out alone",
     )
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--extend",
+        type=Path,
+        default=None,
+        metavar="RUN",
+        help="continue RUN (this command with fewer --rounds) to --rounds: its rounds kept",
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
@@ -551,25 +605,34 @@ def main() -> None:
     observer.attach()
     rounds: list[dict] = []
 
+    earlier = extendable(args.extend, settings) if args.extend else None
+    done = len(earlier["rounds"]) if earlier else 0
+
     def on_event(event: str, info: dict) -> None:
         if event == "site_end" and "epsilon" in info:
             observer.epsilon[info["round"]][info["client"]] = info["epsilon"]
-        elif event == "round_end":
+        elif event == "round_end" and info["round"] > done:  # a resume replays the kept ones
             rounds.append(observer.round_line(info))
 
     if args.out.exists():
         shutil.rmtree(args.out)
+    if earlier is not None:
+        copy_for_extension(args.extend, args.out, args.rounds)
     started = time.perf_counter()
-    summary = run_training(RunConfig.of(out=str(args.out), **settings), on_event)
+    summary = run_training(
+        RunConfig.of(out=str(args.out), resume=earlier is not None, **settings), on_event
+    )
     result = {
         "command": " ".join(sys.argv),
         "corpus": args.corpus,
         "settings": settings,
-        "rounds": rounds,
+        "rounds": (earlier["rounds"] if earlier else []) + rounds,
         "f1": summary["f1"],
         "epsilon": summary.get("epsilon"),
-        "wall_s": round(time.perf_counter() - started, 1),
+        "wall_s": round(time.perf_counter() - started + (earlier["wall_s"] if earlier else 0), 1),
     }
+    if earlier is not None:
+        result["extends"] = {"run": str(args.extend), "command": earlier["command"]}
     (args.out / "dp_utility.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: result[k] for k in ("f1", "epsilon", "wall_s")}))
 
