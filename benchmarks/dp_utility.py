@@ -614,6 +614,8 @@ def main() -> None:
         elif event == "round_end" and info["round"] > done:  # a resume replays the kept ones
             rounds.append(observer.round_line(info))
 
+    if earlier is not None and args.out.resolve() == args.extend.resolve():
+        sys.exit(f"--extend {args.extend}: OUT must be a new folder (the run is kept)")
     if args.out.exists():
         shutil.rmtree(args.out)
     if earlier is not None:
