@@ -394,6 +394,18 @@ class MachineSettings:
         "assumes does not hold.",
         choices=("fp32", "bf16"),
     )
+    dp_pass_units: int = setting(
+        0,
+        "Under DP, at most this many units in one forward/backward pass (0: no cap). A pass "
+        "holds a gradient of every trainable weight per unit (about 90 MB each for the whole "
+        "of MiniLM), so a large batch is cut into more passes to fit the GPU's memory; the "
+        "step, and so the privacy, is the same. On Flower each node sets its own "
+        "(node config dp-pass-units).",
+        minimum=0,
+        maximum=65_536,
+        simulator_only=True,
+        resumable=True,
+    )
     cache_dir: str | None = setting(
         None,
         "Keep tokenized data here for reuse (it holds note content: protect it like the "

@@ -114,7 +114,7 @@ def round_mechanism(examples: int, batch_size: int, epochs: int, noise: float) -
 MICROBATCH_OVERHEAD_TOKENS = 32
 
 
-def microbatches(lengths: np.ndarray, overhead_tokens: int) -> list[np.ndarray]:
+def microbatches(lengths: np.ndarray, overhead_tokens: int, max_units: int = 0) -> list[np.ndarray]:
     """Split one sampled batch into groups of similar length.
 
     Poisson sampling draws a batch whatever its rows' lengths (grouping by
@@ -132,8 +132,9 @@ def microbatches(lengths: np.ndarray, overhead_tokens: int) -> list[np.ndarray]:
     n = len(order)
     cost = np.zeros(n + 1)
     cut = np.full(n + 1, n)
+    widest = max_units if max_units > 0 else n
     for start in range(n - 1, -1, -1):  # a group starting here pads to longest[start]
-        sizes = np.arange(1, n - start + 1)
+        sizes = np.arange(1, min(n - start, widest) + 1)
         totals = overhead_tokens + sizes * longest[start] + cost[start + sizes]
         best = len(totals) - 1 - int(np.argmin(totals[::-1]))  # ties: fewer passes
         cost[start], cut[start] = totals[best], start + sizes[best]
@@ -164,12 +165,14 @@ class PoissonSteps:
         sampling: np.random.Generator,
         microbatch_overhead: int = MICROBATCH_OVERHEAD_TOKENS,
         population: int | None = None,
+        max_pass_units: int = 0,
     ):
         self.units = list(units)
         self.sampler = PoissonSampler(len(self.units), batch_size, sampling, population)
         # A pass pads to its longest row: a unit costs like its longest row.
         self.lengths = np.asarray([row_lengths[rows].max() for rows in self.units])
         self.overhead = microbatch_overhead
+        self.max_pass_units = max_pass_units
         self.grouped = any(len(rows) > 1 for rows in self.units)
 
     def __len__(self) -> int:
@@ -180,7 +183,7 @@ class PoissonSteps:
             idx = self.sampler.draw()
             passes = []
             if len(idx):
-                for group in microbatches(self.lengths[idx], self.overhead):
+                for group in microbatches(self.lengths[idx], self.overhead, self.max_pass_units):
                     members = [self.units[u] for u in idx[group]]
                     owner = torch.repeat_interleave(
                         torch.arange(len(members)), torch.tensor([len(m) for m in members])
@@ -372,6 +375,7 @@ def make_private(
     extra_grad: Callable[[], None] | None = None,
     microbatch_overhead: int = MICROBATCH_OVERHEAD_TOKENS,
     subspace: GradientSubspace | None = None,
+    max_pass_units: int = 0,
 ) -> tuple[PoissonSteps, PrivateStep]:
     """DP-SGD's steps and update for the parameters trainable now, in place
     of the plain ones of ``clinfed.training.run_epoch``.
@@ -401,9 +405,18 @@ def make_private(
         A public gradient subspace (:mod:`clinfed.privacy.subspace`): each
         step's clipped sum is noised there instead of coordinate by
         coordinate, at the same noise multiplier (the same accounting).
+    max_pass_units
+        At most this many units in one pass (0: no cap), to fit the
+        accelerator's memory; the step is the same.
     """
     steps = PoissonSteps(
-        units, row_lengths, batch_size, randomness.sampling, microbatch_overhead, dp.population
+        units,
+        row_lengths,
+        batch_size,
+        randomness.sampling,
+        microbatch_overhead,
+        dp.population,
+        max_pass_units,
     )
     mode = choose_clipping(model, dp.clipping, one_row_per_example, steps.grouped)
     # With frozen embeddings no module input requires a gradient, and torch

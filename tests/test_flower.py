@@ -156,6 +156,8 @@ def test_node_config_errors_name_the_key(tmp_path):
         NodeConfig.parse({"dta": str(tmp_path), "state": str(tmp_path)})
     with pytest.raises(ClinfedError, match="not a folder"):
         NodeConfig.parse({"data": str(tmp_path / "missing"), "state": str(tmp_path)})
+    with pytest.raises(ClinfedError, match="dp-pass-units must be 0"):
+        NodeConfig.parse({"data": str(tmp_path), "state": str(tmp_path), "dp-pass-units": -1})
 
 
 def test_flower_commands_refuse_to_run_without_tls_or_insecure(tmp_path, capsys):
@@ -403,6 +405,19 @@ def test_a_node_refuses_rounds_past_its_own_budget_whatever_the_server_asks(i2b2
         assert upload == {} and record["refused"] == "privacy budget"
         assert record["epsilon_if_trained"] > 0.5
         assert not list((tmp_path / "state").rglob("*.jsonl"))  # nothing charged
+    finally:
+        site.close()
+
+
+def test_a_node_sets_its_own_pass_cap_and_the_server_cannot(i2b2_corpus, tmp_path):
+    # The cap fits the node's GPU memory: the node's setting, never the server's.
+    values = {"data": str(i2b2_corpus), "state": str(tmp_path / "state"), "dp-pass-units": 16}
+    assert NodeConfig.parse(values).dp_pass_units == 16
+    with pytest.raises(ClinfedError, match="dp_pass_units: not a Flower setting"):
+        _site(i2b2_corpus, tmp_path, 8.0, dp_pass_units=512)
+    site = _site(i2b2_corpus, tmp_path, 8.0, node_options={"dp_pass_units": 16}, target_epsilon=8.0)
+    try:
+        assert site.runner.settings.dp_pass_units == 16
     finally:
         site.close()
 

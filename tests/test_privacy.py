@@ -181,7 +181,20 @@ def test_microbatches_cover_the_batch_once_and_group_by_length():
     assert len(microbatches(lengths, overhead_tokens=0)) == 5  # one per distinct length
 
 
-@pytest.mark.parametrize("overhead", [0, MICROBATCH_OVERHEAD_TOKENS])  # 0: one pass per length
+def test_microbatches_hold_at_most_the_cap_and_still_cover_the_batch():
+    lengths = np.array([5, 40, 6, 38, 5, 41, 39])
+    capped = microbatches(lengths, overhead_tokens=10_000, max_units=3)
+    assert sorted(np.concatenate(capped).tolist()) == list(range(7))
+    assert len(capped) == 3 and max(len(g) for g in capped) <= 3  # the fewest passes allowed
+    # and within them the least padding: the long rows together, the short ones together
+    assert [sorted(lengths[g].tolist()) for g in capped] == [[40, 41], [38, 39], [5, 5, 6]]
+    assert [len(g) for g in microbatches(lengths, 10_000)] == [7]  # no cap: one pass
+
+
+# (0, 0): one pass per length; (overhead, 1): one unit per pass (the memory cap)
+@pytest.mark.parametrize(
+    ("overhead", "cap"), [(0, 0), (MICROBATCH_OVERHEAD_TOKENS, 0), (10_000, 1)]
+)
 @pytest.mark.parametrize(
     ("task_name", "trainable", "clipping", "unit", "auto"),
     [
@@ -205,7 +218,7 @@ def test_microbatches_cover_the_batch_once_and_group_by_length():
     ],
 )
 def test_dp_step_clips_each_unit_jointly(
-    task_name, trainable, clipping, unit, auto, overhead, i2b2_corpus, mimic_corpus, tmp_path
+    task_name, trainable, clipping, unit, auto, overhead, cap, i2b2_corpus, mimic_corpus, tmp_path
 ):
     tokenizer = load_tokenizer("tiny")
     if task_name == "i2b2":
@@ -286,7 +299,10 @@ def test_dp_step_clips_each_unit_jointly(
         randomness=reproducible(np.random.default_rng(0)),
         one_row_per_example=task.head == "token",
         microbatch_overhead=overhead,
+        max_pass_units=cap,
     )
+    if cap:  # the step below really runs one unit a pass
+        assert all(len(owner.unique()) == 1 for passes, _, _ in steps for _, owner in passes)
     try:
         stats = [run_epoch(model, task, examples, steps, update)]
     finally:

@@ -113,5 +113,11 @@ def audit_cmd(
         f"{final['loss_threshold']['reading']}"
     )
     out.print(f"calibrated by the initial model: {final['calibrated_loss']['reading']}")
+    if result["starting_model"]["matches_run"] is False:
+        out.print(
+            "warning: the initial model rebuilt for the calibrated attack is not the run's "
+            "by digest (a warm start trained on a GPU is not bit for bit repeatable): that "
+            "reading is measured from a near copy"
+        )
     for site, attack in result["site_updates"].items():
         out.print(f"{site}'s last update: {attack['loss_threshold']['reading']}")

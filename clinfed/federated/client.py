@@ -37,6 +37,9 @@ class LocalSettings:
     weight_decay: float = 0.01
     max_grad_norm: float | None = 1.0
     precision: str = "fp32"  # bf16 autocast for training without DP only
+    # Under DP: at most this many units in one forward/backward pass (0: no
+    # cap), to fit an accelerator's memory; the steps are the same.
+    dp_pass_units: int = 0
     # ``linear``: the rates fall to zero over the run's ``rounds`` (see
     # :func:`decay_rates`); ``none`` keeps them.
     lr_decay: str = "none"
@@ -303,6 +306,7 @@ def client_update(work: LocalWork, objective: Any = None) -> ClientResult:
             one_row_per_example=work.task.head == "token",
             extra_grad=_extra_grad(model, objective, work.public_gradient),
             subspace=work.subspace,
+            max_pass_units=settings.dp_pass_units,
         )
         # Each pass over the Poisson steps draws a fresh epoch of batches.
         epochs = [steps] * settings.epochs

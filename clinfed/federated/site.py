@@ -595,6 +595,7 @@ def build_site_runner(
         head_lr=config.head_lr,
         weight_decay=config.weight_decay,
         precision=config.precision,
+        dp_pass_units=config.dp_pass_units,
         lr_decay=config.lr_decay,
         rounds=config.rounds,
         optimizer=config.optimizer,

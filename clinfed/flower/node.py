@@ -71,6 +71,9 @@ A node is configured by its operator, not by the server (``--node-config``):
     settings never name a node's device.
 ``threads``
     Torch threads for this node's work (default: all cores).
+``dp-pass-units``
+    Under DP, at most this many units in one forward/backward pass (default
+    0: no cap), to fit this node's GPU memory; the step is the same.
 ``require-secure-aggregation``
     Whether the site trains only in runs with secure aggregation (default
     false): its update then never reaches the server alone. A training
@@ -150,6 +153,7 @@ class NodeConfig:
     model_sha256: str | None = None
     secure_min_sites: int = 3
     device: str = "auto"
+    dp_pass_units: int = 0
 
     @classmethod
     def parse(cls, values: Mapping[str, Any]) -> NodeConfig:
@@ -175,6 +179,7 @@ class NodeConfig:
             "model-sha256",
             "secure-min-sites",
             "device",
+            "dp-pass-units",
         }
         unknown = sorted(set(values) - known)
         if unknown:
@@ -213,6 +218,9 @@ class NodeConfig:
         max_evaluations = int(values.get("max-evaluations", 200))
         if max_evaluations < 0:
             raise ClinfedError("--node-config max-evaluations must be 0 or more")
+        dp_pass_units = int(values.get("dp-pass-units", 0))
+        if dp_pass_units < 0:
+            raise ClinfedError("--node-config dp-pass-units must be 0 (no cap) or more")
         max_length = values.get("max-length")
         if max_length is not None and not int(max_length) >= 8:
             raise ClinfedError("--node-config max-length must be at least 8")
@@ -241,6 +249,7 @@ class NodeConfig:
             model=model,
             secure_min_sites=secure_min_sites,
             device=str(values.get("device", "auto")),
+            dp_pass_units=dp_pass_units,
             model_sha256=str(values["model-sha256"]).lower()
             if values.get("model-sha256")
             else None,
@@ -406,7 +415,7 @@ class NodeSite:
         node.check(config)
         device = resolve_device(node.device)  # the node's; one it lacks: refused now
         # The site's own model: never a folder the server names.
-        config = replace(config, model=node.model_for(config))
+        config = replace(config, model=node.model_for(config), dp_pass_units=node.dp_pass_units)
         folder = node.state / safe_run_name(run_name)
         # Tokenized notes are protected: they live in a temporary folder at
         # the site, removed when the message is done.

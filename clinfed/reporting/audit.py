@@ -135,6 +135,21 @@ def starting_model(config: RunConfig, task: Any, tokenizer: Any, cache: str) -> 
     return initial
 
 
+def _start_check(run: Path, initial: Any) -> dict[str, Any]:
+    """Whether the starting model rebuilt here is the run's, by the digest the
+    run recorded for it (``state.json``). A warm start trained on a GPU is not
+    bit for bit repeatable (its sums run in no fixed order), so the rebuilt
+    one can differ: the calibrated attack then measures from a near copy."""
+    from clinfed.federated import payload
+
+    try:
+        recorded = json.loads((run / "state.json").read_text())["digests"]["0"]
+    except (OSError, ValueError, KeyError, TypeError):
+        recorded = None  # no record to compare with (a run from another runner)
+    rebuilt = payload.digest(initial.state_dict())
+    return {"digest": rebuilt, "matches_run": None if recorded is None else rebuilt == recorded}
+
+
 def _attack(
     model, initial, task, examples, members: list[int], non_members: list[int], rng, unit: str
 ) -> dict[str, Any]:
@@ -191,6 +206,7 @@ def audit(run: Path, max_examples: int = 400, seed: int = 0) -> dict[str, Any]:
         task.labels = list(meta["labels"])
         examples = task.encode(corpus.train, tokenizer, meta["max_length"], cache)
         initial = starting_model(config, task, tokenizer, cache)
+        start = _start_check(run, initial)
         if any(i >= len(examples) for m, n in sites.values() for i in m + n):
             raise ClinfedError(f"{holdout_path}: rows beyond the data's; was the data changed?")
 
@@ -205,6 +221,7 @@ def audit(run: Path, max_examples: int = 400, seed: int = 0) -> dict[str, Any]:
             raise ClinfedError(f"{holdout_path}: no held-out or no member rows to compare")
         result: dict[str, Any] = {
             "holdout_share": holdout.get("share"),
+            "starting_model": start,
             "final_model": _attack(
                 model,
                 initial,
