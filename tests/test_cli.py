@@ -481,7 +481,9 @@ def test_the_demo_runs_the_private_federated_path_end_to_end(tmp_path):
     assert all(0 < eps <= 8.0 for eps in summary["epsilon"].values())
     assert 0 <= summary["f1_private"] <= 1 and 0 <= summary["f1_no_dp"] <= 1
     assert 0 < summary["ratio_to_fedavg_up"] < 1  # bias terms and head: part of the model
-    assert (out / "private" / "audit.json").is_file()
+    audit = json.loads((out / "private" / "audit.json").read_text())
+    # The audit rebuilt the run's start (bias plan: its shared entries, by digest).
+    assert audit["starting_model"]["matches_run"] is True
     assert Path(summary["report"]).is_file()
     for site in summary["epsilon"]:
         assert (out / "private" / "privacy" / f"{site}.jsonl").is_file()

@@ -146,7 +146,11 @@ def _start_check(run: Path, initial: Any) -> dict[str, Any]:
         recorded = json.loads((run / "state.json").read_text())["digests"]["0"]
     except (OSError, ValueError, KeyError, TypeError):
         recorded = None  # no record to compare with (a run from another runner)
-    rebuilt = payload.digest(initial.state_dict())
+    from clinfed.adapters import shared_state
+
+    # The run records the digest of what its rounds share (every weight, or
+    # an adapter plan's entries alone), so compare the same entries.
+    rebuilt = payload.digest(shared_state(initial))
     return {"digest": rebuilt, "matches_run": None if recorded is None else rebuilt == recorded}
 
 
