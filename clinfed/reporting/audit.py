@@ -140,14 +140,13 @@ def _start_check(run: Path, initial: Any) -> dict[str, Any]:
     run recorded for it (``state.json``). A warm start trained on a GPU is not
     bit for bit repeatable (its sums run in no fixed order), so the rebuilt
     one can differ: the calibrated attack then measures from a near copy."""
+    from clinfed.adapters import shared_state
     from clinfed.federated import payload
 
     try:
         recorded = json.loads((run / "state.json").read_text())["digests"]["0"]
     except (OSError, ValueError, KeyError, TypeError):
         recorded = None  # no record to compare with (a run from another runner)
-    from clinfed.adapters import shared_state
-
     # The run records the digest of what its rounds share (every weight, or
     # an adapter plan's entries alone), so compare the same entries.
     rebuilt = payload.digest(shared_state(initial))
