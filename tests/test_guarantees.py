@@ -378,6 +378,24 @@ def test_the_release_table_covers_every_field_a_site_sends(tmp_path, tiny_run, t
         assert evaluation[1] == "never"
 
 
+def test_the_audit_s_rank_auc_is_scikit_learn_s_auc_ties_included():
+    import numpy as np
+    from sklearn.metrics import roc_auc_score
+
+    from clinfed.reporting.audit import rank_auc
+
+    rng = np.random.default_rng(3)
+    for size in (1, 7, 200):
+        # Rounded scores: many ties, within and across the two groups.
+        members = np.round(rng.normal(0.3, 1, size), 1)
+        non_members = np.round(rng.normal(0, 1, size + 5), 1)
+        labels = np.r_[np.ones(size), np.zeros(size + 5)]
+        expected = roc_auc_score(labels, np.r_[members, non_members])
+        assert rank_auc(members, non_members) == pytest.approx(expected, abs=1e-12)
+    assert rank_auc(np.array([1.0, 2.0]), np.array([0.0, 0.5])) == 1.0
+    assert rank_auc(np.array([0.0]), np.array([0.0])) == 0.5
+
+
 def test_the_audit_interval_resamples_whole_units():
     import numpy as np
 

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from scipy.stats import rankdata
 from sklearn.metrics import roc_auc_score
 
 from clinfed.device import device_of, to_device
@@ -75,6 +76,16 @@ def _resample(scores: np.ndarray, clusters: list[np.ndarray], rng) -> np.ndarray
     return np.concatenate([scores[clusters[c]] for c in picked])
 
 
+def rank_auc(positives: np.ndarray, negatives: np.ndarray) -> float:
+    """ROC AUC of scores (higher: positive) by the Mann-Whitney rank sum,
+    ties counted half: the same number as scikit-learn's ``roc_auc_score``
+    without its input checks, which cost a bootstrap of a thousand draws
+    most of an audit's time."""
+    ranks = rankdata(np.r_[positives, negatives])
+    k = len(positives)
+    return float((ranks[:k].sum() - k * (k + 1) / 2) / (k * len(negatives)))
+
+
 def auc_with_interval(
     members: np.ndarray,
     non_members: np.ndarray,
@@ -99,8 +110,7 @@ def auc_with_interval(
     for _ in range(resamples):
         m = _resample(members, member_clusters, rng)
         n = _resample(non_members, non_member_clusters, rng)
-        drawn = np.r_[np.ones(len(m)), np.zeros(len(n))]
-        draws.append(roc_auc_score(drawn, np.r_[m, n]))
+        draws.append(rank_auc(m, n))
     low, high = np.percentile(draws, [2.5, 97.5])
     return {"auc": auc, "ci_low": float(low), "ci_high": float(high)}
 
