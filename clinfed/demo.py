@@ -94,6 +94,55 @@ PLAN = COMMON | PLANS[DEFAULT_PLAN]
 SITES, DOCS, SEED = 3, 30, 0
 
 
+def _train_quietly(config: Any) -> dict[str, Any]:
+    """One run in a process of its own (no progress events cross over)."""
+    from clinfed.pipeline import run_training
+
+    return run_training(config)
+
+
+def _private_and_reference(
+    private: Any,
+    reference: Any,
+    threads: int,
+    on_step: Callable[[str], None],
+    on_event: Callable[[str, dict[str, Any]], None],
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The private run and its reference, side by side where there are two
+    cores or more (half the threads each, the reference in a second process:
+    small batches keep a second thread half idle, so two runs on one thread
+    each finish sooner than one after the other on two), else in turn."""
+    import os
+    from dataclasses import replace
+
+    from clinfed.pipeline import run_training
+
+    cores = threads or os.cpu_count() or 1
+    title = (
+        f"training {private.strategy} under DP (epsilon {private.target_epsilon:g} per "
+        f"hospital), {private.rounds} rounds"
+    )
+    if cores < 2:
+        on_step(title)
+        done = run_training(private, on_event)
+        on_step("training the same run without DP (the reference)")
+        return done, run_training(reference, on_event)
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    each = cores // 2
+    # spawn, not fork: a forked copy of a process that already ran torch's
+    # thread pools can hang.
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=context) as pool:
+        beside = pool.submit(_train_quietly, replace(reference, threads=each))
+        on_step(f"{title}; beside it the same run without DP (the reference)")
+        done = run_training(replace(private, threads=each), on_event)
+        if not beside.done():
+            on_step("waiting for the reference run")
+        return done, beside.result()
+
+
 def run_demo(
     out: Path,
     model: str = "minilm",
@@ -108,7 +157,7 @@ def run_demo(
     """Corpus, private run, reference run, audit and report under ``out``
     (a new folder); returns the summary the command prints (also
     ``out/demo.json``)."""
-    from clinfed.pipeline import RunConfig, run_training, warm_start_model
+    from clinfed.pipeline import RunConfig, warm_start_model
     from clinfed.reporting.audit import audit
     from clinfed.reporting.report import write_report
     from clinfed.runs import atomic_write_json, ensure_new_run_folder
@@ -152,15 +201,11 @@ def run_demo(
     settings["model"] = str(start)
     if public == "notes":
         settings["public_check"] = str(out / "public-check")
-    on_step(
-        f"training {settings['strategy']} under DP (epsilon {settings['target_epsilon']:g} per "
-        f"hospital), {settings['rounds']} rounds"
-    )
-    private = run_training(RunConfig.of(data=str(data), out=str(private_dir), **settings), on_event)
-    on_step("training the same run without DP (the reference)")
     reference_settings = {k: v for k, v in settings.items() if k not in ("target_epsilon",)}
-    reference = run_training(
-        RunConfig.of(data=str(data), out=str(reference_dir), **reference_settings), on_event
+    private_config = RunConfig.of(data=str(data), out=str(private_dir), **settings)
+    reference_config = RunConfig.of(data=str(data), out=str(reference_dir), **reference_settings)
+    private, reference = _private_and_reference(
+        private_config, reference_config, threads, on_step, on_event
     )
     on_step("auditing the private model (membership inference)")
     attack = audit(private_dir)

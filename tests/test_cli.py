@@ -473,7 +473,9 @@ def test_report_to_tensorboard_writes_event_files_with_each_rounds_figures(i2b2_
 
 def test_the_demo_runs_the_private_federated_path_end_to_end(tmp_path):
     out = tmp_path / "demo"
-    args = ("demo", "--model", "tiny", "--docs", "3", "--rounds", "1", "--threads", "1")
+    # Two threads: the private run and its reference side by side, one each
+    # (the shipped path on 2 cores); the test below takes the one-core path.
+    args = ("demo", "--model", "tiny", "--docs", "3", "--rounds", "1", "--threads", "2")
     result = run_cli(*args, "--out", str(out), "--json")
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
