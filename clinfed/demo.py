@@ -157,6 +157,7 @@ def run_demo(
     """Corpus, private run, reference run, audit and report under ``out``
     (a new folder); returns the summary the command prints (also
     ``out/demo.json``)."""
+    from clinfed.device import use_threads
     from clinfed.pipeline import RunConfig, warm_start_model
     from clinfed.reporting.audit import audit
     from clinfed.reporting.report import write_report
@@ -207,6 +208,8 @@ def run_demo(
     private, reference = _private_and_reference(
         private_config, reference_config, threads, on_step, on_event
     )
+    # The side-by-side runs left this process on half the threads.
+    use_threads(threads)
     on_step("auditing the private model (membership inference)")
     attack = audit(private_dir)
     on_step("writing the privacy report")
