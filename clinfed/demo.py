@@ -94,11 +94,15 @@ PLAN = COMMON | PLANS[DEFAULT_PLAN]
 SITES, DOCS, SEED = 3, 30, 0
 
 
-def _train_quietly(config: Any) -> dict[str, Any]:
-    """One run in a process of its own (no progress events cross over)."""
+def _train_beside(config: Any, results: Any) -> None:
+    """One run in a process of its own, its outcome sent back on ``results``
+    (no progress events cross over)."""
     from clinfed.pipeline import run_training
 
-    return run_training(config)
+    try:
+        results.send(("done", run_training(config)))
+    except BaseException as error:  # the parent raises it
+        results.send(("failed", error))
 
 
 def _private_and_reference(
@@ -113,6 +117,8 @@ def _private_and_reference(
     small batches keep a second thread half idle, so two runs on one thread
     each finish sooner than one after the other on two), else in turn."""
     import os
+    import signal
+    import threading
     from dataclasses import replace
 
     from clinfed.pipeline import run_training
@@ -128,19 +134,44 @@ def _private_and_reference(
         on_step("training the same run without DP (the reference)")
         return done, run_training(reference, on_event)
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
 
     each = cores // 2
     # spawn, not fork: a forked copy of a process that already ran torch's
     # thread pools can hang.
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(1, mp_context=context) as pool:
-        beside = pool.submit(_train_quietly, replace(reference, threads=each))
+    receiver, sender = context.Pipe(duplex=False)
+    beside = context.Process(
+        target=_train_beside, args=(replace(reference, threads=each), sender), daemon=True
+    )
+    # The second process ignores Ctrl-C (a spawned process keeps an ignored
+    # SIGINT) and this one stops it: one clean interrupt, not two tracebacks.
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    try:
+        beside.start()
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, previous)
+    sender.close()
+    try:
         on_step(f"{title}; beside it the same run without DP (the reference)")
         done = run_training(replace(private, threads=each), on_event)
-        if not beside.done():
+        if not receiver.poll():
             on_step("waiting for the reference run")
-        return done, beside.result()
+        try:
+            outcome, value = receiver.recv()
+        except EOFError:
+            beside.join()
+            raise RuntimeError(
+                f"the reference run's process ended without a result (exit {beside.exitcode})"
+            ) from None
+    finally:
+        if beside.is_alive():
+            beside.terminate()
+        beside.join()
+    if outcome == "failed":
+        raise value
+    return done, value
 
 
 def run_demo(

@@ -532,6 +532,27 @@ def test_the_demo_can_start_from_the_shipped_pubmed_text(tmp_path):
     assert not (out / "public").exists()
 
 
+def test_the_demo_s_reference_run_fails_in_its_process_as_the_caller_s_clear_error(
+    i2b2_corpus, tmp_path
+):
+    from clinfed.demo import _private_and_reference
+    from clinfed.errors import ClinfedError
+    from clinfed.settings import RunConfig
+
+    common = {"task": "i2b2", "model": "tiny", "strategy": "fedavg", "max_length": 32}
+    common |= {"rounds": 1, "seed": 0}
+    private = RunConfig.of(
+        data=str(i2b2_corpus), out=str(tmp_path / "private"), target_epsilon=8.0, **common
+    )
+    missing = tmp_path / "no-such-corpus"
+    reference = RunConfig.of(data=str(missing), out=str(tmp_path / "no-dp"), **common)
+    steps = []
+    with pytest.raises(ClinfedError, match="no-such-corpus"):
+        _private_and_reference(private, reference, 2, steps.append, lambda event, info: None)
+    assert any("beside it" in step for step in steps)  # two cores: side by side
+    assert (tmp_path / "private" / "summary.json").is_file()  # the private run still ended
+
+
 def test_an_external_validation_site_is_scored_like_its_predictions(tmp_path):
     corpus = tmp_path / "corp"
     assert run_cli("data", "synth", "i2b2", "--out", str(corpus), "--sites", "3",
