@@ -191,6 +191,24 @@ def test_microbatches_hold_at_most_the_cap_and_still_cover_the_batch():
     assert [len(g) for g in microbatches(lengths, 10_000)] == [7]  # no cap: one pass
 
 
+def test_a_run_s_pass_cap_reaches_every_private_pass(i2b2_corpus, tmp_path, monkeypatch):
+    from clinfed.privacy import dpsgd
+
+    widest, real = [], dpsgd.microbatches
+
+    def recorded(lengths, overhead_tokens, max_units=0):
+        groups = real(lengths, overhead_tokens, max_units)
+        widest.extend(len(group) for group in groups)
+        return groups
+
+    monkeypatch.setattr(dpsgd, "microbatches", recorded)
+    result = train_tiny(i2b2_corpus, tmp_path / "run", "--rounds", "1",
+                        "--target-epsilon", "8", "--dp-pass-units", "2")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    # Uncapped, this run's passes hold up to 39 units; capped, none more than 2.
+    assert widest and max(widest) == 2
+
+
 # (0, 0): one pass per length; (overhead, 1): one unit per pass (the memory cap)
 @pytest.mark.parametrize(
     ("overhead", "cap"), [(0, 0), (MICROBATCH_OVERHEAD_TOKENS, 0), (10_000, 1)]
