@@ -43,6 +43,12 @@ are cut from the rest (``bc5cdr-held{N}-corpus``); ``--public held-out``
 warm-starts on that text alone; ``--held-out-epochs E`` warm-starts on
 the ``--public`` text first, then E epochs on the held-out text alone from
 that model (its guidelines last).
+``--augment K`` (bc5cdr) gives each train sentence K copies whose
+mentions are public names (chemicals from the lexicon, diseases from
+NCBI-disease; ``--augment-types Chemical`` renames one type), the sentence
+and its copies one document: with ``--set privacy_unit=document`` they are
+sampled and clipped as one unit (augmentation multiplicity), the count and
+the accounting those of the sentences alone.
 ``--public none`` starts from the bundled encoder; ``--public-examples N``
 caps the public sentences. ``--set KEY=VALUE`` (repeatable) overrides any
 run setting (JSON values: ``--set local_epochs=3``). ``--epsilon inf`` runs
@@ -198,6 +204,82 @@ def lexicon_notes(folder: Path) -> Path:
         out.append("\n".join(f"{w}\t{t}" for w, t in rows))
     (partial / "synthetic-drugs.tsv").write_text("\n\n".join(out) + "\n")
     print(f"public lexicon: {mentions} chemical mentions tagged in NCBI-disease train", flush=True)
+    try:
+        partial.rename(folder)
+    except OSError:  # another run's got there first (the same files)
+        shutil.rmtree(partial)
+    return folder
+
+
+def public_names() -> dict[str, list[list[str]]]:
+    """Public names of each BC5CDR type: the chemical lexicon's names and
+    NCBI-disease's train mentions (both public text)."""
+    entries = [
+        line.strip() for line in LEXICON.read_text().splitlines() if line.strip()[:1] not in "#"
+    ]
+    chemicals = sorted({e for e in entries if not e.startswith("~")})
+    diseases: set[str] = set()
+    for block in (PUBLIC / "ncbi-disease-train.tsv").read_text().strip().split("\n\n"):
+        span: list[str] = []
+        for line in [*block.splitlines(), "\tO"]:
+            word, tag = line.split("\t")
+            if span and not tag.startswith("I-"):
+                diseases.add(" ".join(span))
+                span = []
+            if tag.startswith("B-"):
+                span = [word]
+            elif tag.startswith("I-") and span:
+                span.append(word)
+    return {
+        "Chemical": [name.split() for name in chemicals],
+        "Disease": [name.split() for name in sorted(diseases)],
+    }
+
+
+def renamed(block: str, names: dict[str, list[list[str]]], draw: random.Random) -> str:
+    """One sentence with every mention replaced by a public name of its type
+    (the context and its tags kept)."""
+    rows: list[tuple[str, str]] = []
+    for line in block.splitlines():
+        word, tag = line.split("\t")
+        kind = tag[2:]
+        if tag.startswith("B-") and kind in names:
+            name = draw.choice(names[kind])
+            rows += [(w, ("I-" if n else "B-") + kind) for n, w in enumerate(name)]
+        elif not (tag.startswith("I-") and kind in names):
+            rows.append((word, tag))
+    return "\n".join(f"{w}\t{t}" for w, t in rows)
+
+
+def augmented(data: Path, copies: int, types: tuple[str, ...] = ("Chemical", "Disease")) -> Path:
+    """``--augment K`` (bc5cdr): each site's train sentences, each its own
+    document with K copies of itself whose mentions are public names
+    (:func:`renamed`); run with ``--set privacy_unit=document``, a document
+    is one original sentence, sampled and clipped whole with its copies
+    (augmentation multiplicity, De et al. 2022: the copies change what one
+    unit's clipped gradient points at, never its bound, its count or the
+    accounting). The copies use a public seed: they protect nothing. The
+    test split is kept as it is. ``types``: the types whose mentions are
+    renamed (the others kept as they are)."""
+    suffix = "" if set(types) == {"Chemical", "Disease"} else "-" + "-".join(sorted(types)).lower()
+    folder = data.with_name(f"{data.name}-aug{copies}{suffix}")
+    if folder.exists():
+        return folder
+    partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
+    shutil.copytree(data / "test", partial / "test")
+    names = {kind: names for kind, names in public_names().items() if kind in types}
+    for source in sorted((data / "train").glob("*/*.tsv")):
+        draw = random.Random(f"{source.parent.name}-{copies}")
+        # A sentence without a mention to rename keeps no copy (it would be itself).
+        docs = [
+            "\n\n".join([block, *(renamed(block, names, draw) for _ in range(copies))])
+            if any(f"\t{tag}-{kind}" in block for kind in names for tag in "BI")
+            else block
+            for block in sentences(source)
+        ]
+        target = partial / "train" / source.parent.name / source.name
+        target.parent.mkdir(parents=True)
+        target.write_text("-DOCSTART-\tO\n\n" + "\n\n-DOCSTART-\tO\n\n".join(docs) + "\n")
     try:
         partial.rename(folder)
     except OSError:  # another run's got there first (the same files)
@@ -509,6 +591,18 @@ def main() -> None:
         default=0,
         help="warm-start on the --public text, then this many epochs on the held-out alone",
     )
+    parser.add_argument(
+        "--augment",
+        type=int,
+        default=0,
+        metavar="K",
+        help="bc5cdr: K copies of each train sentence, public names in (augmentation multiplicity)",
+    )
+    parser.add_argument(
+        "--augment-types",
+        default="Chemical,Disease",
+        help="with --augment: the types whose mentions the copies rename",
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
         "--extend",
@@ -533,9 +627,14 @@ def main() -> None:
     name += f"-held{args.held_out}" if args.held_out else ""
     work = args.out.parent / f"{name}-corpus"
     data_settings, public, public_types = corpus(args.corpus, work, args.docs, args.held_out)
+    data = work / "data"
+    if args.augment:
+        if args.corpus != "bc5cdr":
+            parser.error("--augment is for --corpus bc5cdr")
+        data = augmented(data, args.augment, tuple(args.augment_types.split(",")))
     settings = {
         "task": "i2b2",
-        "data": str(work / "data"),
+        "data": str(data),
         "model": "minilm",
         "rounds": args.rounds,
         "max_length": 64,
