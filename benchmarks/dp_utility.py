@@ -46,9 +46,9 @@ that model (its guidelines last).
 ``--augment K`` (bc5cdr) gives each train sentence K copies whose
 mentions are public names (chemicals from the lexicon, diseases from
 NCBI-disease; ``--augment-types Chemical`` renames one type), the sentence
-and its copies one document: with ``--set privacy_unit=document`` they are
-sampled and clipped as one unit (augmentation multiplicity), the count and
-the accounting those of the sentences alone.
+and its copies one document, and the run's privacy unit the document, so
+they are sampled and clipped as one unit (augmentation multiplicity), the
+count and the accounting those of the sentences alone.
 ``--public none`` starts from the bundled encoder; ``--public-examples N``
 caps the public sentences. ``--set KEY=VALUE`` (repeatable) overrides any
 run setting (JSON values: ``--set local_epochs=3``). ``--epsilon inf`` runs
@@ -147,6 +147,16 @@ def drug_notes(folder: Path) -> Path:
 LEXICON = Path(__file__).resolve().parent / "data" / "chemicals.txt"
 
 
+def lexicon() -> tuple[set[str], tuple[str, ...]]:
+    """The public chemical lexicon (``data/chemicals.txt``): its names, and
+    its INN stems (the lines that start with ``~``)."""
+    entries = [
+        line.strip() for line in LEXICON.read_text().splitlines() if line.strip()[:1] not in "#"
+    ]
+    names = {e for e in entries if not e.startswith("~")}
+    return names, tuple(e[1:] for e in entries if e.startswith("~"))
+
+
 def lexicon_tags(words: list[str], tags: list[str], names: set, stems: tuple) -> int:
     """Tag as ``Chemical`` the words of one sentence the public lexicon names
     (longest name first, up to three words; a word of 7+ letters ending in
@@ -175,11 +185,7 @@ def lexicon_notes(folder: Path) -> Path:
     if folder.exists():
         return folder
     drugs = drug_notes(folder.with_name("public-drugs"))
-    entries = [
-        line.strip() for line in LEXICON.read_text().splitlines() if line.strip()[:1] not in "#"
-    ]
-    names = {e for e in entries if not e.startswith("~")}
-    stems = tuple(e[1:] for e in entries if e.startswith("~"))
+    names, stems = lexicon()
     partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
     partial.mkdir(parents=True)
     out, mentions = [], 0
@@ -214,10 +220,7 @@ def lexicon_notes(folder: Path) -> Path:
 def public_names() -> dict[str, list[list[str]]]:
     """Public names of each BC5CDR type: the chemical lexicon's names and
     NCBI-disease's train mentions (both public text)."""
-    entries = [
-        line.strip() for line in LEXICON.read_text().splitlines() if line.strip()[:1] not in "#"
-    ]
-    chemicals = sorted({e for e in entries if not e.startswith("~")})
+    chemicals = sorted(lexicon()[0])
     diseases: set[str] = set()
     for block in (PUBLIC / "ncbi-disease-train.tsv").read_text().strip().split("\n\n"):
         span: list[str] = []
@@ -254,7 +257,7 @@ def renamed(block: str, names: dict[str, list[list[str]]], draw: random.Random) 
 def augmented(data: Path, copies: int, types: tuple[str, ...] = ("Chemical", "Disease")) -> Path:
     """``--augment K`` (bc5cdr): each site's train sentences, each its own
     document with K copies of itself whose mentions are public names
-    (:func:`renamed`); run with ``--set privacy_unit=document``, a document
+    (:func:`renamed`); the run's privacy unit is the document, so a document
     is one original sentence, sampled and clipped whole with its copies
     (augmentation multiplicity, De et al. 2022: the copies change what one
     unit's clipped gradient points at, never its bound, its count or the
@@ -619,6 +622,13 @@ def main() -> None:
 
     if args.held_out and args.corpus != "bc5cdr":
         parser.error("--held-out is for --corpus bc5cdr")
+    if args.augment and args.corpus != "bc5cdr":
+        parser.error("--augment is for --corpus bc5cdr")
+    if args.augment and any(
+        key.strip() == "privacy_unit" and value.strip('" ') != "document"
+        for key, _, value in (pair.partition("=") for pair in args.set)
+    ):
+        parser.error("--augment needs privacy_unit=document (a sentence with its copies)")
     if args.held_out_epochs and (not args.held_out or args.public in ("held-out", "none")):
         parser.error("--held-out-epochs needs --held-out N and a --public text to start from")
     if args.public == "held-out" and not args.held_out:
@@ -629,8 +639,6 @@ def main() -> None:
     data_settings, public, public_types = corpus(args.corpus, work, args.docs, args.held_out)
     data = work / "data"
     if args.augment:
-        if args.corpus != "bc5cdr":
-            parser.error("--augment is for --corpus bc5cdr")
         data = augmented(data, args.augment, tuple(args.augment_types.split(",")))
     settings = {
         "task": "i2b2",
@@ -650,6 +658,10 @@ def main() -> None:
             settings[key] = json.loads(value)
         except json.JSONDecodeError:
             settings[key] = value
+    if args.augment:
+        # A copy is not a unit of its own: the sentence and its copies are one
+        # document, sampled and clipped whole (else the count would double).
+        settings["privacy_unit"] = "document"
     if args.public in ("drugs", "lexicon"):
         if args.corpus != "bc5cdr":
             parser.error(f"--public {args.public} is for --corpus bc5cdr")
