@@ -49,6 +49,10 @@ NCBI-disease; ``--augment-types Chemical`` renames one type), the sentence
 and its copies one document, and the run's privacy unit the document, so
 they are sampled and clipped as one unit (augmentation multiplicity), the
 count and the accounting those of the sentences alone.
+``--rename-rare K`` (bc5cdr, a diagnostic for runs without DP) replaces
+every train mention whose name fewer than K train sentences hold (and no
+public text names) with a public name: what the reference scores without
+the rare names DP keeps a model from memorising.
 ``--public none`` starts from the bundled encoder; ``--public-examples N``
 caps the public sentences. ``--set KEY=VALUE`` (repeatable) overrides any
 run setting (JSON values: ``--set local_epochs=3``). ``--epsilon inf`` runs
@@ -85,7 +89,7 @@ import random
 import shutil
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -290,6 +294,70 @@ def augmented(data: Path, copies: int, types: tuple[str, ...] = ("Chemical", "Di
     return folder
 
 
+def mentions(block: str) -> list[tuple[int, int, str, str]]:
+    """The mentions of one CoNLL sentence: (first row, end row, type,
+    lower-cased name)."""
+    rows = [line.split("\t") for line in block.splitlines()]
+    found, start = [], None
+    for i, (_, tag) in enumerate([*rows, ("", "O")]):
+        if start is not None and not (tag.startswith("I-") and tag[2:] == rows[start][1][2:]):
+            kind = rows[start][1][2:]
+            found.append((start, i, kind, " ".join(w for w, _ in rows[start:i]).lower()))
+            start = None
+        if tag.startswith("B-") or (tag.startswith("I-") and start is None):
+            start = i
+    return found
+
+
+def rare_renamed(data: Path, fewer_than: int) -> Path:
+    """``--rename-rare K`` (bc5cdr, a diagnostic): the sites' train
+    sentences with every mention whose name (lower-cased, by type) is in
+    fewer than K of all sites' train sentences, and is not a public name,
+    replaced by a public name of its type (:func:`public_names`; public
+    seed). Without DP it measures what the reference scores when it cannot
+    memorise the names that only a few sentences hold, which DP is built to
+    keep a model from learning. The counts pool the sites: fine for a
+    diagnostic run, never for a private one. The test split is kept."""
+    folder = data.with_name(f"{data.name}-rare{fewer_than}")
+    if folder.exists():
+        return folder
+    sources = sorted((data / "train").glob("*/*.tsv"))
+    blocks = {source: sentences(source) for source in sources}
+    seen = Counter(
+        (kind, name)
+        for site in blocks.values()
+        for block in site
+        for kind, name in {(m[2], m[3]) for m in mentions(block)}
+    )
+    names = public_names()
+    public = {(kind, " ".join(n).lower()) for kind, group in names.items() for n in group}
+    partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
+    shutil.copytree(data / "test", partial / "test")
+    renamed_count = total = 0
+    for source, site in blocks.items():
+        draw = random.Random(f"{source.parent.name}-rare{fewer_than}")
+        out = []
+        for block in site:
+            rows = [line.split("\t") for line in block.splitlines()]
+            for start, end, kind, name in reversed(mentions(block)):
+                total += 1
+                if seen[kind, name] >= fewer_than or (kind, name) in public:
+                    continue
+                renamed_count += 1
+                new = draw.choice(names[kind])
+                rows[start:end] = [[w, ("I-" if n else "B-") + kind] for n, w in enumerate(new)]
+            out.append("\n".join("\t".join(row) for row in rows))
+        target = partial / "train" / source.parent.name / source.name
+        target.parent.mkdir(parents=True)
+        target.write_text("\n\n".join(out) + "\n")
+    print(f"--rename-rare {fewer_than}: {renamed_count} of {total} mentions renamed", flush=True)
+    try:
+        partial.rename(folder)
+    except OSError:  # another run's got there first (the same files)
+        shutil.rmtree(partial)
+    return folder
+
+
 def corpus(kind: str, folder: Path, docs: int, held_out: int = 0) -> tuple[dict, Path, str]:
     """Write the corpus under ``folder`` once: (settings, public folder, public types).
     With ``held_out``, the train split's last sentences are written to
@@ -323,8 +391,10 @@ def corpus(kind: str, folder: Path, docs: int, held_out: int = 0) -> tuple[dict,
 # The warm start's own batch and head rate, whatever the run sets: a run's
 # --set batch_size or head_lr must change its private phase only. (Until
 # this was fixed they reached the warm start too, so every lever on the
-# batch or the head's rate also changed the starting model.)
+# batch or the head's rate also changed the starting model.) A run's weight
+# decay is dropped for the same reason: the warm start keeps the default.
 WARM_START = {"batch_size": None, "head_lr": 0.01}
+PRIVATE_PHASE_ONLY = ("weight_decay",)
 
 
 def starting_model(work: Path, settings: dict) -> Path:
@@ -334,7 +404,8 @@ def starting_model(work: Path, settings: dict) -> Path:
 
     from clinfed.pipeline import RunConfig, warm_start_model
 
-    settings = settings | WARM_START
+    settings = {k: v for k, v in settings.items() if k not in PRIVATE_PHASE_ONLY}
+    settings |= WARM_START
     keys = (
         *("public_data", "public_types", "public_examples", "public_epochs", "public_lr"),
         *("model", "max_length", "seed", "head_lr", "batch_size", "weight_decay"),
@@ -606,6 +677,13 @@ def main() -> None:
         default="Chemical,Disease",
         help="with --augment: the types whose mentions the copies rename",
     )
+    parser.add_argument(
+        "--rename-rare",
+        type=int,
+        default=0,
+        metavar="K",
+        help="bc5cdr diagnostic: rename mentions whose name fewer than K train sentences hold",
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
         "--extend",
@@ -624,6 +702,8 @@ def main() -> None:
         parser.error("--held-out is for --corpus bc5cdr")
     if args.augment and args.corpus != "bc5cdr":
         parser.error("--augment is for --corpus bc5cdr")
+    if args.rename_rare and (args.corpus != "bc5cdr" or args.augment):
+        parser.error("--rename-rare is for --corpus bc5cdr, without --augment")
     if args.augment and any(
         key.strip() == "privacy_unit" and value.strip('" ') != "document"
         for key, _, value in (pair.partition("=") for pair in args.set)
@@ -640,6 +720,8 @@ def main() -> None:
     data = work / "data"
     if args.augment:
         data = augmented(data, args.augment, tuple(args.augment_types.split(",")))
+    if args.rename_rare:
+        data = rare_renamed(data, args.rename_rare)
     settings = {
         "task": "i2b2",
         "data": str(data),

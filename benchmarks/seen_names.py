@@ -15,6 +15,10 @@ of three groups by its words (lower-cased) and type:
   the sites' train split;
 * ``unseen``: in neither.
 
+With ``--by-count``, ``private only`` is split by how many of the sites'
+train sentences hold the name (1, 2-4, 5-19, 20 or more): how often a
+private name must occur before a private model learns it.
+
 Per group: gold mentions, recall, precision (predicted spans of that group
 that are right) and F1. The question it answers: is the gap between a
 private model and its no-DP reference in names the private data alone
@@ -56,12 +60,17 @@ def conll_spans(path: Path) -> list[tuple[int, int, int, str, str]]:
     return spans
 
 
-def names(folder: Path) -> set[tuple[str, str]]:
-    """(type, name) of every mention in the CoNLL files under ``folder``."""
+def names(folder: Path) -> Counter:
+    """(type, name) of every mention in the CoNLL files under ``folder``,
+    with the number of sentences that hold it."""
     found = set()
     for path in sorted(folder.rglob("*.tsv")):
-        found |= {(kind, name) for *_, kind, name in conll_spans(path)}
-    return found
+        found |= {(path, line, kind, name) for line, *_, kind, name in conll_spans(path)}
+    return Counter((kind, name) for *_, kind, name in found)
+
+
+# (fewer than, label): the private-only names by the sentences that hold them.
+BUCKETS = ((2, "private 1"), (5, "private 2-4"), (20, "private 5-19"))
 
 
 def predicted(folder: Path) -> dict[str, set[tuple[int, int, int, str, str]]]:
@@ -87,15 +96,26 @@ def main() -> None:
     parser.add_argument("runs", type=Path, nargs="+")
     parser.add_argument("--public", type=Path, required=True, help="the public text's folder")
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
+    parser.add_argument(
+        "--by-count", action="store_true", help="split private-only names by sentences holding them"
+    )
     args = parser.parse_args()
 
     public = names(args.public)
-    private = names(args.corpus / "data" / "train") - public
+    private = names(args.corpus / "data" / "train")
+    groups = ["public", "private only", "unseen"]
+    if args.by_count:
+        groups[1:2] = [label for _, label in BUCKETS] + ["private 20+"]
 
     def group(kind: str, name: str) -> str:
         if (kind, name) in public:
             return "public"
-        return "private only" if (kind, name) in private else "unseen"
+        if (kind, name) not in private:
+            return "unseen"
+        if not args.by_count:
+            return "private only"
+        held = private[kind, name]
+        return next((label for below, label in BUCKETS if held < below), "private 20+")
 
     gold = {
         path.parent.name: set(conll_spans(path))
@@ -130,7 +150,7 @@ def main() -> None:
                 # prediction is the gold mention's group.
                 tp[group(span[3], span[4])] += span in spans
         row = {}
-        for name in ("public", "private only", "unseen"):
+        for name in groups:
             recall = tp[name] / counts[name] if counts[name] else 0.0
             precision = tp[name] / pred[name] if pred[name] else 0.0
             f1 = 2 * recall * precision / (recall + precision) if recall + precision else 0.0
@@ -149,7 +169,7 @@ def main() -> None:
             + "; ".join(
                 f"{name} F1 {row[name]['f1']:.3f} (R {row[name]['recall']:.3f}, "
                 f"P {row[name]['precision']:.3f})"
-                for name in ("public", "private only", "unseen")
+                for name in groups
             )
         )
     if args.out:
