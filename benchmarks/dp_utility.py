@@ -103,6 +103,17 @@ TYPES = "Disease=problem,Chemical=treatment"
 
 
 # ------------------------------------------------------------------ corpora
+def published(partial: Path, folder: Path) -> Path:
+    """``folder``, written first as ``partial`` and renamed, so runs started
+    together never read half of one; if another run got there first (the
+    same contents), its copy is kept and this one removed."""
+    try:
+        partial.rename(folder)
+    except OSError:
+        shutil.rmtree(partial)
+    return folder
+
+
 def drug_notes(folder: Path) -> Path:
     """NCBI-disease train and public synthetic notes as CoNLL, BC5CDR's
     types: a note's drug names (the generator's list) are ``Chemical``, its
@@ -141,11 +152,7 @@ def drug_notes(folder: Path) -> Path:
     shutil.rmtree(partial / "notes")
     (partial / "synthetic-drugs.tsv").write_text("\n\n".join(rows) + "\n")
     shutil.copy(PUBLIC / "ncbi-disease-train.tsv", partial)
-    try:
-        partial.rename(folder)
-    except OSError:  # another run's got there first (the same files)
-        shutil.rmtree(partial)
-    return folder
+    return published(partial, folder)
 
 
 LEXICON = Path(__file__).resolve().parent / "data" / "chemicals.txt"
@@ -214,11 +221,7 @@ def lexicon_notes(folder: Path) -> Path:
         out.append("\n".join(f"{w}\t{t}" for w, t in rows))
     (partial / "synthetic-drugs.tsv").write_text("\n\n".join(out) + "\n")
     print(f"public lexicon: {mentions} chemical mentions tagged in NCBI-disease train", flush=True)
-    try:
-        partial.rename(folder)
-    except OSError:  # another run's got there first (the same files)
-        shutil.rmtree(partial)
-    return folder
+    return published(partial, folder)
 
 
 def public_names() -> dict[str, list[list[str]]]:
@@ -287,11 +290,7 @@ def augmented(data: Path, copies: int, types: tuple[str, ...] = ("Chemical", "Di
         target = partial / "train" / source.parent.name / source.name
         target.parent.mkdir(parents=True)
         target.write_text("-DOCSTART-\tO\n\n" + "\n\n-DOCSTART-\tO\n\n".join(docs) + "\n")
-    try:
-        partial.rename(folder)
-    except OSError:  # another run's got there first (the same files)
-        shutil.rmtree(partial)
-    return folder
+    return published(partial, folder)
 
 
 def mentions(block: str) -> list[tuple[int, int, str, str]]:
@@ -351,11 +350,7 @@ def rare_renamed(data: Path, fewer_than: int) -> Path:
         target.parent.mkdir(parents=True)
         target.write_text("\n\n".join(out) + "\n")
     print(f"--rename-rare {fewer_than}: {renamed_count} of {total} mentions renamed", flush=True)
-    try:
-        partial.rename(folder)
-    except OSError:  # another run's got there first (the same files)
-        shutil.rmtree(partial)
-    return folder
+    return published(partial, folder)
 
 
 def corpus(kind: str, folder: Path, docs: int, held_out: int = 0) -> tuple[dict, Path, str]:
@@ -417,10 +412,7 @@ def starting_model(work: Path, settings: dict) -> Path:
         partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
         values = {k: v for k, v in settings.items() if k not in ("target_epsilon",)}
         warm_start_model(RunConfig.of(**values, out=str(partial)))
-        try:
-            partial.rename(folder)
-        except OSError:  # another run's got there first (the same model)
-            shutil.rmtree(partial)
+        published(partial, folder)
     return folder
 
 
