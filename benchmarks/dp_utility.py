@@ -95,6 +95,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from real_ner import sentences, write_sites  # the same three sites as real_ner.py's table (a)
+from seen_names import sentence_spans
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "corpora"
@@ -293,21 +294,6 @@ def augmented(data: Path, copies: int, types: tuple[str, ...] = ("Chemical", "Di
     return published(partial, folder)
 
 
-def mentions(block: str) -> list[tuple[int, int, str, str]]:
-    """The mentions of one CoNLL sentence: (first row, end row, type,
-    lower-cased name)."""
-    rows = [line.split("\t") for line in block.splitlines()]
-    found, start = [], None
-    for i, (_, tag) in enumerate([*rows, ("", "O")]):
-        if start is not None and not (tag.startswith("I-") and tag[2:] == rows[start][1][2:]):
-            kind = rows[start][1][2:]
-            found.append((start, i, kind, " ".join(w for w, _ in rows[start:i]).lower()))
-            start = None
-        if tag.startswith("B-") or (tag.startswith("I-") and start is None):
-            start = i
-    return found
-
-
 def rare_renamed(data: Path, fewer_than: int) -> Path:
     """``--rename-rare K`` (bc5cdr, a diagnostic): the sites' train
     sentences with every mention whose name (lower-cased, by type) is in
@@ -326,7 +312,7 @@ def rare_renamed(data: Path, fewer_than: int) -> Path:
         (kind, name)
         for site in blocks.values()
         for block in site
-        for kind, name in {(m[2], m[3]) for m in mentions(block)}
+        for kind, name in {(m[2], m[3]) for m in sentence_spans(block)}
     )
     names = public_names()
     public = {(kind, " ".join(n).lower()) for kind, group in names.items() for n in group}
@@ -338,13 +324,14 @@ def rare_renamed(data: Path, fewer_than: int) -> Path:
         out = []
         for block in site:
             rows = [line.split("\t") for line in block.splitlines()]
-            for start, end, kind, name in reversed(mentions(block)):
+            for first, last, kind, name in reversed(sentence_spans(block)):
                 total += 1
                 if seen[kind, name] >= fewer_than or (kind, name) in public:
                     continue
                 renamed_count += 1
                 new = draw.choice(names[kind])
-                rows[start:end] = [[w, ("I-" if n else "B-") + kind] for n, w in enumerate(new)]
+                tags = ["B-" + kind] + ["I-" + kind] * (len(new) - 1)
+                rows[first : last + 1] = [list(row) for row in zip(new, tags)]
             out.append("\n".join("\t".join(row) for row in rows))
         target = partial / "train" / source.parent.name / source.name
         target.parent.mkdir(parents=True)

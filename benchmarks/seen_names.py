@@ -43,21 +43,26 @@ RUN_TYPE = {"problem": "Disease", "treatment": "Chemical"}
 CON = re.compile(r'^c="(.*)" (\d+):(\d+) (\d+):(\d+)\|\|t="([^"]+)"$')
 
 
+def sentence_spans(block: str) -> list[tuple[int, int, str, str]]:
+    """(first word, last word, type, name) of each mention of one CoNLL
+    sentence; the name is its words, lower-cased."""
+    rows = [r.split("\t") for r in block.strip("\n").splitlines()]
+    words, tags = [r[0] for r in rows], [r[-1] for r in rows]
+    spans, start, kind = [], None, ""
+    for i, tag in enumerate([*tags, "O"]):
+        if start is not None and not (tag.startswith("I-") and tag[2:] == kind):
+            spans.append((start, i - 1, kind, " ".join(words[start:i]).lower()))
+            start = None
+        if tag.startswith("B-") or (tag.startswith("I-") and start is None):
+            start, kind = i, tag[2:]
+    return spans
+
+
 def conll_spans(path: Path) -> list[tuple[int, int, int, str, str]]:
     """(line, first word, last word, type, name) of each mention; lines 1-based."""
-    spans = []
     blocks = [b for b in path.read_text(encoding="utf-8").split("\n\n") if b.strip()]
-    for line, block in enumerate(blocks, start=1):
-        rows = [r.split("\t") for r in block.strip("\n").splitlines()]
-        words, tags = [r[0] for r in rows], [r[-1] for r in rows]
-        start, kind = None, ""
-        for i, tag in enumerate([*tags, "O"]):
-            if start is not None and not (tag.startswith("I-") and tag[2:] == kind):
-                spans.append((line, start, i - 1, kind, " ".join(words[start:i]).lower()))
-                start = None
-            if tag.startswith("B-") or (tag.startswith("I-") and start is None):
-                start, kind = i, tag[2:]
-    return spans
+    numbered = enumerate(blocks, start=1)
+    return [(line, *span) for line, block in numbered for span in sentence_spans(block)]
 
 
 def names(folder: Path) -> Counter:
