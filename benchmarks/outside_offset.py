@@ -29,6 +29,7 @@ from clinfed.errors import ProblemLog
 from clinfed.models import load_saved_model, saved_run_model
 from clinfed.scratch import temporary_folder
 from clinfed.tasks import get_task
+from clinfed.tasks.i2b2.adapter import IGNORE
 from clinfed.tasks.i2b2.bio import allowed_transitions, best_valid_tags
 from clinfed.training import batches, device_of, split_batches
 
@@ -49,7 +50,7 @@ def word_log_probs(run: Path, data: Path, cache: str):
     with torch.no_grad():
         for batch in batches(examples, task, split_batches(order, 64), device_of(model)):
             log_probs = F.log_softmax(model(**task.model_inputs(batch)).float(), -1)
-            is_word = (batch["labels"] != -100).cpu().numpy()
+            is_word = (batch["labels"] != IGNORE).cpu().numpy()
             for row, mask in zip(log_probs.cpu().numpy(), is_word):
                 words[order[position]] = (row, np.flatnonzero(mask))
                 position += 1
