@@ -82,6 +82,7 @@ of its functions and Opacus's); a run never releases them.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -222,6 +223,60 @@ def lexicon_notes(folder: Path) -> Path:
         out.append("\n".join(f"{w}\t{t}" for w, t in rows))
     (partial / "synthetic-drugs.tsv").write_text("\n\n".join(out) + "\n")
     print(f"public lexicon: {mentions} chemical mentions tagged in NCBI-disease train", flush=True)
+    return published(partial, folder)
+
+
+def terminology_notes(folder: Path) -> Path:
+    """``--public lexicon`` with public terminologies in place of the
+    hand-written list (``terminology.py``: DrugBank's open vocabulary, FDA
+    UNII names, the Disease Ontology, ICD-10-CM and HPO): NCBI-disease's
+    train and devel splits with the words the terminologies name tagged
+    ``Chemical`` or ``Disease`` where NCBI-disease's gold says ``O``, and
+    the synthetic notes of ``--public lexicon`` as they are. Distant
+    supervision from public vocabularies alone: no private or test text."""
+    import terminology
+
+    if folder.exists():
+        return folder
+    notes = lexicon_notes(folder.with_name("public-lexicon"))
+    names = terminology.lexicons()
+    partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
+    partial.mkdir(parents=True)
+    found: Counter = Counter()
+    for split in ("train", "devel"):
+        out = []
+        for block in (SHARED / "ncbi-disease" / f"{split}.tsv").read_text().strip().split("\n\n"):
+            words, tags = zip(*(line.split("\t") for line in block.splitlines()))
+            tags = list(tags)
+            found.update(terminology.tag(list(words), tags, names))
+            out.append("\n".join(f"{w}\t{t}" for w, t in zip(words, tags)))
+        (partial / f"ncbi-disease-{split}.tsv").write_text("\n\n".join(out) + "\n")
+    shutil.copy(notes / "synthetic-drugs.tsv", partial)
+    print(f"public terminologies: {dict(found)} mentions tagged in NCBI-disease", flush=True)
+    return published(partial, folder)
+
+
+def terminology_renamed(folder: Path, copies: int) -> Path:
+    """``--public terminology`` plus ``copies`` copies of each public
+    sentence that holds a mention, every mention renamed with a name drawn
+    from the curated terminologies (``terminology.draw_names``; public
+    seed): the start sees the terminologies' names in PubMed contexts, not
+    only the few the public text happens to hold."""
+    import terminology
+
+    if folder.exists():
+        return folder
+    tagged = terminology_notes(folder.with_name("public-terminology"))
+    names = terminology.draw_names()
+    partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
+    shutil.copytree(tagged, partial)
+    draw, out = random.Random(f"terminology-{copies}"), []
+    for split in ("train", "devel"):
+        for block in (tagged / f"ncbi-disease-{split}.tsv").read_text().strip().split("\n\n"):
+            if "\tB-" in block:
+                out += [renamed(block, names, draw) for _ in range(copies)]
+    (partial / "ncbi-disease-renamed.tsv").write_text("\n\n".join(out) + "\n")
+    print(f"public terminologies: {len(out)} renamed sentences", flush=True)
     return published(partial, folder)
 
 
@@ -379,7 +434,7 @@ WARM_START = {"batch_size": None, "head_lr": 0.01}
 PRIVATE_PHASE_ONLY = ("weight_decay",)
 
 
-def starting_model(work: Path, settings: dict) -> Path:
+def starting_model(work: Path, settings: dict, gazetteer: bool = False) -> Path:
     """The warm-started model for these public settings, made once (written
     aside and renamed, so runs started together never read half of one)."""
     import hashlib
@@ -394,13 +449,67 @@ def starting_model(work: Path, settings: dict) -> Path:
         *("task", "types", "format"),
     )
     key = hashlib.sha256(json.dumps({k: settings.get(k) for k in keys}).encode()).hexdigest()
-    folder = work / f"start-{key[:12]}"
+    folder = work / f"start-{key[:12]}{'-gazetteer' if gazetteer else ''}"
     if not folder.exists():
         partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
         values = {k: v for k, v in settings.items() if k not in ("target_epsilon",)}
         warm_start_model(RunConfig.of(**values, out=str(partial)))
         published(partial, folder)
     return folder
+
+
+# ------------------------------------------------------------- gazetteer
+def mark_terminology_hits() -> None:
+    """``--gazetteer`` (an experiment, not a product feature yet): every
+    forward of this process gives the encoder, as BERT's token-type id, 1 on
+    the word pieces of words the public terminologies name (``terminology``'s
+    lookup over the window's own words) and 0 elsewhere: a gazetteer feature
+    through an input the encoder already has (its second segment's
+    embedding), with no change to the model's parameters. It is computed
+    from the unit's own words and public lists alone, so it shapes no unit's
+    gradient with anything but that unit (DESIGN.md section 4), and the
+    warm start, the private rounds, the no-DP reference and the scoring all
+    see it, since they run in this process."""
+    import terminology
+
+    from clinfed import models
+
+    tokenizer = models.load_tokenizer("minilm")
+    names = terminology.lexicons()
+    special = set(tokenizer.all_special_ids)
+    marks: dict[tuple[int, ...], list[int]] = {}
+
+    def marked(row: list[int]) -> list[int]:
+        key = tuple(row)
+        if key not in marks:
+            words: list[str] = []
+            owner: list[int] = []
+            for token_id, piece in zip(row, tokenizer.convert_ids_to_tokens(row)):
+                if token_id in special:
+                    owner.append(-1)
+                    continue
+                if piece.startswith("##") and words:
+                    words[-1] += piece[2:]
+                else:
+                    words.append(piece)
+                owner.append(len(words) - 1)
+            tags = ["O"] * len(words)
+            terminology.tag(words, tags, names)
+            marks[key] = [int(w >= 0 and tags[w] != "O") for w in owner]
+        return marks[key]
+
+    plain = models._EncoderInputs.__call__
+
+    def call(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
+        inputs = plain(self, input_ids, attention_mask)
+        if self.takes_token_types:
+            rows = [marked(row) for row in input_ids.tolist()]
+            inputs["token_type_ids"] = torch.tensor(rows, dtype=input_ids.dtype).to(
+                input_ids.device
+            )
+        return inputs
+
+    models._EncoderInputs.__call__ = call
 
 
 # ------------------------------------------------------------- observation
@@ -629,9 +738,18 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=160, help="i2b2: notes per site")
     parser.add_argument("--epsilon", type=float, default=8.0, help="inf: no DP")
     parser.add_argument(
-        "--public", default="auto", help="auto, none, drugs, lexicon, held-out (bc5cdr) or a folder"
+        "--public",
+        default="auto",
+        help="auto, none, drugs, lexicon, terminology, held-out (bc5cdr) or a folder",
     )
     parser.add_argument("--public-examples", type=int, default=0)
+    parser.add_argument(
+        "--public-renamed",
+        type=int,
+        default=0,
+        metavar="K",
+        help="with --public terminology: K copies of each public sentence, names drawn in",
+    )
     parser.add_argument(
         "--held-out", type=int, default=0, help="bc5cdr: train sentences made public, not a site's"
     )
@@ -663,6 +781,16 @@ def main() -> None:
         metavar="K",
         help="bc5cdr diagnostic: rename mentions whose name fewer than K train sentences hold",
     )
+    parser.add_argument(
+        "--gazetteer",
+        action="store_true",
+        help="token-type id 1 on words the public terminologies name (an experiment)",
+    )
+    parser.add_argument(
+        "--start-alone",
+        action="store_true",
+        help="score the starting model on the test split and stop (no rounds)",
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
         "--extend",
@@ -676,6 +804,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from clinfed.pipeline import RunConfig, run_training
+
+    if args.gazetteer:
+        mark_terminology_hits()
 
     if args.held_out and args.corpus != "bc5cdr":
         parser.error("--held-out is for --corpus bc5cdr")
@@ -723,11 +854,16 @@ def main() -> None:
         # A copy is not a unit of its own: the sentence and its copies are one
         # document, sampled and clipped whole (else the count would double).
         settings["privacy_unit"] = "document"
-    if args.public in ("drugs", "lexicon"):
+    if args.public in ("drugs", "lexicon", "terminology"):
         if args.corpus != "bc5cdr":
             parser.error(f"--public {args.public} is for --corpus bc5cdr")
-        make = drug_notes if args.public == "drugs" else lexicon_notes
-        public, public_types = make(work / f"public-{args.public}"), TYPES
+        make = {"drugs": drug_notes, "lexicon": lexicon_notes, "terminology": terminology_notes}[
+            args.public
+        ]
+        if args.public == "terminology" and args.public_renamed:
+            make = functools.partial(terminology_renamed, copies=args.public_renamed)
+        suffix = f"-renamed{args.public_renamed}" if args.public_renamed else ""
+        public, public_types = make(work / f"public-{args.public}{suffix}"), TYPES
         args.public = "auto"
     elif args.public == "held-out":
         public, public_types, args.public = work / "held-out", TYPES, "auto"
@@ -756,7 +892,7 @@ def main() -> None:
             "public_types": args.public_types if args.public != "auto" else public_types,
             "public_examples": args.public_examples,
         }
-        settings["model"] = str(starting_model(work, settings | public_settings))
+        settings["model"] = str(starting_model(work, settings | public_settings, args.gazetteer))
         if args.held_out_epochs:
             # Then on the guideline-annotated sentences alone, from that model.
             public_settings = {
@@ -765,13 +901,22 @@ def main() -> None:
                 "public_examples": 0,
                 "public_epochs": args.held_out_epochs,
             }
-            settings["model"] = str(starting_model(work, settings | public_settings))
+            start = starting_model(work, settings | public_settings, args.gazetteer)
+            settings["model"] = str(start)
             del public_settings["public_epochs"]
         if settings.get("dp_subspace") or settings.get("dp_public_mix"):
             # The subspace is found, and the public gradient taken, on the
             # same public text, at the saved start.
             settings |= public_settings | {"public_epochs": 0}
     torch.set_num_threads(max(1, args.threads))
+    if args.start_alone:
+        from clinfed.api import evaluate
+
+        if args.public == "none":
+            parser.error("--start-alone needs a --public start")
+        scores = evaluate(settings["model"], data / "test")
+        print(json.dumps({"start": settings["model"], **scores}))
+        return
 
     observer = Observer()
     observer.attach()

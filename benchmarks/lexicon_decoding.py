@@ -11,6 +11,9 @@ devel files' gold tags (the same figures as the runs' own, checked).
 
     python benchmarks/lexicon_decoding.py runs/A runs/B \\
         --test runs/bc5cdr-corpus/data/test
+
+``--terminology`` takes the public terminologies' chemicals and diseases
+(``terminology.py``) instead of the hand-written chemical list.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import terminology  # noqa: E402
 from dp_utility import LEXICON, lexicon_tags  # noqa: E402
 
 TYPES = {"Chemical": "treatment", "Disease": "problem"}
@@ -74,15 +78,22 @@ def predicted_spans(con: Path) -> set[Span]:
 
 
 def lexicon_spans(sentences, predicted: set[Span], lexicon) -> set[Span]:
-    """The lexicon's chemical spans over words no predicted span covers."""
+    """The lexicon's spans over words no predicted span covers: chemicals of
+    the hand-written list, or (``--terminology``, a dict of name sets by
+    type) chemicals and diseases of the public terminologies."""
     covered = {(n, j) for n, a, b, _ in predicted for j in range(a, b + 1)}
     tags_by_sentence = []
     for number, sentence in enumerate(sentences, 1):
         words = [word for word, _ in sentence]
         tags = ["X" if (number, j) in covered else "O" for j in range(len(words))]
-        lexicon_tags(words, tags, *lexicon)
+        if isinstance(lexicon, dict):
+            terminology.tag(words, tags, lexicon)
+        else:
+            lexicon_tags(words, tags, *lexicon)
         tags_by_sentence.append([t if t != "X" else "O" for t in tags])
-    return tagged_spans(tags_by_sentence, {"Chemical": "treatment"})
+    return tagged_spans(
+        tags_by_sentence, TYPES if isinstance(lexicon, dict) else {"Chemical": "treatment"}
+    )
 
 
 def score(run: Path, test: Path, lexicon) -> tuple[dict[str, float], dict[str, float]]:
@@ -109,9 +120,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path)
     parser.add_argument("--test", type=Path, default=Path("runs/bc5cdr-corpus/data/test"))
+    parser.add_argument(
+        "--terminology",
+        action="store_true",
+        help="the public terminologies' chemicals and diseases (terminology.py) instead",
+    )
+    parser.add_argument(
+        "--only",
+        choices=sorted(TYPES),
+        default=None,
+        help="with --terminology: that type's names alone",
+    )
     args = parser.parse_args()
-    lexicon = read_lexicon()
-    print("| run | F1 (P, R) as decoded | with the lexicon's chemicals | moved |")
+    lexicon = terminology.lexicons() if args.terminology else read_lexicon()
+    if args.terminology and args.only:
+        lexicon = {args.only: lexicon[args.only]}
+    print("| run | F1 (P, R) as decoded | with the lexicon's names | moved |")
     print("|---|---|---|---|")
     for run in args.runs:
         plain, assisted = score(run, args.test, lexicon)

