@@ -830,6 +830,8 @@ def main() -> None:
         parser.error("--augment needs privacy_unit=document (a sentence with its copies)")
     if args.held_out_epochs and (not args.held_out or args.public in ("held-out", "none")):
         parser.error("--held-out-epochs needs --held-out N and a --public text to start from")
+    if args.public_renamed and args.public != "terminology":
+        parser.error("--public-renamed is for --public terminology")
     if args.public == "held-out" and not args.held_out:
         parser.error("--public held-out needs --held-out N")
     name = "bc5cdr" if args.corpus == "bc5cdr" else f"i2b2-{args.docs}"
