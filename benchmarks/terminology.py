@@ -254,21 +254,12 @@ def tag(words: list[str], tags: list[str], lexicon: dict[str, set[str]]) -> dict
     return found
 
 
-def _spans(tags: list[str]) -> set[tuple[int, int, str]]:
-    spans, start = set(), None
-    for j, tag in enumerate([*tags, "O"]):
-        if start is not None and not tag.startswith("I-"):
-            spans.add((start, j, tags[start][2:]))
-            start = None
-        if tag.startswith("B-"):
-            start = j
-    return spans
-
-
 def main() -> None:
     """The lexicons alone as a tagger on IOB files: strict P, R, F1 per type."""
     import argparse
     from collections import Counter
+
+    from seen_names import sentence_spans
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("tsv", nargs="+", type=Path, help="two-column IOB files (word, tag)")
@@ -278,10 +269,12 @@ def main() -> None:
     for tsv in args.tsv:
         counts = {kind: Counter() for kind in names}
         for block in tsv.read_text(encoding="utf-8").strip().split("\n\n"):
-            words, gold = zip(*(line.split("\t") for line in block.splitlines()))
+            words = [line.split("\t")[0] for line in block.splitlines()]
             predicted = ["O"] * len(words)
-            tag(list(words), predicted, names)
-            g, p = _spans(list(gold)), _spans(predicted)
+            tag(words, predicted, names)
+            guessed = "\n".join(f"{w}\t{t}" for w, t in zip(words, predicted))
+            g = {span[:3] for span in sentence_spans(block)}
+            p = {span[:3] for span in sentence_spans(guessed)}
             for kind in names:
                 counts[kind]["tp"] += sum(1 for s in p & g if s[2] == kind)
                 counts[kind]["fp"] += sum(1 for s in p - g if s[2] == kind)
