@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import bz2
 import importlib.util
+import os
 import pickle
 import re
 import xml.etree.ElementTree as ET
@@ -219,8 +220,30 @@ def draw_names() -> dict[str, list[list[str]]]:
     }
 
 
+def write_lists(folder: Path) -> dict[str, Path]:
+    """Write the lexicons as name lists, one name a line, sorted:
+    ``folder/Chemical.txt`` and ``folder/Disease.txt``. Built on the user's
+    machine and kept there (HPO's licence forbids passing its names on)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for kind, names in lexicons().items():
+        out[kind] = folder / f"{kind}.txt"
+        out[kind].write_text("\n".join(sorted(names)) + "\n", encoding="utf-8")
+    return out
+
+
 def lexicons(include_hpo: bool = True) -> dict[str, set[str]]:
-    """``{"Chemical": keys, "Disease": keys}``, filtered as the module says."""
+    """``{"Chemical": keys, "Disease": keys}``, filtered as the module says.
+
+    Where the environment names a folder that ``write_lists`` filled
+    (``TERMINOLOGY_LISTS``), the lists are read from it instead: a machine
+    without the packages (a lent GPU) runs on lists built elsewhere."""
+    lists = os.environ.get("TERMINOLOGY_LISTS")
+    if lists and include_hpo:
+        return {
+            kind: {line for line in (Path(lists) / f"{kind}.txt").read_text().splitlines() if line}
+            for kind in ("Chemical", "Disease")
+        }
     whole, hand = _whole_words(), hand_chemicals()
     chemicals = _kept(hand | drugbank_names() | unii_names(), whole, hand, True)
     diseases_raw = disease_ontology_names() | icd10cm_names()
@@ -262,8 +285,14 @@ def main() -> None:
     from seen_names import sentence_spans
 
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("tsv", nargs="+", type=Path, help="two-column IOB files (word, tag)")
+    parser.add_argument("tsv", nargs="*", type=Path, help="two-column IOB files (word, tag)")
+    parser.add_argument(
+        "--write", type=Path, metavar="DIR", help="write the lists to DIR/Chemical.txt and DIR/Disease.txt"
+    )
     args = parser.parse_args()
+    if args.write:
+        for kind, path in write_lists(args.write).items():
+            print(f"{kind}: {path}")
     names = lexicons()
     print({kind: len(keys) for kind, keys in names.items()}, "names")
     for tsv in args.tsv:
