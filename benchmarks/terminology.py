@@ -287,7 +287,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("tsv", nargs="*", type=Path, help="two-column IOB files (word, tag)")
     parser.add_argument(
-        "--write", type=Path, metavar="DIR", help="write the lists to DIR/Chemical.txt and DIR/Disease.txt"
+        "--write",
+        type=Path,
+        metavar="DIR",
+        help="write the lists to DIR/Chemical.txt and DIR/Disease.txt",
     )
     args = parser.parse_args()
     if args.write:
