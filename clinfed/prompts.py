@@ -122,7 +122,10 @@ def encode_with_prompt(
         positions = torch.arange(extra + length, device=input_ids.device) + offset
         kwargs["position_ids"] = positions.unsqueeze(0).expand(rows, -1).contiguous()
     if "token_type_ids" in inputs:
-        kwargs["token_type_ids"] = input_ids.new_zeros(rows, extra + length)
+        # The prompt's positions are type 0; the real tokens keep theirs
+        # (a --gazetteer's marks).
+        types = inputs["token_type_ids"]
+        kwargs["token_type_ids"] = torch.cat([types.new_zeros(rows, extra), types], dim=1)
     hooks = []
     for depth, layer in enumerate(encoder_layers(encoder)[1 : prompt.depth], start=1):
 

@@ -115,6 +115,15 @@ class ModelSettings:
         "travels); ab trains both and averages them separately (inexact).",
         choices=("b", "ab"),
     )
+    gazetteer: str | None = setting(
+        None,
+        "A file of public names, one a line, or a folder of such .txt files (drug and "
+        "disease names from public terminologies): the word pieces of listed names in a "
+        "unit's own words get token-type id 1, an input the encoder learns to read. Kept "
+        "with the model (RUN/model/gazetteer.txt) and recorded by SHA-256 in config.json "
+        "and the report.",
+        simulator_only=True,
+    )
     public_data: str | None = setting(
         None,
         "A folder of public annotated text (any accepted format) the starting model trains on, "
@@ -450,6 +459,7 @@ METADATA_KEYS = {
     "public_subspace",
     "public_check_text",
     "public_mix",
+    "gazetteer_list",
     "clinfed_version",
     "runner",
     "deployment",

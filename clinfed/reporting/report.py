@@ -41,8 +41,17 @@ def _starting_model(raw: dict[str, Any]) -> str:
     if raw.get("public_start"):
         from clinfed.warmstart import describe
 
-        return describe(raw["public_start"])
-    return "the encoder as given, with a new task head (no public warm start)"
+        words = describe(raw["public_start"])
+    else:
+        words = "the encoder as given, with a new task head (no public warm start)"
+    listed = raw.get("gazetteer_list")
+    if listed:
+        words += (
+            f"; it marks the names of a public list in each unit's own words (gazetteer: "
+            f"{listed['names']:,} names, SHA-256 {listed['sha256'][:16]}…; public input, "
+            "no privacy spent)"
+        )
+    return words
 
 
 def _public_check(text: dict[str, Any], records: list[dict[str, Any]]) -> str:

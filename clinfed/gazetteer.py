@@ -1,0 +1,203 @@
+"""Public name lists as an input feature of the encoder (a gazetteer).
+
+``--gazetteer PATH`` names a file of public names, one a line (drug and
+disease names from public terminologies, say), or a folder of such ``.txt``
+files. Every forward then gives BERT's token-type id 1 to the word pieces
+of the words that spell a listed name, and 0 elsewhere: a feature through
+an input the encoder already has (its second segment's embedding), with no
+new parameter. Under DP it turns evidence about each name, which needs a
+handful of sentences that hold it and drowns in the noise, into one
+direction that every sentence with a listed name shares
+(``docs/results.md``, "Public terminologies").
+
+Privacy: a unit's marks are computed from that unit's own tokens and the
+public lists alone, so no other unit shapes its gradient (DESIGN.md
+section 4); the lists are public input, recorded by digest in
+``config.json``, the model's ``model.json`` and the privacy report.
+
+The gazetteer belongs to the model: a saved model keeps its list
+(``RUN/model/gazetteer.txt``, checked against its digest on load), so a run
+started from it (``--model``), ``clinfed predict`` and a Flower node that
+pins the model folder by digest all compute the same marks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from clinfed.errors import ClinfedError
+
+FILE = "gazetteer.txt"
+# Names longer than this many words are not looked up: each lookup tries
+# every span up to the longest name, so the cost grows with it.
+MAX_WORDS = 8
+# Marks of this many distinct windows are kept (a run's windows repeat every
+# epoch); past it the memo is cleared.
+MEMO_ROWS = 200_000
+_PUNCT = re.compile(r"\s*([-(),/'.+\[\]:;])\s*")
+_WORD = re.compile(r"\w+|[^\w\s]")
+
+
+def name_key(text: str) -> str:
+    """The form names are compared in: lower case, single spaces, no spaces
+    around punctuation (``5 - FU`` and ``5-fu`` are one name)."""
+    return _PUNCT.sub(r"\1", " ".join(text.lower().split()))
+
+
+@dataclass(frozen=True)
+class Gazetteer:
+    """A set of public names, in :func:`name_key` form.
+
+    Parameters
+    ----------
+    names
+        The names, already keyed.
+    longest
+        The most words a listed name has (spans longer are never looked up).
+    """
+
+    names: frozenset[str]
+    longest: int
+
+    @classmethod
+    def of(cls, names: Iterable[str]) -> Gazetteer:
+        """From raw names (keyed here; names over ``MAX_WORDS`` words dropped)."""
+        keyed = {name_key(n) for n in names if n.strip()}
+        kept = frozenset(k for k in keyed if len(_WORD.findall(k)) <= MAX_WORDS)
+        if not kept:
+            raise ClinfedError("the gazetteer lists no name")
+        return cls(kept, max(len(_WORD.findall(k)) for k in kept))
+
+    @classmethod
+    def read(cls, path: str | Path) -> Gazetteer:
+        """A file of names, one a line (blank lines and ``#`` comments
+        skipped), or a folder of such ``.txt`` files."""
+        path = Path(path)
+        if path.is_dir():
+            files = sorted(path.glob("*.txt"))
+            if not files:
+                raise ClinfedError(f"--gazetteer {path}: a folder with no .txt name list")
+        elif path.is_file():
+            files = [path]
+        else:
+            raise ClinfedError(f"--gazetteer {path}: no such file or folder")
+        names: list[str] = []
+        for file in files:
+            names += _names_in(file)
+        if not names:
+            raise ClinfedError(f"--gazetteer {path}: lists no name")
+        return cls.of(names)
+
+    @property
+    def sha256(self) -> str:
+        """SHA-256 of the sorted keyed names, one a line: the list's identity."""
+        return hashlib.sha256(self.text().encode("utf-8")).hexdigest()
+
+    def text(self) -> str:
+        """The keyed names, sorted, one a line (what a saved model keeps)."""
+        return "\n".join(sorted(self.names)) + "\n"
+
+    def describe(self) -> dict[str, Any]:
+        """What ``config.json``, ``model.json`` and the report record."""
+        return {"names": len(self.names), "sha256": self.sha256}
+
+    def mark_words(self, words: list[str]) -> list[bool]:
+        """Which of ``words`` belong to a listed name: the longest name
+        first, left to right, no word in two names."""
+        marked = [False] * len(words)
+        i = 0
+        while i < len(words):
+            for size in range(min(self.longest, len(words) - i), 0, -1):
+                if name_key(" ".join(words[i : i + size])) in self.names:
+                    marked[i : i + size] = [True] * size
+                    i += size - 1
+                    break
+            i += 1
+        return marked
+
+
+def _names_in(file: Path) -> list[str]:
+    try:
+        raw = file.read_bytes()
+    except OSError as exc:
+        raise ClinfedError(f"--gazetteer {file}: cannot read ({exc.strerror})") from None
+    names = []
+    for number, line in enumerate(raw.split(b"\n"), start=1):
+        try:
+            text = line.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise ClinfedError(f"{file}:{number}: not UTF-8 text") from None
+        if text and not text.startswith("#"):
+            names.append(text)
+    return names
+
+
+class PieceMarker:
+    """Token-type ids from a window's token ids: 1 on the word pieces of
+    listed names, 0 elsewhere (special tokens and padding included).
+
+    Words are rebuilt from WordPiece pieces (a ``##`` piece continues the
+    word before it), as the tokenizer split them: punctuation is a word of
+    its own, which :func:`name_key` joins back.
+    """
+
+    def __init__(self, gazetteer: Gazetteer, tokenizer: Any):
+        if getattr(tokenizer, "backend_tokenizer", None) is None or (
+            tokenizer.backend_tokenizer.model.__class__.__name__ != "WordPiece"
+        ):
+            raise ClinfedError(
+                "--gazetteer needs a WordPiece tokenizer (BERT family: minilm, tiny or a BERT "
+                "checkpoint): it rebuilds words from ## pieces"
+            )
+        self.gazetteer = gazetteer
+        self.pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        self.special = frozenset(tokenizer.all_special_ids)
+        self._memo: dict[tuple[int, ...], list[int]] = {}
+
+    def row(self, ids: list[int]) -> list[int]:
+        """The marks of one window (memoised: windows repeat every epoch)."""
+        key = tuple(ids)
+        found = self._memo.get(key)
+        if found is not None:
+            return found
+        words: list[str] = []
+        owner: list[int] = []
+        for token in ids:
+            if token in self.special or token >= len(self.pieces):
+                owner.append(-1)
+                continue
+            piece = self.pieces[token]
+            if piece.startswith("##") and words and owner and owner[-1] >= 0:
+                words[-1] += piece[2:]
+            else:
+                words.append(piece)
+            owner.append(len(words) - 1)
+        marked = self.gazetteer.mark_words(words)
+        found = [int(w >= 0 and marked[w]) for w in owner]
+        if len(self._memo) >= MEMO_ROWS:
+            self._memo.clear()
+        self._memo[key] = found
+        return found
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = [self.row(r) for r in input_ids.tolist()]
+        return torch.tensor(rows, dtype=input_ids.dtype, device=input_ids.device).reshape(
+            input_ids.shape
+        )
+
+    def __deepcopy__(self, memo: dict) -> PieceMarker:
+        # Immutable apart from its memo: copies of a model share it.
+        return self
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_memo"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _memo={})

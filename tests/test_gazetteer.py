@@ -1,0 +1,197 @@
+"""--gazetteer: public names marked as token-type ids, computed from the
+unit's own words, kept with the model and recorded by digest."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from clinfed.errors import ClinfedError
+from clinfed.gazetteer import Gazetteer, PieceMarker, name_key
+from clinfed.models import (
+    add_prompts,
+    attach_gazetteer,
+    build_model,
+    gazetteer_of,
+    load_saved_model,
+    load_tokenizer,
+    save_model,
+)
+
+from .test_cli import run_cli
+from .test_warmstart import _public
+
+WORDS = "Patients given 5 - fluorouracil and Cisplatin developed acute renal failure .".split()
+
+
+def _ids(tokenizer, *sentences: list[str]) -> torch.Tensor:
+    rows = [tokenizer(s, is_split_into_words=True)["input_ids"] for s in sentences]
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])
+
+
+def _lists(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "Chemical.txt").write_text("# drugs\n5-fluorouracil\ncisplatin\n\n")
+    (folder / "Disease.txt").write_text("acute renal failure\nfever\n")
+    return folder
+
+
+def test_names_are_matched_whole_longest_first_across_punctuation_and_case():
+    gazetteer = Gazetteer.of(["5-Fluorouracil", "acute renal failure", "renal failure"])
+    assert name_key("5 - FU") == "5-fu"
+    marked = gazetteer.mark_words(WORDS)
+    assert [w for w, m in zip(WORDS, marked) if m] == [
+        "5", "-", "fluorouracil", "acute", "renal", "failure",
+    ]  # fmt: skip
+    # A listed name inside a longer word sequence is found; a part of a name is not.
+    assert gazetteer.mark_words(["renal", "failure"]) == [True, True]
+    assert gazetteer.mark_words(["acute", "renal"]) == [False, False]
+
+
+def test_word_pieces_of_listed_names_get_type_one_and_nothing_else_does(tmp_path):
+    tokenizer = load_tokenizer("tiny")
+    marker = PieceMarker(Gazetteer.read(_lists(tmp_path)), tokenizer)
+    ids = _ids(tokenizer, WORDS, ["fever", "again"])
+    marks = marker(ids)
+    pieces = tokenizer.convert_ids_to_tokens(ids[0].tolist())
+    marked = [p for p, m in zip(pieces, marks[0].tolist()) if m]
+    assert (
+        "".join(p.removeprefix("##") for p in marked) == "5-fluorouracilcisplatinacuterenalfailure"
+    )
+    assert marks[0, 0] == 0 and marks[0, len(pieces) - 1] == 0  # [CLS], [SEP]
+    assert marks[1].tolist()[:3] == [0, 1, 0] and marks[1, 3:].sum() == 0  # padding unmarked
+    # A window's marks come from its own tokens alone: the same whatever
+    # other windows share its batch (no other unit shapes its input).
+    assert torch.equal(marker(ids[1:]), marks[1:])
+    assert torch.equal(marker(_ids(tokenizer, WORDS)), marks[:1])
+
+
+def test_the_marks_reach_the_encoder_and_a_list_that_names_nothing_changes_nothing():
+    tokenizer = load_tokenizer("tiny")
+    model = build_model("token", "tiny", 3).eval()
+    ids = _ids(tokenizer, WORDS)
+    mask = torch.ones_like(ids)
+    plain = model(ids, mask)
+    attach_gazetteer(model, Gazetteer.of(["no such name here"]), tokenizer)
+    assert torch.equal(model(ids, mask), plain)
+    attach_gazetteer(model, Gazetteer.of(["cisplatin"]), tokenizer)
+    assert not torch.allclose(model(ids, mask), plain)
+
+
+def test_personal_prompts_keep_the_marks_of_the_real_tokens():
+    tokenizer = load_tokenizer("tiny")
+    ids = _ids(tokenizer, WORDS)
+    mask = torch.ones_like(ids)
+    model = add_prompts(build_model("token", "tiny", 3), length=4, fusion="concat").eval()
+    plain = model(ids, mask)
+    attach_gazetteer(model, Gazetteer.of(["cisplatin"]), tokenizer)
+    assert not torch.allclose(model(ids, mask), plain)
+
+
+def test_a_saved_model_keeps_its_list_and_refuses_a_changed_one(tmp_path):
+    tokenizer = load_tokenizer("tiny")
+    gazetteer = Gazetteer.read(_lists(tmp_path / "lists"))
+    model = attach_gazetteer(build_model("token", "tiny", 3), gazetteer, tokenizer).eval()
+    folder = tmp_path / "model"
+    save_model(model, folder, {"head": "token", "labels": ["O", "B-x", "I-x"]}, tokenizer)
+    meta = json.loads((folder / "model.json").read_text())
+    assert meta["gazetteer"] == {"names": 4, "sha256": gazetteer.sha256}
+    loaded, _, _ = load_saved_model(folder)
+    assert gazetteer_of(loaded).sha256 == gazetteer.sha256
+    ids = _ids(tokenizer, WORDS)
+    assert torch.equal(loaded.eval()(ids, torch.ones_like(ids)), model(ids, torch.ones_like(ids)))
+    # A run started from it (--model) reads the same marks.
+    started = build_model("token", str(folder), 3, labels=["O", "B-x", "I-x"])
+    assert gazetteer_of(started).sha256 == gazetteer.sha256
+    (folder / "gazetteer.txt").write_text("cisplatin\n")
+    with pytest.raises(ClinfedError, match="not the name list this model was trained with"):
+        load_saved_model(folder)
+
+
+def test_a_list_the_tokenizer_or_encoder_cannot_mark_is_refused(tmp_path):
+    bad = tmp_path / "names.txt"
+    bad.write_bytes(b"cisplatin\nna\xefve\n")
+    with pytest.raises(ClinfedError, match=rf"{bad}:2: not UTF-8 text"):
+        Gazetteer.read(bad)
+    (tmp_path / "empty.txt").write_text("# nothing\n\n")
+    with pytest.raises(ClinfedError, match="lists no name"):
+        Gazetteer.read(tmp_path / "empty.txt")
+    with pytest.raises(ClinfedError, match="no such file or folder"):
+        Gazetteer.read(tmp_path / "missing")
+
+
+def test_train_with_a_gazetteer_records_it_keeps_it_and_reports_it(i2b2_corpus, tmp_path):
+    lists = _lists(tmp_path / "lists")
+    out = tmp_path / "run"
+    done = run_cli(
+        "train", "--task", "i2b2", "--data", str(i2b2_corpus), "--model", "tiny",
+        "--strategy", "fedavg", "--rounds", "1", "--max-length", "32", "--threads", "1",
+        "--target-epsilon", "8", "--device", "cpu", "--gazetteer", str(lists),
+        "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    digest = Gazetteer.read(lists).sha256
+    config = json.loads((out / "config.json").read_text())
+    assert config["model"]["gazetteer"] == str(lists)
+    assert config["gazetteer_list"] == {"names": 4, "sha256": digest}
+    assert (out / "model" / "gazetteer.txt").read_text() == Gazetteer.read(lists).text()
+    assert run_cli("report", str(out)).returncode == 0
+    assert (
+        f"gazetteer: 4 names, SHA-256 {digest[:16]}" in (out / "report" / "report.md").read_text()
+    )
+    # Predictions from the saved run read the marks it was trained with.
+    scored = run_cli("evaluate", str(out), "--data", str(i2b2_corpus / "test"), "--json")
+    assert scored.returncode == 0, scored.stderr
+
+
+def test_bad_gazetteer_input_is_one_line_and_exit_two(i2b2_corpus, tmp_path):
+    bad = tmp_path / "names.txt"
+    bad.write_bytes(b"cisplatin\n\xff\n")
+    done = run_cli(
+        "train", "--task", "i2b2", "--data", str(i2b2_corpus), "--model", "tiny",
+        "--strategy", "fedavg", "--rounds", "1", "--gazetteer", str(bad),
+        "--out", str(tmp_path / "run"),
+    )  # fmt: skip
+    assert done.returncode == 2 and f"{bad}:2: not UTF-8 text" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "run").exists()
+
+
+def test_a_warm_start_keeps_its_list_and_a_different_one_is_refused(i2b2_corpus, tmp_path):
+    lists = _lists(tmp_path / "lists")
+    start = tmp_path / "start"
+    made = run_cli(
+        "warm-start", "--task", "i2b2", "--data", str(i2b2_corpus), "--model", "tiny",
+        "--max-length", "32", "--threads", "1", "--device", "cpu", "--out", str(start),
+        "--public-data", str(_public(tmp_path / "public")),
+        "--public-types", "Disease=problem,Chemical=treatment", "--gazetteer", str(lists),
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    assert (start / "gazetteer.txt").is_file()
+    other = tmp_path / "other.txt"
+    other.write_text("aspirin\n")
+    refused = run_cli(
+        "train", "--task", "i2b2", "--data", str(i2b2_corpus), "--model", str(start),
+        "--strategy", "fedavg", "--rounds", "1", "--gazetteer", str(other),
+        "--out", str(tmp_path / "run"),
+    )  # fmt: skip
+    assert refused.returncode == 2 and "was trained to read another name list" in refused.stderr
+
+
+def test_on_flower_the_list_travels_inside_the_pinned_model_folder(tmp_path):
+    from clinfed.flower.deploy import flower_run_config
+    from clinfed.provenance import data_fingerprint
+
+    with pytest.raises(ClinfedError, match="gazetteer: on Flower, make the starting model"):
+        flower_run_config({"task": "i2b2", "strategy": "fedavg", "gazetteer": "g"}, tmp_path)
+    # A node pins the model folder by its files' digest: the list is one of them.
+    tokenizer = load_tokenizer("tiny")
+    model = attach_gazetteer(build_model("token", "tiny", 3), Gazetteer.of(["fever"]), tokenizer)
+    folder = tmp_path / "model"
+    save_model(model, folder, {"head": "token", "labels": ["O", "B-x", "I-x"]}, tokenizer)
+    pinned = data_fingerprint(folder)
+    (folder / "gazetteer.txt").write_text("aspirin\n")
+    assert data_fingerprint(folder) != pinned
