@@ -32,6 +32,9 @@ def public_name(result: dict) -> str:
     given = words[words.index("--public") + 1] if "--public" in words else "auto"
     if given == "none":
         return "no warm start"
+    if given == "terminology":
+        marks = ", names marked (--gazetteer)" if "--gazetteer" in words else ""
+        return f"warm start on NCBI-disease tagged by public terminologies{marks}"
     if given != "auto":
         return "warm start on public synthetic notes"
     if result["corpus"] == "bc5cdr":
@@ -133,7 +136,7 @@ def main(prefix: Path, runs: list[Path]) -> None:
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=1)
     ax.set_title("F1 against epsilon (MiniLM, 3 rounds, seed 0)")
     fig.tight_layout()
-    fig.savefig(prefix.with_suffix(".png"), dpi=110)
+    fig.savefig(prefix.with_suffix(".png"), dpi=110, bbox_inches="tight")  # the whole legend
     print(prefix.with_suffix(".md").read_text())
 
 

@@ -444,7 +444,7 @@ WARM_START = {"batch_size": None, "head_lr": 0.01}
 PRIVATE_PHASE_ONLY = ("weight_decay",)
 
 
-def starting_model(work: Path, settings: dict, gazetteer: bool = False) -> Path:
+def starting_model(work: Path, settings: dict, gazetteer: str = "") -> Path:
     """The warm-started model for these public settings, made once (written
     aside and renamed, so runs started together never read half of one)."""
     import hashlib
@@ -459,7 +459,7 @@ def starting_model(work: Path, settings: dict, gazetteer: bool = False) -> Path:
         *("task", "types", "format"),
     )
     key = hashlib.sha256(json.dumps({k: settings.get(k) for k in keys}).encode()).hexdigest()
-    folder = work / f"start-{key[:12]}{'-gazetteer' if gazetteer else ''}"
+    folder = work / f"start-{key[:12]}{f'-{gazetteer}' if gazetteer else ''}"
     if not folder.exists():
         partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
         values = {k: v for k, v in settings.items() if k not in ("target_epsilon",)}
@@ -484,6 +484,47 @@ def terminology_lists(work: Path) -> Path:
         terminology.write_lists(partial)
         published(partial, folder)
     return folder
+
+
+def mark_per_type() -> None:
+    """``--gazetteer-types`` (an experiment on top of ``--gazetteer``): each
+    terminology its own mark, token-type id 1 on the pieces of chemical
+    names and 2 on those of disease names (``terminology.tag``, the same
+    lookup), where clinfed's ``--gazetteer`` gives every listed name 1. The
+    encoder's token-type table grows a third row, a copy of the second, so
+    the start is the single mark's until the warm start tells them apart.
+    Wraps ``clinfed.models.attach_gazetteer`` in this process only."""
+    import terminology
+
+    from clinfed import models, pipeline
+    from clinfed.gazetteer import PieceMarker
+
+    names = terminology.lexicons()
+    kinds = {kind: number for number, kind in enumerate(sorted(names), start=1)}
+
+    class TypedMarker(PieceMarker):
+        def word_marks(self, words: list[str]) -> list[int]:
+            tags = ["O"] * len(words)
+            terminology.tag(words, tags, names)
+            return [kinds[tag[2:]] if tag != "O" else 0 for tag in tags]
+
+    plain = models.attach_gazetteer
+
+    def attach(model: torch.nn.Module, gazetteer, tokenizer) -> torch.nn.Module:
+        table = model.encoder.embeddings.token_type_embeddings
+        if table.num_embeddings <= len(kinds):
+            grown = torch.nn.Embedding(len(kinds) + 1, table.embedding_dim)
+            with torch.no_grad():
+                grown.weight[: table.num_embeddings] = table.weight
+                grown.weight[table.num_embeddings :] = table.weight[-1]
+            grown.weight.requires_grad_(table.weight.requires_grad)
+            model.encoder.embeddings.token_type_embeddings = grown.to(table.weight.device)
+            model.encoder.config.type_vocab_size = len(kinds) + 1
+        plain(model, gazetteer, tokenizer)
+        model._inputs.marker = TypedMarker(gazetteer, tokenizer)
+        return model
+
+    models.attach_gazetteer = pipeline.attach_gazetteer = attach
 
 
 # ------------------------------------------------------------- observation
@@ -761,6 +802,11 @@ def main() -> None:
         help="token-type id 1 on words the public terminologies name (clinfed's --gazetteer)",
     )
     parser.add_argument(
+        "--gazetteer-types",
+        action="store_true",
+        help="with --gazetteer: a mark per terminology (chemicals 1, diseases 2; an experiment)",
+    )
+    parser.add_argument(
         "--start-alone",
         action="store_true",
         help="score the starting model on the test split and stop (no rounds)",
@@ -825,6 +871,10 @@ def main() -> None:
             settings[key] = value
     if args.gazetteer:
         settings["gazetteer"] = str(terminology_lists(work))
+    if args.gazetteer_types:
+        if not args.gazetteer:
+            parser.error("--gazetteer-types needs --gazetteer")
+        mark_per_type()
     if args.augment:
         # A copy is not a unit of its own: the sentence and its copies are one
         # document, sampled and clipped whole (else the count would double).
@@ -859,6 +909,7 @@ def main() -> None:
             except OSError:  # another run's got there first (the same files)
                 shutil.rmtree(partial)
         public, public_types = both, TYPES
+    marks = "gazetteer-types" if args.gazetteer_types else "gazetteer" if args.gazetteer else ""
     if args.public != "none":
         # Warm-started once per corpus and public text (clinfed warm-start),
         # then every run starts from the saved model, with or without DP.
@@ -867,7 +918,7 @@ def main() -> None:
             "public_types": args.public_types if args.public != "auto" else public_types,
             "public_examples": args.public_examples,
         }
-        settings["model"] = str(starting_model(work, settings | public_settings, args.gazetteer))
+        settings["model"] = str(starting_model(work, settings | public_settings, marks))
         if args.held_out_epochs:
             # Then on the guideline-annotated sentences alone, from that model.
             public_settings = {
@@ -876,7 +927,7 @@ def main() -> None:
                 "public_examples": 0,
                 "public_epochs": args.held_out_epochs,
             }
-            start = starting_model(work, settings | public_settings, args.gazetteer)
+            start = starting_model(work, settings | public_settings, marks)
             settings["model"] = str(start)
             del public_settings["public_epochs"]
         if settings.get("dp_subspace") or settings.get("dp_public_mix"):

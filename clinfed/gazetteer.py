@@ -161,12 +161,9 @@ class PieceMarker:
         self.special = frozenset(tokenizer.all_special_ids)
         self._memo: dict[tuple[int, ...], list[int]] = {}
 
-    def row(self, ids: list[int]) -> list[int]:
-        """The marks of one window (memoised: windows repeat every epoch)."""
-        key = tuple(ids)
-        found = self._memo.get(key)
-        if found is not None:
-            return found
+    def words(self, ids: list[int]) -> tuple[list[str], list[int]]:
+        """The words a window's pieces spell, and each piece's word (-1 for
+        special tokens and padding)."""
         words: list[str] = []
         owner: list[int] = []
         for token in ids:
@@ -179,8 +176,21 @@ class PieceMarker:
             else:
                 words.append(piece)
             owner.append(len(words) - 1)
-        marked = self.gazetteer.mark_words(words)
-        found = [int(w >= 0 and marked[w]) for w in owner]
+        return words, owner
+
+    def word_marks(self, words: list[str]) -> list[int]:
+        """Each word's token-type id: 1 in a listed name, else 0."""
+        return [int(m) for m in self.gazetteer.mark_words(words)]
+
+    def row(self, ids: list[int]) -> list[int]:
+        """The marks of one window (memoised: windows repeat every epoch)."""
+        key = tuple(ids)
+        found = self._memo.get(key)
+        if found is not None:
+            return found
+        words, owner = self.words(ids)
+        marks = self.word_marks(words)
+        found = [marks[w] if w >= 0 else 0 for w in owner]
         if len(self._memo) >= MEMO_ROWS:
             self._memo.clear()
         self._memo[key] = found
