@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from clinfed.errors import ClinfedError
@@ -39,7 +40,7 @@ FILE = "gazetteer.txt"
 # every span up to the longest name, so the cost grows with it.
 MAX_WORDS = 8
 # Marks of this many distinct windows are kept (a run's windows repeat every
-# epoch); past it the memo is cleared.
+# epoch; a few hundred bytes each); past it the memo is cleared.
 MEMO_ROWS = 200_000
 _PUNCT = re.compile(r"\s*([-(),/'.+\[\]:;])\s*")
 _WORD = re.compile(r"\w+|[^\w\s]")
@@ -103,6 +104,10 @@ class Gazetteer:
     def text(self) -> str:
         """The keyed names, sorted, one a line (what a saved model keeps)."""
         return "\n".join(sorted(self.names)) + "\n"
+
+    def __deepcopy__(self, memo: dict) -> Gazetteer:
+        # Immutable: copies of a model share one list (it can hold 10^6 names).
+        return self
 
     def describe(self) -> dict[str, Any]:
         """What ``config.json``, ``model.json`` and the report record."""
@@ -182,24 +187,28 @@ class PieceMarker:
         """Each word's token-type id: 1 in a listed name, else 0."""
         return [int(m) for m in self.gazetteer.mark_words(words)]
 
-    def row(self, ids: list[int]) -> list[int]:
-        """The marks of one window (memoised: windows repeat every epoch)."""
-        key = tuple(ids)
+    def row(self, ids: np.ndarray) -> bytes:
+        """The marks of one window, a byte each (memoised by the window's
+        ids, compactly: windows repeat every epoch)."""
+        key = ids.tobytes()
         found = self._memo.get(key)
         if found is not None:
             return found
-        words, owner = self.words(ids)
+        words, owner = self.words(ids.tolist())
         marks = self.word_marks(words)
-        found = [marks[w] if w >= 0 else 0 for w in owner]
+        found = bytes(marks[w] if w >= 0 else 0 for w in owner)
         if len(self._memo) >= MEMO_ROWS:
             self._memo.clear()
         self._memo[key] = found
         return found
 
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = [self.row(r) for r in input_ids.tolist()]
-        return torch.tensor(rows, dtype=input_ids.dtype, device=input_ids.device).reshape(
-            input_ids.shape
+        rows = input_ids.reshape(-1, input_ids.shape[-1]).cpu().numpy()
+        marks = np.frombuffer(b"".join(self.row(r) for r in rows), dtype=np.uint8)
+        return (
+            torch.from_numpy(marks.copy())
+            .to(device=input_ids.device, dtype=input_ids.dtype)
+            .reshape(input_ids.shape)
         )
 
     def __deepcopy__(self, memo: dict) -> PieceMarker:

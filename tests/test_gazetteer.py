@@ -4,6 +4,7 @@ unit's own words, kept with the model and recorded by digest."""
 from __future__ import annotations
 
 import json
+from copy import deepcopy
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,10 @@ def test_the_marks_reach_the_encoder_and_a_list_that_names_nothing_changes_nothi
     assert torch.equal(model(ids, mask), plain)
     attach_gazetteer(model, Gazetteer.of(["cisplatin"]), tokenizer)
     assert not torch.allclose(model(ids, mask), plain)
+    # A site's copy of the model marks the same names and shares the list
+    # (it can hold a million names) instead of copying it.
+    copy = deepcopy(model)
+    assert copy.gazetteer is model.gazetteer and torch.equal(copy(ids, mask), model(ids, mask))
 
 
 def test_personal_prompts_keep_the_marks_of_the_real_tokens():
