@@ -200,3 +200,28 @@ def test_on_flower_the_list_travels_inside_the_pinned_model_folder(tmp_path):
     pinned = data_fingerprint(folder)
     (folder / "gazetteer.txt").write_text("aspirin\n")
     assert data_fingerprint(folder) != pinned
+
+
+def test_a_flower_node_marks_the_names_of_the_model_folder_it_pins(
+    i2b2_corpus, tiny_config, tmp_path
+):
+    from clinfed.pipeline import warm_start_model
+    from clinfed.provenance import data_fingerprint
+
+    from .test_guarantees import _node_site
+
+    start = tmp_path / "start"
+    warm_start_model(
+        tiny_config(
+            out=start,
+            public_data=str(_public(tmp_path / "public")),
+            public_types="Disease=problem,Chemical=treatment",
+            gazetteer=str(_lists(tmp_path / "lists")),
+        )
+    )
+    pinned = {"model": str(start), "model_sha256": data_fingerprint(start)}
+    site = _node_site(i2b2_corpus, tmp_path, pinned, model=str(start), target_epsilon=8.0)
+    held = site.runner.model
+    assert gazetteer_of(held).sha256 == Gazetteer.read(tmp_path / "lists").sha256
+    ids = _ids(load_tokenizer("tiny"), WORDS)
+    assert held._inputs(ids, torch.ones_like(ids))["token_type_ids"].sum() > 0
