@@ -44,7 +44,9 @@ mentions renamed from those lists. ``--gazetteer`` gives
 the encoder, in every forward of the run, token-type id 1 on the words
 the terminologies name: the product's ``--gazetteer`` with their lists
 (:func:`terminology_lists`); ``--gazetteer-types`` (an experiment) gives
-each terminology its own mark (:func:`mark_per_type`).
+each terminology its own mark (:func:`mark_per_type`), and
+``--gazetteer-inflect`` marks from lists with the names' plurals and the
+ontologies' one-word disease names added (``terminology.inflected``).
 ``--start-alone`` scores the starting model on the test split and stops.
 ``--held-out N`` (bc5cdr) keeps the last N sentences of the train split
 out of the sites and adds them to the public text: text annotated to the
