@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import textwrap
 from collections import defaultdict
 from pathlib import Path
 
@@ -25,16 +26,25 @@ PLAN_KEYS = (
     *("neighbours", "optimizer", "max_grad_norm", "dp_public_mix"),
 )
 
+# BC5CDR's train split as benchmarks/real_ner.py cuts it into sentences.
+BC5CDR_TRAIN_SENTENCES = 4560
+
 
 def public_name(result: dict) -> str:
     """Which public text the starting model trained on: the run's command says."""
     words = result["command"].split()
     given = words[words.index("--public") + 1] if "--public" in words else "auto"
+    marks = ", names marked (--gazetteer)" if "--gazetteer" in words else ""
     if given == "none":
         return "no warm start"
     if given == "terminology":
-        marks = ", names marked (--gazetteer)" if "--gazetteer" in words else ""
         return f"warm start on NCBI-disease tagged by public terminologies{marks}"
+    if given == "lexicon":
+        text = "NCBI-disease and synthetic notes tagged by a public chemical lexicon"
+        if "--held-out" in words:
+            held = words[words.index("--held-out") + 1]
+            text += f", then the {held} public train sentences"
+        return f"warm start on {text}{marks}"
     if given != "auto":
         return "warm start on public synthetic notes"
     if result["corpus"] == "bc5cdr":
@@ -57,6 +67,11 @@ def plan_name(result: dict) -> str:
 
 def corpus_name(result: dict) -> str:
     if result["corpus"] == "bc5cdr":
+        words = result["command"].split()
+        if "--held-out" in words:  # those sentences are public, no site's
+            held = int(words[words.index("--held-out") + 1])
+            per_site = (BC5CDR_TRAIN_SENTENCES - held) // 3
+            return f"BC5CDR less {held} train sentences made public, 3 sites of ~{per_site:,}"
         return "BC5CDR, 3 sites of ~1,520 sentences"
     docs = (
         int(result["command"].split("--docs")[1].split()[0])
@@ -122,7 +137,8 @@ def main(prefix: Path, runs: list[Path]) -> None:
             marker="o",
             color=colours[index % len(colours)],
             linestyle="-" if "adapter" in plan else "--",
-            label=f"{corpus}: {plan.replace('fedavg, ', '')}",
+            # Wrapped: an unwrapped long label widens the saved figure past the axes.
+            label=textwrap.fill(f"{corpus}: {plan.replace('fedavg, ', '')}", 130),
         )
     ax.set_xscale("log")
     ticks = finite + [no_dp_x]
@@ -133,7 +149,7 @@ def main(prefix: Path, runs: list[Path]) -> None:
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     # Below the axes: the labels are long and the lines sit everywhere.
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=1)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=1)
     ax.set_title("F1 against epsilon (MiniLM, 3 rounds, seed 0)")
     fig.tight_layout()
     fig.savefig(prefix.with_suffix(".png"), dpi=110, bbox_inches="tight")  # the whole legend
