@@ -126,9 +126,10 @@ class ModelSettings:
     )
     public_data: str | None = setting(
         None,
-        "A folder of public annotated text (any accepted format) the starting model trains on, "
-        "whole and without DP, before round 1: no site's data, no privacy spent. Recorded in "
-        "config.json and the report.",
+        "A folder of public annotated text (any accepted format; for mimic3, MIMIC-III CSVs of "
+        "other patients' admissions) the starting model trains on, whole and without DP, "
+        "before round 1: no site's data, no privacy spent. Recorded in config.json and the "
+        "report.",
         simulator_only=True,
     )
     public_types: str | None = setting(

@@ -56,9 +56,12 @@ def read_public(
 ) -> tuple[list[Any], Any, list[str]]:
     """The annotated documents of the public text in ``folder`` (given as
     ``flag``), read by the run's task (types mapped with ``--public-types``),
-    encoded; and the run types the text annotates."""
+    encoded; and the run types the text annotates (for ICD coding, the run's
+    label codes its admissions carry)."""
     if not folder.is_dir():
         raise ClinfedError(f"{flag} {folder}: not a folder")
+    if task.head == "multilabel":
+        return read_public_admissions(folder, flag, config, task, tokenizer, cache_dir, problems)
     if task.head != "token":
         raise ClinfedError(f"{flag}: task {task.name} has no public text to start from")
     reader = get_task(config.task, types=config.public_types, format="auto", cache_dir=cache_dir)
@@ -79,6 +82,39 @@ def read_public(
     finally:
         del task.site_types[PUBLIC_SITE]
     return documents, examples, annotated
+
+
+def read_public_admissions(
+    folder: Path,
+    flag: str,
+    config: Any,
+    task: Task,
+    tokenizer: Any,
+    cache_dir: str,
+    problems: ProblemLog,
+) -> tuple[Any, Any, list[str]]:
+    """:func:`read_public` for ICD coding: every admission of the public
+    folder (MIMIC-III's CSVs, one folder or one per site; both splits) that
+    has a discharge summary and one of the run's label codes, encoded by
+    the run's task. The label set stays the run's (public, never counted
+    from the text); codes outside it are left out, as for a site."""
+    if config.public_types:
+        raise ClinfedError(
+            f"--public-types maps entity types; task {task.name} reads ICD-9 codes, "
+            "which keep their names"
+        )
+    records = task.read_documents(folder, problems)
+    kept = set(task.labels)
+    records = records.filter(lambda codes: any(c in kept for c in codes), input_columns="codes")
+    if not len(records):
+        raise ClinfedError(
+            f"{flag} {folder}: no admission has a discharge summary and one of the run's "
+            f"{len(task.labels)} label codes"
+        )
+    records = records.map(lambda _: {"site": PUBLIC_SITE}, input_columns="site")
+    annotated = sorted({c for codes in records["codes"] for c in codes if c in kept})
+    examples = task.encode(records, tokenizer, config.max_length, cache_dir)
+    return records, examples, annotated
 
 
 def public_examples(
@@ -117,6 +153,10 @@ def public_check(
     from clinfed.provenance import data_fingerprint
 
     folder = Path(config.public_check)
+    if task.head != "token":
+        raise ClinfedError(
+            f"--public-check scores concept spans: task {task.name} has none to score"
+        )
     documents, examples, annotated = read_public(
         folder, "--public-check", config, task, tokenizer, cache_dir, problems
     )
@@ -201,6 +241,7 @@ def warm_start(
         "data_fingerprint": data_fingerprint(folder),
         "examples": len(examples),
         "types": annotated,
+        **({"label_kind": "codes"} if task.head == "multilabel" else {}),
         "epochs": config.public_epochs,
         "lr": lr,
         "batch_size": batch_size,
@@ -502,8 +543,8 @@ def describe(record: dict[str, Any]) -> str:
     stages = []
     while record:
         stages.append(
-            f"{Path(record['folder']).name} ({record['examples']:,} examples, types "
-            f"{', '.join(record['types']) or 'none'}, "
+            f"{Path(record['folder']).name} ({record['examples']:,} examples, "
+            f"{record.get('label_kind', 'types')} {', '.join(record['types']) or 'none'}, "
             f"{record['epochs']} epoch{'s' if record['epochs'] != 1 else ''})"
         )
         record = record.get("after")

@@ -251,3 +251,57 @@ def test_a_warm_start_made_on_an_earlier_one_names_both_texts(i2b2_corpus, tmp_p
     page = (tmp_path / "run" / "report" / "report.md").read_text()
     assert "public text general (60 examples" in page
     assert "then ours (15 examples, types problem, treatment, 3 epochs) before round 1" in page
+
+
+# ICD coding: public admissions of other patients (the generator at another
+# seed), in MIMIC-III's own CSVs, warm-start the encoder and the code head.
+def _train_mimic3(corpus: Path, out: Path, *extra: str):
+    return run_cli(
+        "train", "--task", "mimic3", "--data", str(corpus), "--model", "tiny", "--strategy",
+        "fedavg", "--rounds", "1", "--top-k", "10", "--max-length", "32", "--max-chunks", "2",
+        "--threads", "1", "--target-epsilon", "8", "--device", "cpu", "--out", str(out), *extra,
+    )  # fmt: skip
+
+
+def test_icd_coding_warm_starts_on_public_admissions_at_no_privacy_cost(mimic_corpus, tmp_path):
+    from clinfed.tasks.mimic3.synth import generate
+
+    public = tmp_path / "public"
+    generate(public, sites=1, docs=16, seed=5)
+    warm = _train_mimic3(mimic_corpus, tmp_path / "warm", "--public-data", str(public))
+    assert warm.returncode == 0, warm.stderr
+    assert _train_mimic3(mimic_corpus, tmp_path / "cold").returncode == 0
+
+    config = json.loads((tmp_path / "warm" / "config.json").read_text())
+    record = config["public_start"]
+    labels = json.loads((tmp_path / "warm" / "model" / "model.json").read_text())["labels"]
+    assert record["label_kind"] == "codes" and record["types"]
+    assert set(record["types"]) <= set(labels)
+    assert 0 < record["examples"] <= 16 and len(record["data_fingerprint"]) == 64
+
+    def start(run: str) -> str:
+        return json.loads((tmp_path / run / "state.json").read_text())["digests"]["0"]
+
+    def spent(run: str) -> dict:
+        return json.loads((tmp_path / run / "summary.json").read_text())["epsilon"]
+
+    assert start("warm") != start("cold") and spent("warm") == spent("cold")
+    assert run_cli("report", str(tmp_path / "warm")).returncode == 0
+    page = (tmp_path / "warm" / "report" / "report.md").read_text()
+    assert f"trained on public text public ({record['examples']} examples, codes " in page
+
+
+def test_icd_coding_refuses_public_types_and_a_public_check_on_one_line(mimic_corpus, tmp_path):
+    from clinfed.tasks.mimic3.synth import generate
+
+    public = tmp_path / "public"
+    generate(public, sites=1, docs=8, seed=5)
+    typed = _train_mimic3(
+        mimic_corpus, tmp_path / "typed", "--public-data", str(public), "--public-types", "A=B"
+    )
+    assert typed.returncode == 2 and "--public-types maps entity types" in typed.stderr
+    checked = _train_mimic3(mimic_corpus, tmp_path / "checked", "--public-check", str(public))
+    assert checked.returncode == 2 and "--public-check scores concept spans" in checked.stderr
+    for result in (typed, checked):
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert "Traceback" not in result.stderr and len(errors) == 1
