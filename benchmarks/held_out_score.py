@@ -22,21 +22,14 @@ import json
 from pathlib import Path
 
 from clinfed.errors import ProblemLog
-from clinfed.models import load_saved_model, saved_run_model
+from clinfed.inference import saved_model_and_task
 from clinfed.scratch import temporary_folder
-from clinfed.tasks import get_task
 from clinfed.training import predict
 
 
 def held_out_metrics(model_path: Path, data: Path, cache_dir: str) -> dict:
     """The task's metrics of one saved model on ``data``'s held-out split."""
-    model_dir = saved_run_model(str(model_path))
-    if model_dir is None:
-        raise SystemExit(f"{model_path}: no saved model")
-    model, tokenizer, meta = load_saved_model(model_dir)
-    options = {k: meta[k] for k in ("codes", "top_k", "max_chunks", "format", "types") if k in meta}
-    task = get_task(meta["task"], cache_dir=cache_dir, **options)
-    task.labels = list(meta["labels"])
+    model, tokenizer, meta, task = saved_model_and_task(model_path, cache_dir)
     problems = ProblemLog("skip")
     records = task.load(data, problems).test  # the split clinfed train holds out
     examples = task.encode(records, tokenizer, meta["max_length"], cache_dir)

@@ -13,8 +13,10 @@ from clinfed.tasks import get_task
 from clinfed.training import predict
 
 
-def _outputs(run: Path, data: Path, problems: ProblemLog, cache_dir: str):
-    # A run folder, or a saved model itself (RUN/model, clinfed warm-start's).
+def saved_model_and_task(run: Path, cache_dir: str) -> tuple[Any, Any, dict[str, Any], Any]:
+    """A run folder's model, or a saved model itself (RUN/model, clinfed
+    warm-start's): the model, its tokenizer, its metadata, and its task
+    with the options and the label set it was saved with."""
     model_dir = saved_run_model(str(run))
     if model_dir is None:
         raise ClinfedError(f"{run}: no model/ folder (not a finished clinfed run?)")
@@ -22,6 +24,11 @@ def _outputs(run: Path, data: Path, problems: ProblemLog, cache_dir: str):
     options = {k: meta[k] for k in ("codes", "top_k", "max_chunks", "format", "types") if k in meta}
     task = get_task(meta["task"], cache_dir=cache_dir, **options)
     task.labels = list(meta["labels"])  # the model's label set, whatever the folder holds
+    return model, tokenizer, meta, task
+
+
+def _outputs(run: Path, data: Path, problems: ProblemLog, cache_dir: str):
+    model, tokenizer, meta, task = saved_model_and_task(run, cache_dir)
     records = task.read_documents(Path(data), problems)
     examples = task.encode(records, tokenizer, meta["max_length"], cache_dir)
     if len(examples) == 0:

@@ -60,8 +60,15 @@ def read_public(
     label codes its admissions carry)."""
     if not folder.is_dir():
         raise ClinfedError(f"{flag} {folder}: not a folder")
-    if task.head == "multilabel":
-        return read_public_admissions(folder, flag, config, task, tokenizer, cache_dir, problems)
+    if task.head == "multilabel":  # ICD coding: admissions with their codes
+        if config.public_types:
+            raise ClinfedError(
+                f"--public-types maps entity types; task {task.name} reads ICD-9 codes, "
+                "which keep their names"
+            )
+        records, codes = task.public_admissions(folder, flag, problems)
+        records = records.map(lambda _: {"site": PUBLIC_SITE}, input_columns="site")
+        return records, task.encode(records, tokenizer, config.max_length, cache_dir), codes
     if task.head != "token":
         raise ClinfedError(f"{flag}: task {task.name} has no public text to start from")
     reader = get_task(config.task, types=config.public_types, format="auto", cache_dir=cache_dir)
@@ -82,39 +89,6 @@ def read_public(
     finally:
         del task.site_types[PUBLIC_SITE]
     return documents, examples, annotated
-
-
-def read_public_admissions(
-    folder: Path,
-    flag: str,
-    config: Any,
-    task: Task,
-    tokenizer: Any,
-    cache_dir: str,
-    problems: ProblemLog,
-) -> tuple[Any, Any, list[str]]:
-    """:func:`read_public` for ICD coding: every admission of the public
-    folder (MIMIC-III's CSVs, one folder or one per site; both splits) that
-    has a discharge summary and one of the run's label codes, encoded by
-    the run's task. The label set stays the run's (public, never counted
-    from the text); codes outside it are left out, as for a site."""
-    if config.public_types:
-        raise ClinfedError(
-            f"--public-types maps entity types; task {task.name} reads ICD-9 codes, "
-            "which keep their names"
-        )
-    records = task.read_documents(folder, problems)
-    kept = set(task.labels)
-    records = records.filter(lambda codes: any(c in kept for c in codes), input_columns="codes")
-    if not len(records):
-        raise ClinfedError(
-            f"{flag} {folder}: no admission has a discharge summary and one of the run's "
-            f"{len(task.labels)} label codes"
-        )
-    records = records.map(lambda _: {"site": PUBLIC_SITE}, input_columns="site")
-    annotated = sorted({c for codes in records["codes"] for c in codes if c in kept})
-    examples = task.encode(records, tokenizer, config.max_length, cache_dir)
-    return records, examples, annotated
 
 
 def public_examples(

@@ -278,6 +278,24 @@ class Mimic3Task(Task):
         problems.raise_if_any()
         return datasets.concatenate_datasets(parts)
 
+    def public_admissions(
+        self, folder: Path, flag: str, problems: ProblemLog
+    ) -> tuple[datasets.Dataset, list[str]]:
+        """A public warm start's text (``flag``: the option that named
+        ``folder``): every admission of the folder, both splits, that has a
+        discharge summary and one of the model's codes; and the codes they
+        carry. The label set stays the model's (public, never counted from
+        the text); other codes are left out, as for a site."""
+        records = self.read_documents(folder, problems)
+        kept = set(self.labels)
+        records = records.filter(lambda codes: any(c in kept for c in codes), input_columns="codes")
+        if not len(records):
+            raise ClinfedError(
+                f"{flag} {folder}: no admission has a discharge summary and one of the run's "
+                f"{len(self.labels)} label codes"
+            )
+        return records, sorted({c for codes in records["codes"] for c in codes if c in kept})
+
     def summarize(self, data: Path, problems: ProblemLog) -> dict[str, Any]:
         sites = site_folders(data)
         parts = [self._read_site(site, folder, problems) for site, folder in sites.items()]
