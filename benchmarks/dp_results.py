@@ -59,7 +59,10 @@ def plan_name(result: dict) -> str:
     if settings.get("adapter") not in (None, "none"):
         parts.append(f"adapter {settings['adapter']}")
     for key in PLAN_KEYS[2:]:
-        if key in settings:
+        # Every row runs at a constant rate (the results page says so): the
+        # rows made before the recipe's linear decay do not name it, later
+        # ones pass lr_decay=none to run as they did; both are one plan.
+        if key in settings and not (key == "lr_decay" and settings[key] == "none"):
             parts.append(f"{key.replace('_', ' ')} {settings[key]}")
     parts.append(public_name(result))
     return ", ".join(parts)
