@@ -71,7 +71,7 @@ DEFAULT_PLAN = "bias"
 # (the start alone 0.925). pubmed: the PubMed abstracts shipped in
 # clinfed/public (BC5CDR, NCBI disease; CC BY 4.0), diseases as problems and
 # chemicals as treatments, text unlike the notes and no test spans: private
-# F1 0.592 against 0.785 (docs/results.md, "The demo").
+# F1 0.620 against 0.797 (docs/results.md, "The demo").
 PUBLIC: dict[str, dict[str, Any]] = {
     "notes": {"public_types": None},
     "pubmed": {

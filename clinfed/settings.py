@@ -201,9 +201,10 @@ class TrainingSettings:
     lr_decay: str | None = setting(
         None,
         "Federated runs: none keeps the rates; linear takes them to zero over the run's "
-        "planned local steps (round r's steps run from 1-(r-1)/R to 1-r/R of each rate). "
-        "Default: linear under DP (the recipe's), none without.",
-        choices=("none", "linear"),
+        "planned local steps (round r's steps run from 1-(r-1)/R to 1-r/R of each rate); "
+        "cooldown keeps them until the last round, then takes them to zero over its steps. "
+        "Default: none, under DP too (the recipe's, measured).",
+        choices=("none", "linear", "cooldown"),
     )
     ema_decay: float = setting(
         0.0,

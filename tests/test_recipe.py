@@ -65,7 +65,7 @@ def test_a_given_batch_size_is_used_as_is(tmp_path, trained, tiny_run):
 def test_a_private_run_takes_the_recipes_epochs_and_schedule_unless_given(
     tmp_path, tiny_run, monkeypatch
 ):
-    from clinfed.privacy.recipe import DP_LOCAL_EPOCHS
+    from clinfed.privacy.recipe import DP_LOCAL_EPOCHS, DP_LR_DECAY
     from clinfed.runs import read_jsonl
 
     schedules = []
@@ -82,11 +82,11 @@ def test_a_private_run_takes_the_recipes_epochs_and_schedule_unless_given(
                 if line.get("mechanism") == "dp-sgd"]  # fmt: skip
 
     tiny_run(out=tmp_path / "recipe", noise_multiplier=5.0, batch_size=8)
-    assert schedules == ["linear"] * 3  # each site's training decays its rates
+    assert schedules == [DP_LR_DECAY] * 3  # each site trains on the recipe's schedule
     tiny_run(out=tmp_path / "given", noise_multiplier=5.0, batch_size=8, local_epochs=1)
     recorded = json.loads((tmp_path / "recipe" / "config.json").read_text())
     assert recorded["training"]["local_epochs"] == DP_LOCAL_EPOCHS == 3
-    assert recorded["training"]["lr_decay"] == "linear"  # the recipe's schedule under DP
+    assert recorded["training"]["lr_decay"] == DP_LR_DECAY == "none"  # constant under DP
     # Accounted (and trained) for three passes: three times the steps of one.
     assert steps(tmp_path / "recipe") == [3 * s for s in steps(tmp_path / "given")]
     plain = tiny_run(out=tmp_path / "plain")

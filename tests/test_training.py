@@ -69,7 +69,7 @@ def test_linear_schedule_rejects_a_warmup_that_is_not_a_share():
     del schedule
 
 
-def test_linear_decay_takes_the_rates_to_zero_over_the_run():
+def test_rate_decays_take_the_rates_to_zero_over_the_run():
     from clinfed.federated.client import LocalSettings, decay_rates
 
     def rates(round_number: int, decay: str) -> list[float]:
@@ -86,6 +86,9 @@ def test_linear_decay_takes_the_rates_to_zero_over_the_run():
     assert rates(1, "linear") == [1.0, 0.875, 0.75, 0.625, 0.5]
     assert rates(2, "linear") == [0.5, 0.375, 0.25, 0.125, 0.0]
     assert rates(2, "none") == [1.0] * 5
+    # cooldown: the full rates until the last round, then linear to zero over it.
+    assert rates(1, "cooldown") == [1.0] * 5
+    assert rates(2, "cooldown") == [1.0, 0.75, 0.5, 0.25, 0.0]
 
 
 def test_iterate_average_weighs_in_each_step_with_a_warm_up():

@@ -163,27 +163,44 @@ def _plain_steps(dataset: Any, settings: LocalSettings) -> int:
     return -(-len(dataset) // settings.batch_size)
 
 
+def rate_factor(schedule: str, round_number: int, rounds: int, done: float) -> float:
+    """The share of each rate in force after ``done`` (a share in [0, 1])
+    of round ``round_number``'s local steps, in a run of ``rounds`` rounds.
+
+    ``none`` keeps it at 1. ``linear`` falls from 1 to 0 over the run's
+    planned steps: round ``r`` runs from ``1 - (r - 1) / R`` to ``1 - r / R``.
+    ``cooldown`` keeps it at 1 until the last round, then falls from 1 to 0
+    over that round's steps (a warm-up-stable-decay schedule without the
+    warm-up): the early rounds move the model at the full rate, which a
+    start far from the task needs, and the last one averages the noise of
+    its steps instead of leaving the final ones at full weight.
+    """
+    rounds = max(rounds, round_number)
+    if schedule == "linear":
+        return max(0.0, 1.0 - (round_number - 1 + done) / rounds)
+    if schedule == "cooldown" and round_number >= rounds:
+        return max(0.0, 1.0 - done)
+    return 1.0
+
+
 def decay_rates(
     optimizer: torch.optim.Optimizer, settings: LocalSettings, round_number: int, steps: int
 ) -> None:
-    """With ``settings.lr_decay == "linear"``, scale every rate of
-    ``optimizer`` after each of its steps so that over the run's planned
-    local steps they fall linearly to zero: round ``r`` of ``R`` (``steps``
-    local steps) starts at ``1 - (r - 1) / R`` of each rate and ends at
-    ``1 - r / R``.
+    """Scale every rate of ``optimizer`` after each of its ``steps`` local
+    steps of round ``round_number`` by :func:`rate_factor` under
+    ``settings.lr_decay``.
 
     Under DP-SGD each step's noise is fixed while the model nears a
     minimum: smaller late steps average the noise over more of them
     instead of letting it move the model at full rate (docs/results.md,
     "Levers")."""
-    if settings.lr_decay != "linear" or steps == 0:
+    if settings.lr_decay == "none" or steps == 0:
         return
-    rounds = max(settings.rounds, round_number)
     base = [group["lr"] for group in optimizer.param_groups]
     done = 0
 
     def set_rates() -> None:
-        factor = max(0.0, 1.0 - (round_number - 1 + done / steps) / rounds)
+        factor = rate_factor(settings.lr_decay, round_number, settings.rounds, done / steps)
         for group, rate in zip(optimizer.param_groups, base, strict=True):
             group["lr"] = rate * factor
 
