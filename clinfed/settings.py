@@ -159,10 +159,12 @@ class ModelSettings:
     public_check: str | None = setting(
         None,
         "A folder of public annotated text the server scores each round's proposed model on "
-        "(types mapped with --public-types); the last model is kept unless the proposal is "
-        "better there than chance (F1 rises, and a one-sided sign test at 5% on the spans it "
-        "changed passes). Reads no site's data: no privacy spent. Recorded in config.json and each "
-        "round's record. On Flower the ServerApp reads the folder.",
+        "(concept extraction: types mapped with --public-types; ICD coding: MIMIC-III CSVs of "
+        "other patients' admissions); the last model is kept unless the proposal is better "
+        "there than chance (micro F1 rises, and a one-sided sign test at 5% on the decisions it "
+        "changed, spans or codes per admission, passes). Reads no site's data: no privacy spent. "
+        "Recorded in config.json and each round's record. On Flower the ServerApp reads the "
+        "folder.",
     )
 
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from clinfed.device import device_of, to_device
 from clinfed.errors import ClinfedError, ProblemLog
-from clinfed.federated.public_check import PublicCheck, Scored
+from clinfed.federated.public_check import PublicCheck, Scored, micro_f1
 from clinfed.privacy.clipping import layer_hooks, per_example_gradients
 from clinfed.privacy.subspace import (
     GradientSubspace,
@@ -38,7 +38,6 @@ from clinfed.privacy.subspace import (
 )
 from clinfed.tasks import get_task
 from clinfed.tasks.base import Task
-from clinfed.tasks.i2b2.metrics import score_concepts
 from clinfed.training import make_optimizer, predict, train_epoch
 
 # The site name public documents carry while they are encoded.
@@ -70,7 +69,7 @@ def read_public(
         records = records.map(lambda _: {"site": PUBLIC_SITE}, input_columns="site")
         return records, task.encode(records, tokenizer, config.max_length, cache_dir), codes
     if task.head != "token":
-        raise ClinfedError(f"{flag}: task {task.name} has no public text to start from")
+        raise ClinfedError(f"{flag}: task {task.name} reads no public text")
     reader = get_task(config.task, types=config.public_types, format="auto", cache_dir=cache_dir)
     corpus = reader.load(folder, problems)
     documents = [d for d in (*corpus.train, *corpus.test) if d.concepts or d.annotated]
@@ -121,40 +120,32 @@ def public_check(
     problems: ProblemLog,
 ) -> tuple[PublicCheck, dict[str, Any]]:
     """``--public-check``: the server's judge of each round's proposed
-    model, F1 on the public text of ``config.public_check`` scored on a copy
-    of ``model`` of its own; and what ``config.json`` says of it."""
+    model, micro F1 of its decisions (:meth:`Task.decisions`: concept spans,
+    or ICD codes per admission) on the public text of ``config.public_check``,
+    scored on a copy of ``model`` of its own; and what ``config.json`` says
+    of it."""
     from clinfed.adapters import load_shared
     from clinfed.provenance import data_fingerprint
 
     folder = Path(config.public_check)
-    if task.head != "token":
-        raise ClinfedError(
-            f"--public-check scores concept spans: task {task.name} has none to score"
-        )
-    documents, examples, annotated = read_public(
+    records, examples, annotated = read_public(
         folder, "--public-check", config, task, tokenizer, cache_dir, problems
     )
-    missing = [t for t in task.entity_types if t not in annotated]
-    if not documents or missing:
-        raise ClinfedError(
-            f"--public-check {folder}: "
-            + (f"no span of type {missing[0]}" if documents else "no annotated documents")
-            + ": its F1 scores every type of the run, so it needs text that annotates them all"
-        )
+    if task.head == "token":
+        missing = [t for t in task.entity_types if t not in annotated]
+        if not records or missing:
+            raise ClinfedError(
+                f"--public-check {folder}: "
+                + (f"no span of type {missing[0]}" if records else "no annotated documents")
+                + ": its F1 scores every type of the run, so it needs text that annotates them all"
+            )
     judge = copy.deepcopy(model)
-    gold = {d.doc_id: d.concepts for d in documents if d.annotated}
-
-    def spans(concepts: dict[str, list]) -> frozenset:
-        return frozenset(
-            (doc, c.start, c.end, c.type) for doc, found in concepts.items() for c in found
-        )
+    gold = task.decisions(records, examples)
 
     def score(state: dict[str, torch.Tensor]) -> Scored:
         load_shared(judge, state)
-        found = task.predicted_concepts(documents, examples, predict(judge, task, examples))
-        found = {doc: concepts for doc, concepts in found.items() if doc in gold}
-        f1 = score_concepts(gold, found, task.entity_types)["exact"]["micro"]["f1"]
-        return Scored(f1, spans(found))
+        found = task.decisions(records, examples, predict(judge, task, examples))
+        return Scored(micro_f1(found, gold), found)
 
     record = {
         "folder": str(folder),
@@ -162,7 +153,7 @@ def public_check(
         "examples": len(examples),
         "types": annotated,
     }
-    return PublicCheck(score, spans(gold)), record
+    return PublicCheck(score, gold), record
 
 
 def warm_start(

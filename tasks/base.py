@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -232,6 +233,16 @@ class Task(ABC):
         self, records: Any, examples: datasets.Dataset, outputs: list[Any], folder: Path
     ) -> None:
         """Predictions in the task's real file format."""
+
+    @abstractmethod
+    def decisions(
+        self, records: Any, examples: datasets.Dataset, outputs: list[Any] | None = None
+    ) -> frozenset[Hashable]:
+        """What a model decided on the annotated ``records``, one hashable key
+        per decision, so that two models (and the gold) compare as sets:
+        micro F1 is twice the shared decisions over the two sets' sizes.
+        ``outputs`` None: the gold decisions. ``--public-check`` judges each
+        round by these."""
 
     @abstractmethod
     def relevant_tokens(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from clinfed.federated.public_check import PublicCheck, Scored, changed_spans, significant
+from clinfed.federated.public_check import (
+    PublicCheck,
+    Scored,
+    changed_decisions,
+    micro_f1,
+    significant,
+)
 from clinfed.runs import read_jsonl
 
 from .test_cli import run_cli
@@ -42,18 +48,19 @@ def test_a_proposal_is_kept_only_when_f1_rises_by_more_than_chance():
         assert chosen is (new if record["kept"] else old)
     assert [r["kept"] for r in records] == [False, False, False, True]
     assert all(type(r["kept"]) is bool for r in records)  # written to metrics.jsonl
-    assert [(r["spans_better"], r["spans_worse"]) for r in records] == [
+    assert [(r["decisions_better"], r["decisions_worse"]) for r in records] == [
         (0, 1), (1, 0), (6, 4), (6, 0)
     ]  # fmt: skip
     assert records[3]["f1_before"] == 0.5 and records[3]["f1_proposed"] == 0.7
     assert check.last.f1 == 0.7  # the next proposal is judged against the kept one
 
 
-def test_changed_spans_count_spurious_spans_too():
+def test_changed_decisions_count_spurious_ones_too():
     gold = frozenset({"a", "b"})
     # "a" found, spurious "x" dropped: two better; "b" lost, spurious "y" added: two worse.
-    assert changed_spans(frozenset({"b", "x"}), frozenset({"a", "y"}), gold) == (2, 2)
-    assert changed_spans(frozenset({"a"}), frozenset({"a"}), gold) == (0, 0)
+    assert changed_decisions(frozenset({"b", "x"}), frozenset({"a", "y"}), gold) == (2, 2)
+    assert changed_decisions(frozenset({"a"}), frozenset({"a"}), gold) == (0, 0)
+    assert micro_f1(frozenset({"a", "x"}), gold) == 0.5 and micro_f1(frozenset(), frozenset()) == 0
 
 
 def test_the_sign_test_is_one_sided_at_five_percent():
@@ -153,3 +160,57 @@ def test_the_judge_scores_a_copy_and_leaves_the_run_s_model_alone(tiny_config, i
         hits = len(scored.predicted & check.gold)
         assert scored.f1 == pytest.approx(2 * hits / (len(scored.predicted) + len(check.gold)))
     assert record["examples"] > 0 and record["types"] == ["problem", "test", "treatment"]
+
+
+def test_icd_decisions_are_the_codes_micro_f1_counts(mimic_corpus):
+    # The judge's F1 from (admission, code) pairs is the task's own micro F1.
+    import tempfile
+
+    import numpy as np
+
+    from clinfed.errors import ProblemLog
+    from clinfed.models import TINY, load_tokenizer
+    from clinfed.tasks.mimic3.adapter import Mimic3Task
+
+    task = Mimic3Task(top_k=10, max_chunks=2)
+    with tempfile.TemporaryDirectory() as cache:
+        records = task.read_documents(mimic_corpus, ProblemLog())
+        examples = task.encode(records, load_tokenizer(TINY), 32, cache)
+    rng = np.random.default_rng(0)
+    outputs = list(rng.uniform(size=(len(examples), len(task.labels))))
+    outputs[0][:] = 0.5  # at the threshold: every code predicted
+    gold, found = task.decisions(records, examples), task.decisions(records, examples, outputs)
+    targets = np.asarray(examples["targets"])
+    assert len(gold) == targets.sum() and {hadm for hadm, _ in gold} <= set(records["hadm_id"])
+    assert {code for hadm, code in found if hadm == examples[0]["hadm_id"]} == set(task.labels)
+    expected = task.evaluate(records, examples, outputs)["micro_f1"]
+    assert micro_f1(found, gold) == pytest.approx(expected)
+
+
+def test_icd_coding_rounds_are_judged_on_public_admissions(mimic_corpus, tmp_path):
+    from clinfed.tasks.mimic3.synth import generate
+
+    public = tmp_path / "public"
+    generate(public, sites=1, docs=16, seed=5)
+    out = tmp_path / "run"
+    result = run_cli(
+        "train", "--task", "mimic3", "--data", str(mimic_corpus), "--model", "tiny",
+        "--strategy", "fedavg", "--adapter", "head", "--rounds", "2", "--top-k", "10",
+        "--max-length", "32", "--max-chunks", "2", "--threads", "1", "--target-epsilon", "8",
+        "--public-check", str(public), "--out", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    records = [r for r in read_jsonl(out / "metrics.jsonl") if "client" not in r]
+    checks = [r["public_check"] for r in records]
+    assert len(checks) == 2 and all(0.0 <= c["f1_proposed"] <= 1.0 for c in checks)
+    # Each round is judged against the model kept before it.
+    assert checks[1]["f1_before"] == (checks[0]["f1_proposed"] if checks[0]["kept"] else
+                                      checks[0]["f1_before"])  # fmt: skip
+    config = json.loads((out / "config.json").read_text())
+    labels = json.loads((out / "model" / "model.json").read_text())["labels"]
+    codes = config["public_check_text"]["types"]
+    assert codes and set(codes) <= set(labels)
+    assert run_cli("report", str(out)).returncode == 0
+    assert "the server scored each round's model on public text public" in (
+        (out / "report" / "report.md").read_text()
+    )

@@ -62,7 +62,7 @@ def _public_check(text: dict[str, Any], records: list[dict[str, Any]]) -> str:
     return (
         f"the server scored each round's model on public text {Path(text['folder']).name} "
         f"({text['examples']:,} examples) and kept it only when it was better there than "
-        f"chance (F1 rose and a sign test on the spans it changed passed; no site's "
+        f"chance (F1 rose and a sign test on the decisions it changed passed; no site's "
         f"data, no privacy spent): kept round {', '.join(kept) or 'none'}; "
         f"kept the last model instead in round {', '.join(refused) or 'none'}"
     )

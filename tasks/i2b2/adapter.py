@@ -563,6 +563,27 @@ class I2b2Task(Task):
                 line_tags[example["word_start"] + index[pos]] = self.labels[int(predicted[pos])]
         return {doc.doc_id: decode_tags(doc.lines, t) for doc, t in zip(records, tags)}
 
+    def decisions(
+        self,
+        records: list[Document],
+        examples: datasets.Dataset,
+        outputs: list[Any] | None = None,
+    ) -> frozenset[tuple[str, Any, Any, str]]:
+        """(document, start, end, type) of every concept in the annotated
+        ``records`` (gold) or decoded from ``outputs``: the spans exact
+        micro F1 counts."""
+        annotated = {d.doc_id: d.concepts for d in records if d.annotated}
+        if outputs is None:
+            found = annotated
+        else:
+            found = self.predicted_concepts(records, examples, outputs)
+        return frozenset(
+            (doc, c.start, c.end, c.type)
+            for doc, concepts in found.items()
+            if doc in annotated
+            for c in concepts
+        )
+
     def evaluate(
         self, records: list[Document], examples: datasets.Dataset, outputs: list[Any]
     ) -> dict[str, Any]:

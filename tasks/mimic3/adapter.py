@@ -41,7 +41,7 @@ from clinfed.tasks.mimic3.format import (
     read_codes,
     read_split_files,
 )
-from clinfed.tasks.mimic3.metrics import multilabel_metrics
+from clinfed.tasks.mimic3.metrics import THRESHOLD, multilabel_metrics
 from clinfed.tasks.mimic3.options import Mimic3Options
 
 log = logging.getLogger("clinfed.tasks")
@@ -435,10 +435,10 @@ class Mimic3Task(Task):
     def evaluation_counts(
         self, records: datasets.Dataset, examples: datasets.Dataset, outputs: list[Any]
     ) -> dict[str, list[float]]:
-        """Per label: true positives, false positives, false negatives at 0.5."""
+        """Per label: true positives, false positives, false negatives at the threshold."""
         y_true = np.asarray(examples["targets"], dtype=int).reshape(-1, len(self.labels))
         scores = np.stack(outputs) if outputs else np.zeros_like(y_true, dtype=float)
-        y_pred = scores >= 0.5
+        y_pred = scores >= THRESHOLD
         return {
             "tp": (y_pred & (y_true == 1)).sum(axis=0).tolist(),
             "fp": (y_pred & (y_true == 0)).sum(axis=0).tolist(),
@@ -468,6 +468,24 @@ class Mimic3Task(Task):
             "macro_f1_mean": float(ratio(2 * tp, 2 * tp + fp + fn).mean()),
         }
 
+    def decisions(
+        self,
+        records: datasets.Dataset,
+        examples: datasets.Dataset,
+        outputs: list[Any] | None = None,
+    ) -> frozenset[tuple[Any, str]]:
+        """(HADM_ID, code) for every label code an admission carries (gold)
+        or that ``outputs`` give at least :data:`THRESHOLD`: the decisions
+        micro F1 counts."""
+        if outputs is None:
+            outputs = examples["targets"]
+        return frozenset(
+            (hadm, code)
+            for hadm, scores in zip(examples["hadm_id"], outputs)
+            for code, score in zip(self.labels, scores)
+            if score >= THRESHOLD
+        )
+
     def public_probe(self, tokenizer, max_length: int, cache_dir: str) -> datasets.Dataset:
         from clinfed.tasks.mimic3.synth import generate
 
@@ -482,7 +500,7 @@ class Mimic3Task(Task):
         examples: datasets.Dataset,
         outputs: list[Any],
         folder: Path,
-        threshold: float = 0.5,
+        threshold: float = THRESHOLD,
     ) -> None:
         """``predictions.csv``: HADM_ID, the predicted codes (``;``-separated)
         and one probability column per code, headed ``P_<code>``."""

@@ -22,8 +22,12 @@ def precision_at_k(y_true: np.ndarray, scores: np.ndarray, k: int) -> float:
     return float(np.mean(hits / k))
 
 
+# A code is predicted when its probability is at least this.
+THRESHOLD = 0.5
+
+
 def multilabel_metrics(
-    y_true: np.ndarray, scores: np.ndarray, threshold: float = 0.5, ks: tuple[int, ...] = (5,)
+    y_true: np.ndarray, scores: np.ndarray, threshold: float = THRESHOLD, ks: tuple[int, ...] = (5,)
 ) -> dict[str, float]:
     """All CAML metrics for binary targets ``y_true`` and scores in [0, 1].
 
