@@ -29,6 +29,13 @@ the head train and travel. Nothing is added to the model, so aggregation
 is exact, and under DP-SGD only those few coordinates are noised.
 ``--adapter head`` goes further: the encoder stays as the run starts it
 (a public warm start, say) and only the head trains, travels and is noised.
+``--adapter labels`` keeps even the head's shared layers at the start and
+trains its per-label rows alone: for ICD coding the label-wise attention's
+queries and outputs (7,690 numbers for ten codes, against 155,530 for the
+whole head, whose ``project`` layer every code shares); for concept
+extraction, whose head is one row per tag already, the same as ``head``.
+Under DP-SGD the noise is per coordinate, so a twentieth of the
+coordinates is a twentieth of the noise's squared norm on the update.
 
 Every party builds the same adapters from the run's seed, so the frozen
 encoder and ``A`` are never sent. A saved model has its adapters merged
@@ -45,7 +52,9 @@ from torch import nn
 
 from clinfed.errors import ClinfedError
 
-ADAPTERS = ("none", "lora", "bias", "head")
+ADAPTERS = ("none", "lora", "bias", "head", "labels")
+# Head layers every label shares: --adapter labels keeps them at the start.
+SHARED_HEAD_LAYERS = ("head.project.",)
 # A low-rank update starting at zero moves the model slowly at the encoder's
 # fine-tuning rate (1e-4): adapters train at 1e-3 unless --lr says otherwise
 # (the usual LoRA rate for BERT-sized encoders; the head keeps its own).
@@ -91,16 +100,26 @@ def add_head(model: nn.Module) -> nn.Module:
     return model
 
 
+def add_labels(model: nn.Module) -> nn.Module:
+    """Train and share only the head's per-label rows (see the module
+    docstring): the encoder and the layers every label shares stay as the
+    run starts them."""
+    model.adapter = {"kind": "labels"}
+    return model
+
+
 def adapter_of(model: nn.Module) -> dict | None:
     return getattr(model, "adapter", None)
 
 
 def _travels(name: str, adapter: dict | None) -> bool:
-    if adapter is None or not name.startswith("encoder."):
-        return True  # no adapter: everything; with one: the head (and prompts)
+    if adapter is None:
+        return True  # everything
+    if not name.startswith("encoder."):  # the head (and prompts)
+        return adapter["kind"] != "labels" or not name.startswith(SHARED_HEAD_LAYERS)
     if adapter["kind"] == "bias":
         return name.endswith(".bias")
-    if adapter["kind"] == "head":
+    if adapter["kind"] in ("head", "labels"):
         return False
     return ".lora_B." in name or (adapter["factors"] == "ab" and ".lora_A." in name)
 
@@ -145,7 +164,7 @@ def merged(model: nn.Module) -> nn.Module:
     adapter = adapter_of(model)
     if adapter is None:
         return model
-    if adapter["kind"] in ("bias", "head"):
+    if adapter["kind"] in ("bias", "head", "labels"):
         plain = copy.deepcopy(model)
         plain.adapter = None
         return plain

@@ -38,6 +38,7 @@ from clinfed import __version__
 from clinfed.adapters import (
     add_bias,
     add_head,
+    add_labels,
     add_lora,
     fedavg_bytes,
     load_shared,
@@ -492,6 +493,8 @@ def make_model(config: RunConfig, task: Task) -> nn.Module:
         add_bias(model)
     elif config.adapter == "head":
         add_head(model)
+    elif config.adapter == "labels":
+        add_labels(model)
     return model
 
 

@@ -75,7 +75,7 @@ def test_safl_moves_the_selected_layers_adapters_only():
 def _federated(data, run, **settings) -> dict:
     """A tiny FedAvg run with ``settings`` (the adapter among them)."""
     base = {"task": "i2b2", "strategy": "fedavg", "model": "tiny", "max_length": 32}
-    return run_training(RunConfig.of(data=str(data), out=str(run), **base, **settings))
+    return run_training(RunConfig.of(data=str(data), out=str(run), **(base | settings)))
 
 
 def test_a_federated_lora_run_sends_adapters_and_head_only(i2b2_corpus, tmp_path, traffic):
@@ -142,3 +142,29 @@ def test_a_head_only_run_trains_and_sends_the_head_alone(i2b2_corpus, tmp_path, 
 
     again = evaluate_run(run, i2b2_corpus / "test")
     assert again["f1"] == pytest.approx(summary["f1"], abs=1e-9)
+
+
+def test_labels_trains_and_sends_the_heads_per_label_rows_alone(mimic_corpus, tmp_path, traffic):
+    from clinfed.adapters import add_head, add_labels
+    from clinfed.models import load_saved_model
+
+    # Concept extraction: the head is one row per tag already, all of it.
+    token = build_model("token", "tiny", 5, seed=0)
+    assert shared_names(add_labels(token)) == shared_names(add_head(token)) == [
+        "head.weight", "head.bias"
+    ]  # fmt: skip
+    # ICD coding: the label queries and outputs travel, the shared projection does not.
+    run = tmp_path / "run"
+    settings = {"task": "mimic3", "top_k": 10, "max_chunks": 2, "adapter": "labels"}
+    settings["target_epsilon"] = 8.0  # DP-SGD clips the rows alone
+    _federated(mimic_corpus, run, rounds=1, **settings)
+    uploads = [set(m["up"]) for m in traffic.messages if m["kind"] == "train"]
+    assert uploads and all(
+        up == {"head.query.weight", "head.output.weight", "head.output.bias"} for up in uploads
+    )
+    start = build_model("multilabel", "tiny", 10, seed=0)
+    saved, _, _ = load_saved_model(run / "model")
+    for name in ("head.project.weight", "head.project.bias", "encoder.embeddings.word_embeddings"
+                 ".weight"):  # fmt: skip
+        torch.testing.assert_close(saved.state_dict()[name], start.state_dict()[name])
+    assert not torch.equal(saved.head.output.weight, start.head.output.weight)
