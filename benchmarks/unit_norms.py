@@ -27,18 +27,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from clinfed.adapters import add_bias, add_head, shared_names
 from clinfed.errors import ProblemLog
 from clinfed.inference import saved_model_and_task
 from clinfed.scratch import temporary_folder
 
 THRESHOLDS = (0.1, 0.2, 0.3, 0.5, 1.0)
-
-
-def trains(name: str, trainable: str) -> bool:
-    """Whether the plan ``trainable`` trains the parameter ``name``."""
-    if trainable == "all" or not name.startswith("encoder."):
-        return True
-    return trainable == "bias" and name.endswith(".bias")
+QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)
+# The plan's trainable parameters, as the training run selects them.
+PLANS = {"head": add_head, "bias": add_bias, "all": lambda model: model}
 
 
 def unit_norms(model_path: Path, data: Path, trainable: str, examples: int, seed: int) -> dict:
@@ -46,13 +43,15 @@ def unit_norms(model_path: Path, data: Path, trainable: str, examples: int, seed
     with temporary_folder("cache") as cache_dir:
         model, tokenizer, meta, task = saved_model_and_task(model_path, cache_dir)
         records = task.read_documents(data, ProblemLog("skip"))
-        if examples and len(records) > examples:
-            records = records.shuffle(seed=seed).select(range(examples))
         encoded = task.encode(records, tokenizer, meta["max_length"], cache_dir)
+        if examples and len(encoded) > examples:
+            encoded = encoded.shuffle(seed=seed).select(range(examples))
+        model = PLANS[trainable](model)
         model.eval()
-        params = [(n, p) for n, p in model.named_parameters() if trains(n, trainable)]
+        trained = set(shared_names(model))
+        params = [(n, p) for n, p in model.named_parameters() if n in trained]
         for name, param in model.named_parameters():
-            param.requires_grad_(trains(name, trainable))
+            param.requires_grad_(name in trained)
         norms = []
         for i in range(len(encoded)):
             batch = task.collate(encoded[i : i + 1])
@@ -67,12 +66,7 @@ def unit_norms(model_path: Path, data: Path, trainable: str, examples: int, seed
         "trainable": trainable,
         "parameters": sum(p.numel() for _, p in params),
         "units": len(values),
-        "quantiles": {
-            str(q): float(v)
-            for q, v in zip(
-                (0.1, 0.25, 0.5, 0.75, 0.9), np.quantile(values, [0.1, 0.25, 0.5, 0.75, 0.9])
-            )
-        },
+        "quantiles": {str(q): float(v) for q, v in zip(QUANTILES, np.quantile(values, QUANTILES))},
         "share_above": {str(t): float((values > t).mean()) for t in THRESHOLDS},
     }
 
