@@ -394,7 +394,9 @@ class PrivacySettings:
 class MachineSettings:
     """This machine: none of these change results."""
 
-    threads: int = setting(0, "CPU threads (0: all cores).", minimum=0, maximum=1_024)
+    threads: int = setting(
+        0, "CPU threads (0: all cores).", minimum=0, maximum=1_024, resumable=True
+    )
     device: str = setting(
         "auto",
         "Where this process computes: auto (CUDA when available), cpu, cuda or cuda:N. On "

@@ -664,6 +664,11 @@ def test_resume_needs_only_the_run_folder_and_refuses_other_flags(i2b2_corpus, t
             "--data", str(i2b2_corpus), "--out", str(out))  # fmt: skip
     assert run_cli(*args).returncode == 0
     assert run_cli("train", "--resume", "--out", str(out)).returncode == 0
+    # what only this machine decides may change: a run moved to a machine with
+    # other cores resumes
+    moved = run_cli("train", "--resume", "--out", str(out), "--threads", "2",
+                    "--eval-batch-size", "8")  # fmt: skip
+    assert moved.returncode == 0, moved.stderr
     other = run_cli("train", "--resume", "--out", str(out), "--lr", "0.5")
     assert other.returncode == 2 and "different config: lr" in other.stderr
     inside = run_cli(*args[:-2], "--out", str(i2b2_corpus / "runs" / "x"))
