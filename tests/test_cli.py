@@ -63,6 +63,7 @@ def test_help_on_every_command():
         ["privacy"],
         ["privacy", "epsilon"],
         ["privacy", "noise"],
+        ["privacy", "clip-norm"],
         ["report"],
         ["audit"],
     ):

@@ -1,4 +1,4 @@
-"""clinfed privacy epsilon | noise, report, audit."""
+"""clinfed privacy epsilon | noise | clip-norm, report, audit."""
 
 from __future__ import annotations
 
@@ -7,13 +7,20 @@ from pathlib import Path
 import typer
 
 from clinfed.commands.common import (
+    JSON,
+    ON_ERROR,
+    OnError,
     _print_json,
+    _warn,
     app,
+    err,
     out,
+    progress_disabled,
 )
 
 privacy_app = typer.Typer(
-    help="The privacy accountant as a calculator (the Poisson-subsampled Gaussian, replace-one).",
+    help="The privacy accountant as a calculator (the Poisson-subsampled Gaussian, replace-one), "
+    "and the clip norm read off public documents.",
     no_args_is_help=True,
 )
 app.add_typer(privacy_app, name="privacy")
@@ -61,6 +68,59 @@ def privacy_noise(
             f"noise multiplier {result['noise_multiplier']:.4f} gives epsilon "
             f"{result['epsilon']:.4f} at delta {delta:g}"
         )
+
+
+@privacy_app.command("clip-norm")
+def privacy_clip_norm(
+    model: Path = typer.Argument(..., help="The model training starts from (run or saved model)."),
+    data: Path = typer.Option(
+        ..., "--data", help="PUBLIC annotated documents the model has not trained on."
+    ),
+    adapter: str = typer.Option(
+        "none", "--adapter", help="The plan's trained parameters: none, bias, head or labels."
+    ),
+    percentile: float = typer.Option(75.0, "--percentile", help="Percentile of the unit norms."),
+    units: int = typer.Option(600, "--units", help="Measure at most this many units (0: all)."),
+    privacy_unit: str = typer.Option(
+        "example", "--privacy-unit", help="example, document or patient (as clinfed train's)."
+    ),
+    seed: int = typer.Option(0, "--seed", help="Which public units are drawn."),
+    on_error: OnError = ON_ERROR,
+    as_json: bool = JSON,
+) -> None:
+    """A clip norm (--max-grad-norm) from public units' gradient norms at the start.
+
+    DP-SGD's noise is sized to the clip norm; this proposes the given
+    percentile of the units' gradient norms over the parameters the plan
+    trains. Read only public text: a clip norm read off private units is
+    unaccounted.
+    """
+    from rich.progress import Progress
+
+    from clinfed.clip_norm import clip_norm_from_public
+    from clinfed.commands.train import _columns
+
+    with Progress(*_columns(), console=err, disable=progress_disabled()) as progress:
+
+        def bar(label: str, total: int):
+            task = progress.add_task(label, total=total)
+            return lambda done: progress.advance(task, done)
+
+        result = clip_norm_from_public(
+            model, data, adapter, percentile, units, privacy_unit, seed, on_error.value, bar
+        )
+    _warn(result.pop("warnings"))
+    if as_json:
+        _print_json(result)
+        return
+    quantiles = ", ".join(f"{float(q):.0%} {v:.3f}" for q, v in result["quantiles"].items())
+    out.print(
+        f"clip norm {result['clip_norm']:.3g}: the {result['percentile']:g}th percentile of "
+        f"{result['units']:,} public units' gradient norms over {result['parameters']:,} "
+        f"trained numbers (--adapter {adapter}); {result['share_clipped']:.0%} of them would "
+        f"be clipped. Percentiles: {quantiles}. Above the default 1.0: "
+        f"{result['share_above']['1.0']:.0%}."
+    )
 
 
 @app.command("report")
