@@ -22,6 +22,7 @@ over Flower (:func:`run_federation`).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from collections import Counter
@@ -98,6 +99,11 @@ def config_record(config: RunConfig, runner: str) -> dict[str, Any]:
     return config.to_dict() | {"clinfed_version": __version__, "runner": runner} | provenance()
 
 
+# Machine settings --resume may change that still change floating-point
+# rounding (the order of sums across threads, another device's kernels).
+ROUNDING_SETTINGS = ("threads", "device")
+
+
 def _check_resume(config: RunConfig) -> None:
     """A resumed run must be the same run: same settings, same data."""
     out = Path(config.out)
@@ -117,6 +123,14 @@ def _check_resume(config: RunConfig) -> None:
     for concern, values in ours.items():
         for key, value in values.items():
             if key in resumable:
+                before = saved.get(concern, {}).get(key)
+                if key in ROUNDING_SETTINGS and before != value:
+                    # Allowed (a run moved to another machine resumes), but the
+                    # sums run in another order: not bit for bit the same run.
+                    logging.getLogger("clinfed").warning(
+                        f"--resume of {out}: {key} was {before!r}, now {value!r}; the "
+                        "rounds from here are not bit-identical to an uninterrupted run"
+                    )
                 continue
             before = saved.get(concern, {}).get(key)
             if concern == "data" and key == "data":

@@ -151,7 +151,12 @@ def test_resume_accepts_the_same_folder_named_by_another_path(i2b2_corpus, tmp_p
     assert resumed.returncode == 0, resumed.stderr
     changed = run_cli(*TRAIN[:-2], "--threads", "2", "--data", str(i2b2_corpus),
                       "--out", str(run), "--resume")  # fmt: skip
-    assert changed.returncode == 2 and "threads" in changed.stderr  # changes the weights
+    # another thread count is this machine's to choose (a run moved to other
+    # cores resumes), but the sums run in another order: said, not refused
+    assert changed.returncode == 0, changed.stderr
+    assert "threads was 1, now 2; the rounds from here are not bit-identical" in changed.stderr
+    again = run_cli(*TRAIN, "--data", str(i2b2_corpus), "--out", str(run), "--resume")
+    assert again.returncode == 0 and "bit-identical" not in again.stderr
 
 
 def test_a_cache_hit_reports_the_same_problems_as_the_read_that_made_it(mimic_corpus, tmp_path):
