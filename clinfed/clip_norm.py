@@ -20,6 +20,16 @@ model: text the start was trained on has small gradients (it is fitted),
 so measure on public documents the start has not seen
 (``docs/results.md``, "the clip norm").
 
+What it moved (``docs/results.md``, "the clip norm from public text"):
+on ICD coding's head, public admissions of the sites' kind put the 75th
+percentile at 0.43, and a clip norm of 0.4 gained 2.4 F1 points at
+epsilon 8 over the default 1.0; on BC5CDR's bias terms from a start
+fitted to the sites' guidelines, public text put it at 2.1, and 2.2
+moved nothing (-0.2), nor did 0.4 (+0.2). The noise on the averaged step grows with the clip
+norm exactly and the signal by less, so a larger clip norm lowers their
+ratio: read the percentiles as what share of units a clip norm clips,
+and lower the clip norm when most units' norms are far below it.
+
 The model runs in evaluation mode (no dropout), one unit a backward
 pass, so the norms are exact and the same at every call.
 """
