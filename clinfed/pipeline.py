@@ -122,8 +122,8 @@ def _check_resume(config: RunConfig) -> None:
     resumable = {n for n, f in schema_fields().items() if f.metadata.get("resumable")}
     for concern, values in ours.items():
         for key, value in values.items():
+            before = saved.get(concern, {}).get(key)
             if key in resumable:
-                before = saved.get(concern, {}).get(key)
                 if key in ROUNDING_SETTINGS and before != value:
                     # Allowed (a run moved to another machine resumes), but the
                     # sums run in another order: not bit for bit the same run.
@@ -132,7 +132,6 @@ def _check_resume(config: RunConfig) -> None:
                         "rounds from here are not bit-identical to an uninterrupted run"
                     )
                 continue
-            before = saved.get(concern, {}).get(key)
             if concern == "data" and key == "data":
                 same = Path(str(before)).resolve() == Path(str(value)).resolve()
             else:
