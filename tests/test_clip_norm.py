@@ -90,6 +90,28 @@ def test_the_command_proposes_the_percentile_of_the_public_units(start, i2b2_cor
 
 
 @pytest.mark.parametrize(
+    ("percentile", "words"),
+    [
+        (1, "1st"),
+        (2, "2nd"),
+        (3, "3rd"),
+        (11, "11th"),
+        (12, "12th"),
+        (21, "21st"),
+        (50, "50th"),
+        (75, "75th"),
+        (92, "92nd"),
+        (100, "100th"),
+        (12.5, "12.5th"),
+    ],
+)
+def test_the_percentile_reads_as_an_ordinal(percentile, words):
+    from clinfed.commands.privacy import _ordinal
+
+    assert _ordinal(percentile) == words
+
+
+@pytest.mark.parametrize(
     ("extra", "message"),
     [
         (["--adapter", "lora"], "--adapter lora: choose one of none, bias, head, labels"),

@@ -115,12 +115,20 @@ def privacy_clip_norm(
         return
     quantiles = ", ".join(f"{float(q):.0%} {v:.3f}" for q, v in result["quantiles"].items())
     out.print(
-        f"clip norm {result['clip_norm']:.3g}: the {result['percentile']:g}th percentile of "
+        f"clip norm {result['clip_norm']:.3g}: the {_ordinal(result['percentile'])} percentile of "
         f"{result['units']:,} public units' gradient norms over {result['parameters']:,} "
         f"trained numbers (--adapter {adapter}); {result['share_clipped']:.0%} of them would "
         f"be clipped. Percentiles: {quantiles}. Above the default 1.0: "
         f"{result['share_above']['1.0']:.0%}."
     )
+
+
+def _ordinal(number: float) -> str:
+    """75 -> '75th', 1 -> '1st', 22 -> '22nd', 12.5 -> '12.5th'."""
+    text = f"{number:g}"
+    if not float(number).is_integer() or 10 <= int(number) % 100 <= 20:
+        return f"{text}th"
+    return text + {1: "st", 2: "nd", 3: "rd"}.get(int(number) % 10, "th")
 
 
 @app.command("report")
