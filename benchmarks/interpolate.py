@@ -100,10 +100,10 @@ def main() -> None:
             if args.public:
                 row["public"] = evaluate(folder, args.public)
             rows.append(row)
-            line = {"alpha": alpha, "test_f1": round(row["test"]["f1"], 4)}
+            shown = {"alpha": alpha, "test_f1": round(row["test"]["f1"], 4)}
             if args.public:
-                line["public_f1"] = round(row["public"]["f1"], 4)
-            print(json.dumps(line), flush=True)
+                shown["public_f1"] = round(row["public"]["f1"], 4)
+            print(json.dumps(shown), flush=True)
     result = {
         "command": " ".join(sys.argv),
         "run": str(args.run),
