@@ -18,7 +18,7 @@ server may choose it at no privacy cost.
         [--alphas 0,0.5,0.75,1,1.25] [--gazetteer-types] [--out FILE.json]
 
 ``RUN`` is a finished run (its ``model/``) or a saved model folder, and
-``START`` the model it started from (``config.json``'s ``model`` unless
+``START`` the model it started from (``config.json``'s ``model.model`` unless
 given). Models with ``--gazetteer-types`` marks (``dp_utility.py``'s
 experiment) need the flag here too, so the marks read the same.
 """
@@ -37,7 +37,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def model_folder(path: Path) -> Path:
-    return path / "model" if (path / "model" / "model.json").is_file() else path
+    from clinfed.models import saved_run_model
+
+    folder = saved_run_model(str(path))
+    if folder is None:
+        raise SystemExit(f"{path}: not a model a clinfed run saved (no model.json)")
+    return folder
 
 
 def interpolated(start: dict, private: dict, alpha: float) -> dict:
@@ -80,7 +85,8 @@ def main() -> None:
     private_folder = model_folder(args.run)
     start = args.start
     if start is None:
-        start = Path(json.loads((args.run / "config.json").read_text())["model"])
+        # config.json groups the settings: the starting model is model.model.
+        start = Path(json.loads((args.run / "config.json").read_text())["model"]["model"])
     start_folder = model_folder(start)
     private = load_file(str(private_folder / "model.safetensors"))
     initial = load_file(str(start_folder / "model.safetensors"))

@@ -126,7 +126,7 @@ def privacy_clip_norm(
 def _ordinal(number: float) -> str:
     """75 -> '75th', 1 -> '1st', 22 -> '22nd', 12.5 -> '12.5th'."""
     text = f"{number:g}"
-    if not float(number).is_integer() or 10 <= int(number) % 100 <= 20:
+    if not float(number).is_integer() or 11 <= int(number) % 100 <= 13:
         return f"{text}th"
     return text + {1: "st", 2: "nd", 3: "rd"}.get(int(number) % 10, "th")
 
