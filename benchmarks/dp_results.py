@@ -35,6 +35,8 @@ def public_name(result: dict) -> str:
     words = result["command"].split()
     given = words[words.index("--public") + 1] if "--public" in words else "auto"
     marks = ", names marked (--gazetteer)" if "--gazetteer" in words else ""
+    if "--gazetteer-types" in words:
+        marks = ", a mark per terminology (--gazetteer --gazetteer-types)"
     if given == "none":
         return "no warm start"
     if given == "terminology":
@@ -130,14 +132,15 @@ def main(prefix: Path, runs: list[Path]) -> None:
         groups[(r["corpus"], r["plan"])].append(r)
     finite = sorted({r["epsilon"] for r in rows if not math.isinf(r["epsilon"])})
     no_dp_x = (max(finite) * 2) if finite else 16
-    fig, ax = plt.subplots(figsize=(10, 8.5))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
     colours = plt.get_cmap("tab20").colors
     for index, ((corpus, plan), members) in enumerate(sorted(groups.items())):
         xs = [no_dp_x if math.isinf(r["epsilon"]) else r["epsilon"] for r in members]
         ax.plot(
             xs,
             [r["f1"] for r in members],
-            marker="o",
+            # tab20 has 20 colours: past them the marker tells the lines apart.
+            marker="os^D"[index // len(colours) % 4],
             color=colours[index % len(colours)],
             linestyle="-" if "adapter" in plan else "--",
             # Wrapped: an unwrapped long label widens the saved figure past the axes.
@@ -151,10 +154,11 @@ def main(prefix: Path, runs: list[Path]) -> None:
     ax.set_ylabel("strict span F1 (held-out)")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
-    # Below the axes: the labels are long and the lines sit everywhere.
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=1)
     ax.set_title("F1 against epsilon (MiniLM, 3 rounds, seed 0)")
     fig.tight_layout()
+    # Below the figure, anchored to it rather than to the axes: the labels are
+    # long, and an axes-anchored legend grows up over the x-axis label.
+    fig.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=1)
     fig.savefig(prefix.with_suffix(".png"), dpi=110, bbox_inches="tight")  # the whole legend
     print(prefix.with_suffix(".md").read_text())
 
