@@ -43,8 +43,10 @@ open vocabulary, FDA UNII names, the Disease Ontology, ICD-10-CM, HPO;
 mentions renamed from those lists. ``--gazetteer`` gives
 the encoder, in every forward of the run, token-type id 1 on the words
 the terminologies name: the product's ``--gazetteer`` with their lists
-(:func:`terminology_lists`); ``--gazetteer-types`` (an experiment) gives
-each terminology its own mark (:func:`mark_per_type`), and
+(:func:`terminology_lists`); ``--gazetteer-types`` gives each terminology
+its own mark, chemicals 1 and diseases 2 (the product's ``--gazetteer-marks
+per-list`` over the lists' two files; it was an experiment of this script
+until 2026-11-27 and makes the same starting model byte for byte), and
 ``--gazetteer-inflect`` marks from lists with the names' plurals and the
 ontologies' one-word disease names added (``terminology.inflected``).
 ``--start-alone`` scores the starting model on the test split and stops.
@@ -493,47 +495,6 @@ def terminology_lists(work: Path, inflect: bool = False) -> Path:
     return folder
 
 
-def mark_per_type() -> None:
-    """``--gazetteer-types`` (an experiment on top of ``--gazetteer``): each
-    terminology its own mark, token-type id 1 on the pieces of chemical
-    names and 2 on those of disease names (``terminology.tag``, the same
-    lookup), where clinfed's ``--gazetteer`` gives every listed name 1. The
-    encoder's token-type table grows a third row, a copy of the second, so
-    the start is the single mark's until the warm start tells them apart.
-    Wraps ``clinfed.models.attach_gazetteer`` in this process only."""
-    import terminology
-
-    from clinfed import models, pipeline
-    from clinfed.gazetteer import PieceMarker
-
-    names = terminology.lexicons()
-    kinds = {kind: number for number, kind in enumerate(sorted(names), start=1)}
-
-    class TypedMarker(PieceMarker):
-        def word_marks(self, words: list[str]) -> list[int]:
-            tags = ["O"] * len(words)
-            terminology.tag(words, tags, names)
-            return [kinds[tag[2:]] if tag != "O" else 0 for tag in tags]
-
-    plain = models.attach_gazetteer
-
-    def attach(model: torch.nn.Module, gazetteer, tokenizer) -> torch.nn.Module:
-        table = model.encoder.embeddings.token_type_embeddings
-        if table.num_embeddings <= len(kinds):
-            grown = torch.nn.Embedding(len(kinds) + 1, table.embedding_dim)
-            with torch.no_grad():
-                grown.weight[: table.num_embeddings] = table.weight
-                grown.weight[table.num_embeddings :] = table.weight[-1]
-            grown.weight.requires_grad_(table.weight.requires_grad)
-            model.encoder.embeddings.token_type_embeddings = grown.to(table.weight.device)
-            model.encoder.config.type_vocab_size = len(kinds) + 1
-        plain(model, gazetteer, tokenizer)
-        model._inputs.marker = TypedMarker(gazetteer, tokenizer)
-        return model
-
-    models.attach_gazetteer = pipeline.attach_gazetteer = attach
-
-
 # ------------------------------------------------------------- observation
 class Observer:
     """What one round's DP steps looked like, gathered by wrapping the noise,
@@ -816,7 +777,8 @@ def main() -> None:
     parser.add_argument(
         "--gazetteer-types",
         action="store_true",
-        help="with --gazetteer: a mark per terminology (chemicals 1, diseases 2; an experiment)",
+        help="with --gazetteer: a mark per terminology (chemicals 1, diseases 2; "
+        "--gazetteer-marks per-list)",
     )
     parser.add_argument(
         "--start-alone",
@@ -888,7 +850,7 @@ def main() -> None:
     if args.gazetteer_types:
         if not args.gazetteer:
             parser.error("--gazetteer-types needs --gazetteer")
-        mark_per_type()
+        settings["gazetteer_marks"] = "per-list"
     if args.augment:
         # A copy is not a unit of its own: the sentence and its copies are one
         # document, sampled and clipped whole (else the count would double).
@@ -923,7 +885,9 @@ def main() -> None:
             except OSError:  # another run's got there first (the same files)
                 shutil.rmtree(partial)
         public, public_types = both, TYPES
-    marks = "gazetteer-types" if args.gazetteer_types else "gazetteer" if args.gazetteer else ""
+    # The experiment's starts ("-gazetteer-types") kept a one-mark list with a
+    # grown table; the product's keep their lists, so they are made anew.
+    marks = "gazetteer-per-list" if args.gazetteer_types else "gazetteer" if args.gazetteer else ""
     marks += "-inflected" if args.gazetteer_inflect else ""
     if args.public != "none":
         # Warm-started once per corpus and public text (clinfed warm-start),

@@ -15,12 +15,12 @@ server may choose it at no privacy cost.
 
     python benchmarks/interpolate.py runs/RUN --start START \\
         --data runs/bc5cdr-corpus/data/test [--public DIR] \\
-        [--alphas 0,0.5,0.75,1,1.25] [--gazetteer-types] [--out FILE.json]
+        [--alphas 0,0.5,0.75,1,1.25] [--out FILE.json]
 
 ``RUN`` is a finished run (its ``model/``) or a saved model folder, and
 ``START`` the model it started from (``config.json``'s ``model.model`` unless
-given). Models with ``--gazetteer-types`` marks (``dp_utility.py``'s
-experiment) need the flag here too, so the marks read the same.
+given). A model keeps its name lists and marks (``--gazetteer``,
+``--gazetteer-marks``), so both read the same marks.
 """
 
 from __future__ import annotations
@@ -67,7 +67,6 @@ def main() -> None:
     parser.add_argument("--data", type=Path, required=True, help="annotated test folder")
     parser.add_argument("--public", type=Path, help="public annotated folder to choose on")
     parser.add_argument("--alphas", default="0,0.5,0.75,0.9,1,1.1,1.25")
-    parser.add_argument("--gazetteer-types", action="store_true")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -78,10 +77,6 @@ def main() -> None:
     from clinfed.api import evaluate
 
     torch.set_num_threads(args.threads)
-    if args.gazetteer_types:
-        from dp_utility import mark_per_type
-
-        mark_per_type()
     private_folder = model_folder(args.run)
     start = args.start
     if start is None:

@@ -15,6 +15,13 @@ public lists alone, so no other unit shapes its gradient (DESIGN.md
 section 4); the lists are public input, recorded by digest in
 ``config.json``, the model's ``model.json`` and the privacy report.
 
+With ``--gazetteer-marks per-list`` each list (each ``.txt`` file of the
+folder, in file-name order) gets its own token-type id, 1, 2, ...: a drug
+list and a disease list then say which kind of name a word is part of. The
+encoder's token-type table grows a row for each list past the first, a copy
+of its second row, so the start reads every list as it read the single
+mark until training tells them apart.
+
 The gazetteer belongs to the model: a saved model keeps its list
 (``RUN/model/gazetteer.txt``, checked against its digest on load), so a run
 started from it (``--model``), ``clinfed predict`` and a Flower node that
@@ -36,6 +43,9 @@ import torch
 from clinfed.errors import ClinfedError
 
 FILE = "gazetteer.txt"
+# A line opening one list's names in a file with a mark per list (what a
+# saved model keeps; also accepted from users): "#list NAME".
+LIST_HEADER = "#list "
 # Names longer than this many words are not looked up: each lookup tries
 # every span up to the longest name, so the cost grows with it.
 MAX_WORDS = 8
@@ -66,20 +76,51 @@ class Gazetteer:
 
     names: frozenset[str]
     longest: int
+    lists: tuple[tuple[str, frozenset[str]], ...] = ()
+    """With a mark per list: each list's name and keyed names, in mark order
+    (the first list's names get token-type id 1). Empty: one mark for all."""
+
+    def __post_init__(self) -> None:
+        # Each name's mark; a name in two lists takes the first list's.
+        marks: dict[str, int] = {}
+        for number, (_, names) in enumerate(self.lists, start=1):
+            for name in names:
+                marks.setdefault(name, number)
+        object.__setattr__(self, "_marks", marks)
 
     @classmethod
     def of(cls, names: Iterable[str]) -> Gazetteer:
         """From raw names (keyed here; names over ``MAX_WORDS`` words dropped)."""
-        keyed = {name_key(n) for n in names if n.strip()}
-        kept = frozenset(k for k in keyed if len(_WORD.findall(k)) <= MAX_WORDS)
+        kept = _keyed(names)
         if not kept:
             raise ClinfedError("the gazetteer lists no name")
-        return cls(kept, max(len(_WORD.findall(k)) for k in kept))
+        return cls(kept, _longest(kept))
 
     @classmethod
-    def read(cls, path: str | Path) -> Gazetteer:
+    def of_lists(cls, lists: Iterable[tuple[str, Iterable[str]]]) -> Gazetteer:
+        """A mark per list: ``(list name, raw names)`` pairs, in mark order."""
+        keyed = tuple((name, _keyed(names)) for name, names in lists)
+        every = frozenset().union(*(names for _, names in keyed))
+        if not every:
+            raise ClinfedError("the gazetteer lists no name")
+        return cls(every, _longest(every), keyed)
+
+    @classmethod
+    def read(cls, path: str | Path, per_list: bool = False) -> Gazetteer:
         """A file of names, one a line (blank lines and ``#`` comments
-        skipped), or a folder of such ``.txt`` files."""
+        skipped), or a folder of such ``.txt`` files.
+
+        Parameters
+        ----------
+        path
+            The file or folder.
+        per_list
+            Give each list its own mark: each ``.txt`` file of a folder, in
+            file-name order, named by its stem. A file whose first line is
+            ``#list NAME`` (what a saved model keeps) holds its lists itself,
+            each opened by such a line, and is read per list whatever this
+            says.
+        """
         path = Path(path)
         if path.is_dir():
             files = sorted(path.glob("*.txt"))
@@ -89,21 +130,41 @@ class Gazetteer:
             files = [path]
         else:
             raise ClinfedError(f"--gazetteer {path}: no such file or folder")
-        names: list[str] = []
+        lists: list[tuple[str, list[str]]] = []
         for file in files:
-            names += _names_in(file)
-        if not names:
+            for name, names in _lists_in(file):
+                per_list |= name is not None
+                lists.append((name or file.stem, names))
+        if not any(names for _, names in lists):
             raise ClinfedError(f"--gazetteer {path}: lists no name")
-        return cls.of(names)
+        if per_list:
+            return cls.of_lists(lists)
+        return cls.of(name for _, names in lists for name in names)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The lists' names, in mark order (empty with one mark for all)."""
+        return tuple(name for name, _ in self.lists)
+
+    @property
+    def marks(self) -> int:
+        """How many token-type ids past 0 the names take."""
+        return max(1, len(self.lists))
 
     @property
     def sha256(self) -> str:
-        """SHA-256 of the sorted keyed names, one a line: the list's identity."""
+        """SHA-256 of :meth:`text`: the list's identity."""
         return hashlib.sha256(self.text().encode("utf-8")).hexdigest()
 
     def text(self) -> str:
-        """The keyed names, sorted, one a line (what a saved model keeps)."""
-        return "\n".join(sorted(self.names)) + "\n"
+        """What a saved model keeps: the keyed names, sorted, one a line; with
+        a mark per list, each list's under its ``#list NAME`` line."""
+        if not self.lists:
+            return "\n".join(sorted(self.names)) + "\n"
+        return "".join(
+            f"{LIST_HEADER}{name}\n" + "".join(f"{n}\n" for n in sorted(names))
+            for name, names in self.lists
+        )
 
     def __deepcopy__(self, memo: dict) -> Gazetteer:
         # Immutable: copies of a model share one list (it can hold 10^6 names).
@@ -111,37 +172,65 @@ class Gazetteer:
 
     def describe(self) -> dict[str, Any]:
         """What ``config.json``, ``model.json`` and the report record."""
-        return {"names": len(self.names), "sha256": self.sha256}
+        described: dict[str, Any] = {"names": len(self.names), "sha256": self.sha256}
+        if self.lists:
+            described["lists"] = list(self.kinds)
+        return described
 
-    def mark_words(self, words: list[str]) -> list[bool]:
-        """Which of ``words`` belong to a listed name: the longest name
-        first, left to right, no word in two names."""
-        marked = [False] * len(words)
+    def mark_ids(self, words: list[str]) -> list[int]:
+        """Each word's mark: its list's number (1 with one mark for all) in a
+        listed name, else 0. The longest name first, left to right, no word
+        in two names."""
+        marks = [0] * len(words)
         i = 0
         while i < len(words):
             for size in range(min(self.longest, len(words) - i), 0, -1):
-                if name_key(" ".join(words[i : i + size])) in self.names:
-                    marked[i : i + size] = [True] * size
+                key = name_key(" ".join(words[i : i + size]))
+                if key in self.names:
+                    marks[i : i + size] = [self._marks.get(key, 1)] * size
                     i += size - 1
                     break
             i += 1
-        return marked
+        return marks
+
+    def mark_words(self, words: list[str]) -> list[bool]:
+        """Which of ``words`` belong to a listed name (:meth:`mark_ids`)."""
+        return [mark > 0 for mark in self.mark_ids(words)]
 
 
-def _names_in(file: Path) -> list[str]:
+def _keyed(names: Iterable[str]) -> frozenset[str]:
+    keyed = {name_key(n) for n in names if n.strip()}
+    return frozenset(k for k in keyed if len(_WORD.findall(k)) <= MAX_WORDS)
+
+
+def _longest(keyed: frozenset[str]) -> int:
+    return max(len(_WORD.findall(k)) for k in keyed)
+
+
+def _lists_in(file: Path) -> list[tuple[str | None, list[str]]]:
+    """The file's lists: one unnamed list, or, where its first line is a
+    ``#list NAME`` line, each named list it opens."""
     try:
         raw = file.read_bytes()
     except OSError as exc:
         raise ClinfedError(f"--gazetteer {file}: cannot read ({exc.strerror})") from None
-    names = []
+    lists: list[tuple[str | None, list[str]]] = [(None, [])]
     for number, line in enumerate(raw.split(b"\n"), start=1):
         try:
             text = line.decode("utf-8").strip()
         except UnicodeDecodeError:
             raise ClinfedError(f"{file}:{number}: not UTF-8 text") from None
-        if text and not text.startswith("#"):
-            names.append(text)
-    return names
+        header = text.startswith(LIST_HEADER) or text == LIST_HEADER.strip()
+        if header and (lists[0][0] is not None or number == 1):
+            name = text[len(LIST_HEADER) :].strip()
+            if not name:
+                raise ClinfedError(f"{file}:{number}: a {LIST_HEADER.strip()} line names no list")
+            if lists == [(None, [])]:
+                lists = []
+            lists.append((name, []))
+        elif text and not text.startswith("#"):
+            lists[-1][1].append(text)
+    return lists
 
 
 class PieceMarker:
@@ -184,8 +273,9 @@ class PieceMarker:
         return words, owner
 
     def word_marks(self, words: list[str]) -> list[int]:
-        """Each word's token-type id: 1 in a listed name, else 0."""
-        return [int(m) for m in self.gazetteer.mark_words(words)]
+        """Each word's token-type id: its list's mark in a listed name (1
+        with one mark for all), else 0."""
+        return self.gazetteer.mark_ids(words)
 
     def row(self, ids: np.ndarray) -> bytes:
         """The marks of one window, a byte each (memoised by the window's

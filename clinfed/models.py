@@ -163,13 +163,27 @@ def attach_gazetteer(model: nn.Module, gazetteer: Gazetteer, tokenizer) -> nn.Mo
     (``clinfed.gazetteer``): the marks enter as token-type ids, so the
     encoder must take them and have a second type to give."""
     inputs = model._inputs
-    types = getattr(model.encoder.config, "type_vocab_size", 0)
-    if not inputs.takes_token_types or types < 2:
+    config = model.encoder.config
+    types = getattr(config, "type_vocab_size", 0)
+    table = getattr(getattr(model.encoder, "embeddings", None), "token_type_embeddings", None)
+    if not inputs.takes_token_types or types < 2 or table is None:
         raise ClinfedError(
             f"--gazetteer marks names through token-type ids; this encoder "
-            f"({model.encoder.config.model_type}) has {types} token type(s): use a BERT "
+            f"({config.model_type}) has {types} token type(s): use a BERT "
             "encoder (minilm, tiny or a BERT checkpoint)"
         )
+    if table.num_embeddings <= gazetteer.marks:
+        # A mark per list: a row for each list past the first, a copy of the
+        # last, so each list starts as the single mark reads and training
+        # tells them apart. (A saved model's table has its rows already.)
+        grown = nn.Embedding(gazetteer.marks + 1, table.embedding_dim)
+        grown.to(device=table.weight.device, dtype=table.weight.dtype)
+        with torch.no_grad():
+            grown.weight[: table.num_embeddings] = table.weight
+            grown.weight[table.num_embeddings :] = table.weight[-1]
+        grown.weight.requires_grad_(table.weight.requires_grad)
+        model.encoder.embeddings.token_type_embeddings = grown
+        config.type_vocab_size = gazetteer.marks + 1
     inputs.marker = PieceMarker(gazetteer, tokenizer)
     model.gazetteer = gazetteer
     return model

@@ -478,7 +478,7 @@ def make_model(config: RunConfig, task: Task) -> nn.Module:
         task.head, config.model, len(task.labels), seed=config.seed, labels=task.labels
     )
     if config.gazetteer:
-        gazetteer = Gazetteer.read(config.gazetteer)
+        gazetteer = Gazetteer.read(config.gazetteer, per_list=config.gazetteer_marks == "per-list")
         earlier = gazetteer_of(model)
         if earlier is not None and earlier.sha256 != gazetteer.sha256:
             raise ClinfedError(

@@ -126,6 +126,15 @@ class ModelSettings:
         "and the report.",
         simulator_only=True,
     )
+    gazetteer_marks: str = setting(
+        "one",
+        "one: every listed name the same token-type id, 1. per-list: each .txt file of the "
+        "--gazetteer folder, in file-name order, its own id (1, 2, ...; a drug list and a "
+        "disease list say which kind of name a word is part of); the encoder's token-type "
+        "table grows a row a list past the first, a copy of its second.",
+        choices=("one", "per-list"),
+        simulator_only=True,
+    )
     public_data: str | None = setting(
         None,
         "A folder of public annotated text (any accepted format; for mimic3, MIMIC-III CSVs of "

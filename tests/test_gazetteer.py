@@ -117,6 +117,90 @@ def test_a_saved_model_keeps_its_list_and_refuses_a_changed_one(tmp_path):
         load_saved_model(folder)
 
 
+def test_a_mark_per_list_numbers_the_lists_in_file_name_order(tmp_path):
+    lists = _lists(tmp_path / "lists")
+    one = Gazetteer.read(lists)
+    per_list = Gazetteer.read(lists, per_list=True)
+    # One mark for all: the list, its digest and what is recorded are as before.
+    assert one.kinds == () and one.describe() == {"names": 4, "sha256": one.sha256}
+    assert one.sha256 == Gazetteer.of(["5-fluorouracil", "cisplatin", "acute renal failure",
+                                       "fever"]).sha256  # fmt: skip
+    assert set(one.mark_ids(WORDS)) == {0, 1}
+    # Per list: Chemical.txt before Disease.txt, so chemicals 1 and diseases 2.
+    assert per_list.kinds == ("Chemical", "Disease") and per_list.marks == 2
+    assert [(w, m) for w, m in zip(WORDS, per_list.mark_ids(WORDS)) if m] == [
+        ("5", 1), ("-", 1), ("fluorouracil", 1), ("Cisplatin", 1),
+        ("acute", 2), ("renal", 2), ("failure", 2),
+    ]  # fmt: skip
+    assert per_list.mark_words(WORDS) == one.mark_words(WORDS)
+    assert per_list.sha256 != one.sha256
+    assert per_list.describe()["lists"] == ["Chemical", "Disease"]
+    # What a saved model keeps reads back as the same lists, flag or not.
+    kept = tmp_path / "gazetteer.txt"
+    kept.write_text(per_list.text())
+    assert kept.read_text().startswith("#list Chemical\n")
+    again = Gazetteer.read(kept)
+    assert again.kinds == per_list.kinds and again.sha256 == per_list.sha256
+    # A name in two lists takes the first list's mark.
+    (lists / "Disease.txt").write_text("cisplatin\nfever\n")
+    assert Gazetteer.read(lists, per_list=True).mark_ids(["cisplatin"]) == [1]
+    (tmp_path / "bad.txt").write_text("#list Chemical\naspirin\n#list \nfever\n")
+    with pytest.raises(ClinfedError, match=rf"{tmp_path / 'bad.txt'}:3: a #list line names no"):
+        Gazetteer.read(tmp_path / "bad.txt")
+
+
+def test_a_mark_per_list_grows_the_type_table_and_is_kept_with_the_model(tmp_path):
+    tokenizer = load_tokenizer("tiny")
+    gazetteer = Gazetteer.read(_lists(tmp_path / "lists"), per_list=True)
+    model = build_model("token", "tiny", 3).eval()
+    before = model.encoder.embeddings.token_type_embeddings.weight.detach().clone()
+    attach_gazetteer(model, gazetteer, tokenizer)
+    table = model.encoder.embeddings.token_type_embeddings.weight
+    # A row for the second list, a copy of the single mark's row: at the
+    # start every list reads as the single mark did.
+    assert table.shape[0] == 3 and model.encoder.config.type_vocab_size == 3
+    assert torch.equal(table[:2], before) and torch.equal(table[2], before[1])
+    ids = _ids(tokenizer, WORDS)
+    mask = torch.ones_like(ids)
+    types = model._inputs(ids, mask)["token_type_ids"]
+    assert set(types[0].tolist()) == {0, 1, 2}
+    single = attach_gazetteer(build_model("token", "tiny", 3).eval(), Gazetteer.read(
+        tmp_path / "lists"), tokenizer)  # fmt: skip
+    assert torch.allclose(model(ids, mask), single(ids, mask), atol=1e-6)
+    with torch.no_grad():
+        table[2] += 0.5  # training tells the lists apart
+    assert not torch.allclose(model(ids, mask), single(ids, mask))
+    folder = tmp_path / "model"
+    save_model(model, folder, {"head": "token", "labels": ["O", "B-x", "I-x"]}, tokenizer)
+    assert json.loads((folder / "model.json").read_text())["gazetteer"]["lists"] == [
+        "Chemical", "Disease",
+    ]  # fmt: skip
+    loaded, _, _ = load_saved_model(folder)
+    assert gazetteer_of(loaded).kinds == ("Chemical", "Disease")
+    assert torch.equal(loaded.eval()(ids, mask), model(ids, mask))
+    # A run started from it (--model) reads the same marks with the same rows.
+    started = build_model("token", str(folder), 3, labels=["O", "B-x", "I-x"])
+    assert started.encoder.embeddings.token_type_embeddings.weight.shape[0] == 3
+    assert gazetteer_of(started).sha256 == gazetteer.sha256
+
+
+def test_train_with_a_mark_per_list_records_and_reports_the_lists(i2b2_corpus, tmp_path):
+    lists = _lists(tmp_path / "lists")
+    out = tmp_path / "run"
+    done = run_cli(
+        "train", "--task", "i2b2", "--data", str(i2b2_corpus), "--model", "tiny",
+        "--strategy", "fedavg", "--rounds", "1", "--max-length", "32", "--threads", "1",
+        "--target-epsilon", "8", "--device", "cpu", "--gazetteer", str(lists),
+        "--gazetteer-marks", "per-list", "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert config["gazetteer_list"]["lists"] == ["Chemical", "Disease"]
+    assert (out / "model" / "gazetteer.txt").read_text().startswith("#list Chemical\n")
+    assert run_cli("report", str(out)).returncode == 0
+    assert "a mark per list: Chemical, Disease" in (out / "report" / "report.md").read_text()
+
+
 def test_a_list_the_tokenizer_or_encoder_cannot_mark_is_refused(tmp_path):
     bad = tmp_path / "names.txt"
     bad.write_bytes(b"cisplatin\nna\xefve\n")
@@ -192,6 +276,10 @@ def test_on_flower_the_list_travels_inside_the_pinned_model_folder(tmp_path):
 
     with pytest.raises(ClinfedError, match="gazetteer: on Flower, make the starting model"):
         flower_run_config({"task": "i2b2", "strategy": "fedavg", "gazetteer": "g"}, tmp_path)
+    with pytest.raises(ClinfedError, match="gazetteer-marks: on Flower, make the starting"):
+        flower_run_config(
+            {"task": "i2b2", "strategy": "fedavg", "gazetteer-marks": "per-list"}, tmp_path
+        )
     # A node pins the model folder by its files' digest: the list is one of them.
     tokenizer = load_tokenizer("tiny")
     model = attach_gazetteer(build_model("token", "tiny", 3), Gazetteer.of(["fever"]), tokenizer)

@@ -200,9 +200,10 @@ def flower_run_config(settings: dict[str, Any], out: Path, resume: bool = False)
                 "and name its folder as the run's --model and in every node's config "
                 "(model and model-sha256, which pins it)"
             )
-        if key == "gazetteer":
-            # The list belongs to the model: each node loads it from the model
-            # folder its own config pins, never from a path the server names.
+        if key in ("gazetteer", "gazetteer_marks"):
+            # The list, and the marks it gives, belong to the model: each node
+            # loads them from the model folder its own config pins, never from
+            # a path the server names.
             raise ClinfedError(
                 f"{name}: on Flower, make the starting model with clinfed warm-start "
                 "--gazetteer (its folder keeps the list) and name that folder as the run's "

@@ -46,10 +46,12 @@ def _starting_model(raw: dict[str, Any]) -> str:
         words = "the encoder as given, with a new task head (no public warm start)"
     listed = raw.get("gazetteer_list")
     if listed:
+        kinds = listed.get("lists")
+        marks = f", a mark per list: {', '.join(kinds)}" if kinds else ""
         words += (
             f"; it marks the names of a public list in each unit's own words (gazetteer: "
-            f"{listed['names']:,} names, SHA-256 {listed['sha256'][:16]}…; public input, "
-            "no privacy spent)"
+            f"{listed['names']:,} names{marks}, SHA-256 {listed['sha256'][:16]}…; public "
+            "input, no privacy spent)"
         )
     return words
 
