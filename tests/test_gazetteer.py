@@ -41,6 +41,16 @@ def _lists(folder: Path) -> Path:
     return folder
 
 
+def _train(corpus: Path, lists: Path, out: Path, *more: str):
+    """``clinfed train`` with the lists: tiny, one round, DP at epsilon 8."""
+    return run_cli(
+        "train", "--task", "i2b2", "--data", str(corpus), "--model", "tiny",
+        "--strategy", "fedavg", "--rounds", "1", "--max-length", "32", "--threads", "1",
+        "--target-epsilon", "8", "--device", "cpu", "--gazetteer", str(lists),
+        "--out", str(out), *more,
+    )  # fmt: skip
+
+
 def test_names_are_matched_whole_longest_first_across_punctuation_and_case():
     gazetteer = Gazetteer.of(["5-Fluorouracil", "acute renal failure", "renal failure"])
     assert name_key("5 - FU") == "5-fu"
@@ -185,14 +195,8 @@ def test_a_mark_per_list_grows_the_type_table_and_is_kept_with_the_model(tmp_pat
 
 
 def test_train_with_a_mark_per_list_records_and_reports_the_lists(i2b2_corpus, tmp_path):
-    lists = _lists(tmp_path / "lists")
     out = tmp_path / "run"
-    done = run_cli(
-        "train", "--task", "i2b2", "--data", str(i2b2_corpus), "--model", "tiny",
-        "--strategy", "fedavg", "--rounds", "1", "--max-length", "32", "--threads", "1",
-        "--target-epsilon", "8", "--device", "cpu", "--gazetteer", str(lists),
-        "--gazetteer-marks", "per-list", "--out", str(out),
-    )  # fmt: skip
+    done = _train(i2b2_corpus, _lists(tmp_path / "lists"), out, "--gazetteer-marks", "per-list")
     assert done.returncode == 0, done.stderr
     config = json.loads((out / "config.json").read_text())
     assert config["gazetteer_list"]["lists"] == ["Chemical", "Disease"]
@@ -216,12 +220,7 @@ def test_a_list_the_tokenizer_or_encoder_cannot_mark_is_refused(tmp_path):
 def test_train_with_a_gazetteer_records_it_keeps_it_and_reports_it(i2b2_corpus, tmp_path):
     lists = _lists(tmp_path / "lists")
     out = tmp_path / "run"
-    done = run_cli(
-        "train", "--task", "i2b2", "--data", str(i2b2_corpus), "--model", "tiny",
-        "--strategy", "fedavg", "--rounds", "1", "--max-length", "32", "--threads", "1",
-        "--target-epsilon", "8", "--device", "cpu", "--gazetteer", str(lists),
-        "--out", str(out),
-    )  # fmt: skip
+    done = _train(i2b2_corpus, lists, out)
     assert done.returncode == 0, done.stderr
     digest = Gazetteer.read(lists).sha256
     config = json.loads((out / "config.json").read_text())
