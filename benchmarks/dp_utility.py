@@ -495,24 +495,6 @@ def terminology_lists(work: Path, inflect: bool = False) -> Path:
     return folder
 
 
-def train_type_table() -> None:
-    """``--train-type-table`` (an experiment on the bias plan): the encoder's
-    token-type table, where the gazetteer's marks enter, trains and travels
-    with the bias terms (3 x 384 numbers for MiniLM with a mark per list).
-    The whole model trains it anyway; the bias plan leaves it as the warm
-    start made it. Wraps ``clinfed.adapters._travels`` in this process."""
-    from clinfed import adapters
-
-    plain = adapters._travels
-    table = "encoder.embeddings.token_type_embeddings.weight"
-
-    def travels(name: str, adapter: dict | None) -> bool:
-        kind = adapter["kind"] if adapter else None
-        return plain(name, adapter) or (kind == "bias" and name == table)
-
-    adapters._travels = travels
-
-
 # ------------------------------------------------------------- observation
 class Observer:
     """What one round's DP steps looked like, gathered by wrapping the noise,
@@ -799,11 +781,6 @@ def main() -> None:
         "--gazetteer-marks per-list)",
     )
     parser.add_argument(
-        "--train-type-table",
-        action="store_true",
-        help="with adapter=bias: the token-type table (the marks' rows) trains too (an experiment)",
-    )
-    parser.add_argument(
         "--start-alone",
         action="store_true",
         help="score the starting model on the test split and stop (no rounds)",
@@ -874,10 +851,6 @@ def main() -> None:
         if not args.gazetteer:
             parser.error("--gazetteer-types needs --gazetteer")
         settings["gazetteer_marks"] = "per-list"
-    if args.train_type_table:
-        if settings.get("adapter") != "bias":
-            parser.error("--train-type-table is for --set adapter=bias")
-        train_type_table()
     if args.augment:
         # A copy is not a unit of its own: the sentence and its copies are one
         # document, sampled and clipped whole (else the count would double).

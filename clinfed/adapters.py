@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from clinfed.errors import ClinfedError
+from clinfed.models import gazetteer_of
 
 ADAPTERS = ("none", "lora", "bias", "head", "labels")
 # Head layers every label shares: --adapter labels keeps them at the start.
@@ -85,10 +86,17 @@ def add_lora(model: nn.Module, rank: int, alpha: float, factors: str, seed: int)
 
 
 def add_bias(model: nn.Module) -> nn.Module:
-    """Train and share only the encoder's bias terms (and the head)."""
+    """Train and share only the encoder's bias terms (and the head); with a
+    gazetteer attached (``--gazetteer``), also the token-type table.
+
+    The table is where the gazetteer's marks enter the encoder: a row a
+    mark, added to the embedding of every marked word piece, so it acts as
+    a bias term of its own (a few hundred numbers a mark). Attach the
+    gazetteer first.
+    """
     if not any(n.endswith(".bias") for n, _ in model.encoder.named_parameters()):
         raise ClinfedError("--adapter bias: the encoder has no bias terms")
-    model.adapter = {"kind": "bias"}
+    model.adapter = {"kind": "bias", "marks": gazetteer_of(model) is not None}
     return model
 
 
@@ -108,6 +116,10 @@ def add_labels(model: nn.Module) -> nn.Module:
     return model
 
 
+# The encoder's token-type table (BERT family): the gazetteer's marks' rows.
+TYPE_TABLE = "encoder.embeddings.token_type_embeddings.weight"
+
+
 def adapter_of(model: nn.Module) -> dict | None:
     return getattr(model, "adapter", None)
 
@@ -118,7 +130,7 @@ def _travels(name: str, adapter: dict | None) -> bool:
     if not name.startswith("encoder."):  # the head (and prompts)
         return adapter["kind"] != "labels" or not name.startswith(SHARED_HEAD_LAYERS)
     if adapter["kind"] == "bias":
-        return name.endswith(".bias")
+        return name.endswith(".bias") or (adapter.get("marks", False) and name == TYPE_TABLE)
     if adapter["kind"] in ("head", "labels"):
         return False
     return ".lora_B." in name or (adapter["factors"] == "ab" and ".lora_A." in name)

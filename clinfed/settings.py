@@ -102,8 +102,9 @@ class ModelSettings:
         "none",
         "none: plans move encoder weights; lora: the encoder stays frozen and only LoRA "
         "adapters and the head train and travel; bias: only the encoder's bias terms and the "
-        "head (BitFit); head: the head alone; labels: the head's per-label rows alone (ICD "
-        "coding: its label queries and outputs, not the projection every code shares; "
+        "head (BitFit; with --gazetteer also the token-type table, the marks' rows); head: "
+        "the head alone; labels: the head's per-label rows alone (ICD coding: its label "
+        "queries and outputs, not the projection every code shares; "
         "concept extraction: the same as head). Any strategy but pfeddc.",
         choices=("none", "lora", "bias", "head", "labels"),
     )

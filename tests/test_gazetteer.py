@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from clinfed.adapters import TYPE_TABLE, add_bias, shared_names, shared_state
 from clinfed.errors import ClinfedError
 from clinfed.gazetteer import Gazetteer, PieceMarker, name_key
 from clinfed.models import (
@@ -192,6 +193,34 @@ def test_a_mark_per_list_grows_the_type_table_and_is_kept_with_the_model(tmp_pat
     started = build_model("token", str(folder), 3, labels=["O", "B-x", "I-x"])
     assert started.encoder.embeddings.token_type_embeddings.weight.shape[0] == 3
     assert gazetteer_of(started).sha256 == gazetteer.sha256
+
+
+def test_the_bias_plan_trains_the_marks_rows_only_where_names_are_marked(tmp_path):
+    tokenizer = load_tokenizer("tiny")
+    gazetteer = Gazetteer.read(_lists(tmp_path / "lists"), per_list=True)
+    plain = shared_names(add_bias(build_model("token", "tiny", 3)))
+    assert TYPE_TABLE not in plain  # no gazetteer: the table is BERT's, left alone
+    marked = add_bias(attach_gazetteer(build_model("token", "tiny", 3), gazetteer, tokenizer))
+    assert set(shared_names(marked)) - set(plain) == {TYPE_TABLE}
+    assert TYPE_TABLE in shared_state(marked)
+
+
+def test_a_private_bias_run_with_marks_trains_and_keeps_their_rows(i2b2_corpus, tmp_path):
+    lists = _lists(tmp_path / "lists")
+    out = tmp_path / "run"
+    done = _train(i2b2_corpus, lists, out, "--adapter", "bias", "--gazetteer-marks", "per-list")
+    assert done.returncode == 0, done.stderr
+    marks = Gazetteer.read(lists, per_list=True)
+    start = attach_gazetteer(build_model("token", "tiny", 3), marks, load_tokenizer("tiny"))
+    saved, _, _ = load_saved_model(out / "model")
+    table = saved.encoder.embeddings.token_type_embeddings.weight
+    assert table.shape == start.encoder.embeddings.token_type_embeddings.weight.shape
+    assert not torch.allclose(table, start.encoder.embeddings.token_type_embeddings.weight)
+    # The rest of the embeddings stay the start's: only the bias plan's numbers moved.
+    assert torch.equal(
+        saved.encoder.embeddings.word_embeddings.weight,
+        start.encoder.embeddings.word_embeddings.weight,
+    )
 
 
 def test_train_with_a_mark_per_list_records_and_reports_the_lists(i2b2_corpus, tmp_path):
