@@ -495,6 +495,25 @@ def terminology_lists(work: Path, inflect: bool = False) -> Path:
     return folder
 
 
+def train_norm_gains() -> None:
+    """``--train-norm-gains`` (an experiment on the bias plan): the encoder's
+    LayerNorm gains train and travel with the bias terms (13 x 384 numbers
+    for MiniLM; LN-tuning, Qi et al. 2022). The bias plan's own ceiling
+    without DP is what holds it under the whole model; the gains are the
+    cheapest capacity left. Wraps ``clinfed.adapters._travels`` in this
+    process."""
+    from clinfed import adapters
+
+    plain = adapters._travels
+
+    def travels(name: str, adapter: dict | None) -> bool:
+        kind = adapter["kind"] if adapter else None
+        gain = name.startswith("encoder.") and name.endswith("LayerNorm.weight")
+        return plain(name, adapter) or (kind == "bias" and gain)
+
+    adapters._travels = travels
+
+
 # ------------------------------------------------------------- observation
 class Observer:
     """What one round's DP steps looked like, gathered by wrapping the noise,
@@ -781,6 +800,11 @@ def main() -> None:
         "--gazetteer-marks per-list)",
     )
     parser.add_argument(
+        "--train-norm-gains",
+        action="store_true",
+        help="with adapter=bias: the LayerNorm gains train too (an experiment)",
+    )
+    parser.add_argument(
         "--start-alone",
         action="store_true",
         help="score the starting model on the test split and stop (no rounds)",
@@ -851,6 +875,10 @@ def main() -> None:
         if not args.gazetteer:
             parser.error("--gazetteer-types needs --gazetteer")
         settings["gazetteer_marks"] = "per-list"
+    if args.train_norm_gains:
+        if settings.get("adapter") != "bias":
+            parser.error("--train-norm-gains is for --set adapter=bias")
+        train_norm_gains()
     if args.augment:
         # A copy is not a unit of its own: the sentence and its copies are one
         # document, sampled and clipped whole (else the count would double).
