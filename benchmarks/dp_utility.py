@@ -498,10 +498,10 @@ def terminology_lists(work: Path, inflect: bool = False) -> Path:
 def train_norm_gains() -> None:
     """``--train-norm-gains`` (an experiment on the bias plan): the encoder's
     LayerNorm gains train and travel with the bias terms (13 x 384 numbers
-    for MiniLM; LN-tuning, Qi et al. 2022). The bias plan's own ceiling
-    without DP is what holds it under the whole model; the gains are the
-    cheapest capacity left. Wraps ``clinfed.adapters._travels`` in this
-    process."""
+    for MiniLM; LN-tuning, Qi et al. 2022): the cheapest capacity left for a
+    plan whose no-DP ceiling is under the whole model's. Measured on BC5CDR
+    (docs/results.md): the ceiling +0.7, the private runs -0.2, so kept as
+    a negative. Wraps ``clinfed.adapters._travels`` in this process."""
     from clinfed import adapters
 
     plain = adapters._travels
