@@ -514,6 +514,30 @@ def train_norm_gains() -> None:
     adapters._travels = travels
 
 
+def gazetteer_begin_inside() -> None:
+    """``--gazetteer-begin`` (an experiment on the marks): each list takes
+    two token-type ids, one for the first word of a listed name (1..L, the
+    ids one mark per list gives) and one for its other words (L+1..2L), so a
+    name's boundary enters as input, the information strict F1's begin tags
+    need, with 384 trained numbers per list and no other. Wraps
+    ``clinfed.gazetteer.Gazetteer`` in this process (the start it makes is
+    kept apart, ``-begin``)."""
+    from clinfed.gazetteer import Gazetteer
+
+    def marks(self: Gazetteer) -> int:
+        return 2 * max(1, len(self.lists))
+
+    def mark_ids(self: Gazetteer, words: list[str]) -> list[int]:
+        lists = max(1, len(self.lists))
+        ids = [0] * len(words)
+        for first, size, mark in self.name_spans(words):
+            ids[first : first + size] = [mark] + [lists + mark] * (size - 1)
+        return ids
+
+    Gazetteer.marks = property(marks)
+    Gazetteer.mark_ids = mark_ids
+
+
 # ------------------------------------------------------------- observation
 class Observer:
     """What one round's DP steps looked like, gathered by wrapping the noise,
@@ -800,6 +824,12 @@ def main() -> None:
         "--gazetteer-marks per-list)",
     )
     parser.add_argument(
+        "--gazetteer-begin",
+        action="store_true",
+        help="with --gazetteer: a name's first word and its others take their own marks "
+        "(an experiment)",
+    )
+    parser.add_argument(
         "--train-norm-gains",
         action="store_true",
         help="with adapter=bias: the LayerNorm gains train too (an experiment)",
@@ -875,6 +905,10 @@ def main() -> None:
         if not args.gazetteer:
             parser.error("--gazetteer-types needs --gazetteer")
         settings["gazetteer_marks"] = "per-list"
+    if args.gazetteer_begin:
+        if not args.gazetteer:
+            parser.error("--gazetteer-begin needs --gazetteer")
+        gazetteer_begin_inside()
     if args.train_norm_gains:
         if settings.get("adapter") != "bias":
             parser.error("--train-norm-gains is for --set adapter=bias")
@@ -917,6 +951,7 @@ def main() -> None:
     # grown table; the product's keep their lists, so they are made anew.
     marks = "gazetteer-per-list" if args.gazetteer_types else "gazetteer" if args.gazetteer else ""
     marks += "-inflected" if args.gazetteer_inflect else ""
+    marks += "-begin" if args.gazetteer_begin else ""
     if args.public != "none":
         # Warm-started once per corpus and public text (clinfed warm-start),
         # then every run starts from the saved model, with or without DP.

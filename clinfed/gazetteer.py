@@ -177,20 +177,28 @@ class Gazetteer:
             described["lists"] = list(self.kinds)
         return described
 
-    def mark_ids(self, words: list[str]) -> list[int]:
-        """Each word's mark: its list's number (1 with one mark for all) in a
-        listed name, else 0. The longest name first, left to right, no word
-        in two names."""
-        marks = [0] * len(words)
+    def name_spans(self, words: list[str]) -> list[tuple[int, int, int]]:
+        """The listed names ``words`` spell, as ``(first word, words, mark)``:
+        the longest name first, left to right, no word in two names; the mark
+        is the name's list's number (1 with one mark for all)."""
+        spans: list[tuple[int, int, int]] = []
         i = 0
         while i < len(words):
             for size in range(min(self.longest, len(words) - i), 0, -1):
                 key = name_key(" ".join(words[i : i + size]))
                 if key in self.names:
-                    marks[i : i + size] = [self._marks.get(key, 1)] * size
+                    spans.append((i, size, self._marks.get(key, 1)))
                     i += size - 1
                     break
             i += 1
+        return spans
+
+    def mark_ids(self, words: list[str]) -> list[int]:
+        """Each word's mark: its list's number (1 with one mark for all) in a
+        listed name (:meth:`name_spans`), else 0."""
+        marks = [0] * len(words)
+        for first, size, mark in self.name_spans(words):
+            marks[first : first + size] = [mark] * size
         return marks
 
     def mark_words(self, words: list[str]) -> list[bool]:

@@ -144,6 +144,10 @@ def test_a_mark_per_list_numbers_the_lists_in_file_name_order(tmp_path):
         ("acute", 2), ("renal", 2), ("failure", 2),
     ]  # fmt: skip
     assert per_list.mark_words(WORDS) == one.mark_words(WORDS)
+    # The names themselves, (first word, words, mark): two names side by side
+    # stay two, which the marks alone cannot say.
+    assert per_list.name_spans(WORDS) == [(2, 3, 1), (6, 1, 1), (8, 3, 2)]
+    assert per_list.name_spans(["cisplatin", "Cisplatin"]) == [(0, 1, 1), (1, 1, 1)]
     assert per_list.sha256 != one.sha256
     assert per_list.describe()["lists"] == ["Chemical", "Disease"]
     # What a saved model keeps reads back as the same lists, flag or not.
