@@ -49,6 +49,8 @@ per-list`` over the lists' two files; it was an experiment of this script
 until 2026-11-27 and makes the same starting model byte for byte), and
 ``--gazetteer-inflect`` marks from lists with the names' plurals and the
 ontologies' one-word disease names added (``terminology.inflected``).
+``--gazetteer-begin`` (an experiment, a measured negative) marks a name's
+first word apart from its other words (:func:`gazetteer_begin_inside`).
 ``--start-alone`` scores the starting model on the test split and stops.
 ``--held-out N`` (bc5cdr) keeps the last N sentences of the train split
 out of the sites and adds them to the public text: text annotated to the
@@ -519,7 +521,10 @@ def gazetteer_begin_inside() -> None:
     two token-type ids, one for the first word of a listed name (1..L, the
     ids one mark per list gives) and one for its other words (L+1..2L), so a
     name's boundary enters as input, the information strict F1's begin tags
-    need, with 384 trained numbers per list and no other. Wraps
+    need, with 384 trained numbers per list and no other. Measured on
+    BC5CDR (docs/results.md, "A name's first word marked apart"): the start
+    alone +1.7, the bias plan's no-DP ceiling +0.7, the private runs -0.2 at
+    epsilon 8 and +0.3 at 1 after one round, so kept as a negative. Wraps
     ``clinfed.gazetteer.Gazetteer`` in this process (the start it makes is
     kept apart, ``-begin``)."""
     from clinfed.gazetteer import Gazetteer
