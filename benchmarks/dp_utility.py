@@ -524,7 +524,7 @@ def gazetteer_begin_inside() -> None:
     need, with 384 trained numbers per list and no other. Measured on
     BC5CDR (docs/results.md, "A name's first word marked apart"): the start
     alone +1.7, the bias plan's no-DP ceiling +0.7, the private runs -0.2 at
-    epsilon 8 and -0.3 at 1 after two rounds, so kept as a negative. Wraps
+    epsilon 8 and -1.0 at 1, so kept as a negative. Wraps
     ``clinfed.gazetteer.Gazetteer`` in this process (the start it makes is
     kept apart, ``-begin``)."""
     from clinfed.gazetteer import Gazetteer
