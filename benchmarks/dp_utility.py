@@ -534,8 +534,8 @@ def bias_subset(subset: str) -> None:
     """``--bias-subset`` (an experiment on the bias plan): only the encoder
     bias terms of ``subset`` (``BIAS_SUBSETS``) train and travel, with the
     head and the token-type table as before: about half the noised numbers
-    (15,367 or 16,519 of 29,575 for MiniLM with a mark per terminology), at
-    a lower no-DP ceiling. Measured on BC5CDR (docs/results.md, "Half the
+    (15,367 or 16,519 of 29,575 for MiniLM with a mark per terminology).
+    Measured on BC5CDR (docs/results.md, "Half the
     bias terms, chosen without data"): ``query-intermediate`` keeps the
     whole ceiling (0.797 against 0.795) and moves the private runs 0.0 at
     epsilon 8 and -0.5 at 1, ``top3`` -0.8 at 8, so kept as a negative.
