@@ -558,6 +558,147 @@ def bias_subset(subset: str) -> None:
     adapters._travels = travels
 
 
+def freeze_head() -> None:
+    """``--freeze-head`` (an experiment on the bias plan): the head keeps the
+    public start's weights and neither trains nor travels; the encoder's bias
+    terms and the token-type table train as before. Why: in the private bias
+    runs on BC5CDR the head moved 13.5 (Frobenius) from the start, more than
+    its own norm (9.7), at a cosine of 0.05-0.08 with the no-DP run's move
+    (0.00 at epsilon 1): mostly noise. Frozen, it adds no noise, and its
+    share of each unit's clipped norm goes to the terms that stay. Wraps
+    ``clinfed.adapters._travels`` in this process."""
+    from clinfed import adapters
+
+    plain = adapters._travels
+
+    def travels(name: str, adapter: dict | None) -> bool:
+        kind = adapter["kind"] if adapter else None
+        head = kind == "bias" and not name.startswith("encoder.")
+        return plain(name, adapter) and not head
+
+    adapters._travels = travels
+
+
+def freeze_unmarked_row() -> None:
+    """``--freeze-unmarked-row`` (an experiment on the bias plan with marks):
+    the token-type table trains its marks' rows only; row 0, the one every
+    unmarked word piece adds, keeps the start's values. Why: a unit's
+    gradient on row 0 is the sum over all its unmarked word pieces, and at
+    the start it holds 88% of each unit's squared gradient norm on site 1's
+    sentences (``benchmarks/unit_norm_groups.py``, a diagnostic), so one row
+    of 384 numbers takes most of every unit's clip budget and the bias terms
+    and the marks' rows share the rest.
+
+    Row 0 becomes the table's padding row: its per-unit gradient is zero
+    before clipping (book-keeping already honours ``padding_idx``; Opacus's
+    hooks get a grad sampler that does), so the clipped sum and the
+    accounting are over the other rows; the noise Opacus adds to row 0 and
+    AdamW's weight decay on it are undone after each step (post-processing).
+    Wraps ``add_bias`` (``clinfed.adapters``, ``clinfed.pipeline``), ``PrivateStep.step`` and
+    ``PrivateStep.noise_only`` in this process."""
+    from opacus.grad_sample import register_grad_sampler
+    from opacus.grad_sample.embedding import compute_embedding_grad_sample
+    from torch import nn
+
+    from clinfed import adapters, pipeline
+    from clinfed.privacy import dpsgd
+
+    @register_grad_sampler(nn.Embedding)
+    def embedding_grad_sample(layer, activations, backprops):
+        grads = compute_embedding_grad_sample(layer, activations, backprops)
+        if layer.padding_idx is not None and layer.weight in grads:
+            grads[layer.weight][:, layer.padding_idx] = 0
+        return grads
+
+    plain_add_bias = adapters.add_bias
+
+    def add_bias(model):
+        model = plain_add_bias(model)
+        if model.adapter["marks"]:
+            table = model.encoder.embeddings.token_type_embeddings
+            table.padding_idx = 0
+            table.weight.frozen_rows = [0]
+        return model
+
+    def kept_rows(update):
+        def wrapped(self, *args, **kwargs):
+            frozen = [
+                (p, p.frozen_rows, p.data[p.frozen_rows].clone())
+                for p in self.params
+                if getattr(p, "frozen_rows", None)
+            ]
+            for p, rows, _ in frozen:
+                if p.grad is not None:
+                    p.grad[rows] = 0
+            result = update(self, *args, **kwargs)
+            for p, rows, values in frozen:
+                p.data[rows] = values
+            return result
+
+        return wrapped
+
+    adapters.add_bias = pipeline.add_bias = add_bias
+    dpsgd.PrivateStep.step = kept_rows(dpsgd.PrivateStep.step)
+    dpsgd.PrivateStep.noise_only = kept_rows(dpsgd.PrivateStep.noise_only)
+
+
+def clip_unmarked_row_apart(share: float) -> None:
+    """``--clip-unmarked-row-apart SHARE`` (an experiment on the bias plan with
+    marks): each unit's gradient on the token-type table's row 0 (the one
+    every unmarked word piece adds) is clipped to ``C sqrt(SHARE)`` and its
+    gradient on everything else to ``C sqrt(1 - SHARE)``, so the unit's
+    whole gradient stays within ``C``: the same sensitivity, noise and
+    accounting as one clip over all of it. Why: with one clip, row 0 holds
+    81% of a unit's squared gradient norm at the start
+    (``benchmarks/unit_norm_groups.py``) and most units are clipped, so the
+    bias terms, the marks' rows and the head get a small share of each
+    unit's budget; row 0's own update is worth 3.1 F1 points at epsilon 8
+    (put back to the start's values after a private run), so freezing it
+    (``--freeze-unmarked-row``) gives that up. The share is set before any
+    run (0.5: half the squared budget each). Opacus's hooks only (BC5CDR's
+    sentences of several windows take them). Wraps ``DPOptimizer.clip_and_accumulate``
+    and ``add_bias`` in this process."""
+    from opacus.optimizers import DPOptimizer
+
+    from clinfed import adapters, pipeline
+
+    plain_add_bias = adapters.add_bias
+
+    def add_bias(model):
+        model = plain_add_bias(model)
+        if model.adapter["marks"]:
+            model.encoder.embeddings.token_type_embeddings.weight.unmarked_row = 0
+        return model
+
+    accumulate = DPOptimizer.clip_and_accumulate
+
+    def clip_and_accumulate(optimizer):
+        samples = optimizer.grad_samples
+        if len(samples[0]):
+            units = len(samples[0])
+            budget = optimizer.max_grad_norm
+            tables = [
+                (g, p.unmarked_row)
+                for g, p in zip(samples, optimizer.params, strict=True)
+                if getattr(p, "unmarked_row", None) is not None
+            ]
+            if not tables:
+                raise RuntimeError("--clip-unmarked-row-apart: no token-type table trains")
+            total = sum(g.reshape(units, -1).pow(2).sum(1) for g in samples)
+            row = sum(g[:, r].reshape(units, -1).pow(2).sum(1) for g, r in tables)
+            rest = (total - row).clamp(min=0)
+            row_factor = (budget * share**0.5 / (row.sqrt() + 1e-6)).clamp(max=1.0)
+            rest_factor = (budget * (1 - share) ** 0.5 / (rest.sqrt() + 1e-6)).clamp(max=1.0)
+            for g in samples:
+                g.mul_(rest_factor.view(-1, *[1] * (g.dim() - 1)).to(g.dtype))
+            for g, r in tables:
+                g[:, r] *= (row_factor / rest_factor).view(-1, 1).to(g.dtype)
+        return accumulate(optimizer)
+
+    adapters.add_bias = pipeline.add_bias = add_bias
+    DPOptimizer.clip_and_accumulate = clip_and_accumulate
+
+
 def gazetteer_begin_inside() -> None:
     """``--gazetteer-begin`` (an experiment on the marks): each list takes
     two token-type ids, one for the first word of a listed name (1..L, the
@@ -888,6 +1029,25 @@ def main() -> None:
         help="with adapter=bias: only these encoder bias terms train (an experiment)",
     )
     parser.add_argument(
+        "--freeze-head",
+        action="store_true",
+        help="with adapter=bias: the head keeps the start's weights (an experiment)",
+    )
+    parser.add_argument(
+        "--freeze-unmarked-row",
+        action="store_true",
+        help="with adapter=bias and --gazetteer: the token-type table's row 0 keeps the "
+        "start's values (an experiment)",
+    )
+    parser.add_argument(
+        "--clip-unmarked-row-apart",
+        type=float,
+        default=None,
+        metavar="SHARE",
+        help="with adapter=bias and --gazetteer: the token-type table's row 0 clipped apart, "
+        "to this share of the squared clip norm (an experiment)",
+    )
+    parser.add_argument(
         "--start-alone",
         action="store_true",
         help="score the starting model on the test split and stop (no rounds)",
@@ -970,6 +1130,20 @@ def main() -> None:
         if settings.get("adapter") != "bias":
             parser.error("--bias-subset is for --set adapter=bias")
         bias_subset(args.bias_subset)
+    if args.freeze_head:
+        if settings.get("adapter") != "bias":
+            parser.error("--freeze-head is for --set adapter=bias")
+        freeze_head()
+    if args.freeze_unmarked_row:
+        if settings.get("adapter") != "bias" or not args.gazetteer:
+            parser.error("--freeze-unmarked-row is for --set adapter=bias with --gazetteer")
+        freeze_unmarked_row()
+    if args.clip_unmarked_row_apart is not None:
+        if settings.get("adapter") != "bias" or not args.gazetteer:
+            parser.error("--clip-unmarked-row-apart is for --set adapter=bias with --gazetteer")
+        if not 0.0 < args.clip_unmarked_row_apart < 1.0:
+            parser.error("--clip-unmarked-row-apart takes a share between 0 and 1")
+        clip_unmarked_row_apart(args.clip_unmarked_row_apart)
     if args.augment:
         # A copy is not a unit of its own: the sentence and its copies are one
         # document, sampled and clipped whole (else the count would double).

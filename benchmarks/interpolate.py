@@ -15,7 +15,12 @@ server may choose it at no privacy cost.
 
     python benchmarks/interpolate.py runs/RUN --start START \\
         --data runs/bc5cdr-corpus/data/test [--public DIR] \\
-        [--alphas 0,0.5,0.75,1,1.25] [--out FILE.json]
+        [--alphas 0,0.5,0.75,1,1.25] [--reset REGEX] [--out FILE.json]
+
+``--reset REGEX``: the tensors whose names match keep the start's values
+whatever ``alpha`` (``--reset '^head[.]' --alphas 1``: the private model
+with its head put back to the start's, which says what the head's private
+update holds).
 
 ``RUN`` is a finished run (its ``model/``) or a saved model folder, and
 ``START`` the model it started from (``config.json``'s ``model.model`` unless
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -45,15 +51,18 @@ def model_folder(path: Path) -> Path:
     return folder
 
 
-def interpolated(start: dict, private: dict, alpha: float) -> dict:
+def interpolated(start: dict, private: dict, alpha: float, reset=None) -> dict:
     """``start + alpha (private - start)`` for every tensor; tensors the run
-    did not train are equal in both and stay as they are."""
+    did not train are equal in both and stay as they are, and those whose
+    names ``reset`` (a compiled pattern) matches take the start's."""
     if start.keys() != private.keys():
         raise SystemExit("the start and the private model hold different tensors")
     out = {}
     for name, theirs in private.items():
         mine = start[name]
-        if theirs.is_floating_point():
+        if reset is not None and reset.search(name):
+            out[name] = mine
+        elif theirs.is_floating_point():
             out[name] = (mine + alpha * (theirs - mine)).contiguous()
         else:
             out[name] = theirs
@@ -67,6 +76,7 @@ def main() -> None:
     parser.add_argument("--data", type=Path, required=True, help="annotated test folder")
     parser.add_argument("--public", type=Path, help="public annotated folder to choose on")
     parser.add_argument("--alphas", default="0,0.5,0.75,0.9,1,1.1,1.25")
+    parser.add_argument("--reset", help="tensors (regex on names) kept at the start's values")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -77,6 +87,7 @@ def main() -> None:
     from clinfed.api import evaluate
 
     torch.set_num_threads(args.threads)
+    reset = re.compile(args.reset) if args.reset else None
     private_folder = model_folder(args.run)
     start = args.start
     if start is None:
@@ -96,7 +107,9 @@ def main() -> None:
         folder = Path(scratch) / "model"
         shutil.copytree(private_folder, folder)
         for alpha in [float(a) for a in args.alphas.split(",")]:
-            save_file(interpolated(initial, private, alpha), str(folder / "model.safetensors"))
+            save_file(
+                interpolated(initial, private, alpha, reset), str(folder / "model.safetensors")
+            )
             row = {"alpha": alpha, "test": evaluate(folder, args.data)}
             if args.public:
                 row["public"] = evaluate(folder, args.public)
