@@ -561,11 +561,15 @@ def bias_subset(subset: str) -> None:
 def freeze_head() -> None:
     """``--freeze-head`` (an experiment on the bias plan): the head keeps the
     public start's weights and neither trains nor travels; the encoder's bias
-    terms and the token-type table train as before. Why: in the private bias
-    runs on BC5CDR the head moved 13.5 (Frobenius) from the start, more than
-    its own norm (9.7), at a cosine of 0.05-0.08 with the no-DP run's move
-    (0.00 at epsilon 1): mostly noise. Frozen, it adds no noise, and its
-    share of each unit's clipped norm goes to the terms that stay. Wraps
+    terms and the token-type table train as before. Why it was tried: in
+    the private bias runs on BC5CDR the head moved 13.5 (Frobenius) from the
+    start, more than its own norm (9.7), at a cosine of 0.05 with the no-DP
+    run's move (0.00 at epsilon 1): mostly noise. Not measured to the end:
+    the head holds 0.5% of a unit's squared gradient norm
+    (``benchmarks/unit_norm_groups.py``), so freezing it frees no clip
+    budget, and its private update is worth 2.0 F1 points at epsilon 8 and
+    1.25 at 1 (``interpolate.py --reset``); the run was stopped in round 1
+    (docs/results.md, "Where each unit's clip budget goes"). Wraps
     ``clinfed.adapters._travels`` in this process."""
     from clinfed import adapters
 
@@ -584,10 +588,14 @@ def freeze_unmarked_row() -> None:
     the token-type table trains its marks' rows only; row 0, the one every
     unmarked word piece adds, keeps the start's values. Why: a unit's
     gradient on row 0 is the sum over all its unmarked word pieces, and at
-    the start it holds 88% of each unit's squared gradient norm on site 1's
-    sentences (``benchmarks/unit_norm_groups.py``, a diagnostic), so one row
-    of 384 numbers takes most of every unit's clip budget and the bias terms
-    and the marks' rows share the rest.
+    the start it holds 81% of each unit's squared gradient norm on site 1's
+    sentences with a mark per terminology (``benchmarks/unit_norm_groups.py``,
+    a diagnostic), so one row of 384
+    numbers takes most of every unit's clip budget and the bias terms, the
+    marks' rows and the head share the rest. Measured (docs/results.md,
+    "Where each unit's clip budget goes"): round 1 -0.7 at epsilon 8 and
+    -1.1 at 1 against the product's plan, stopped there; row 0's private
+    update is worth 3.1 points at epsilon 8 (and 0.1 without DP).
 
     Row 0 becomes the table's padding row: its per-unit gradient is zero
     before clipping (book-keeping already honours ``padding_idx``; Opacus's
@@ -655,7 +663,8 @@ def clip_unmarked_row_apart(share: float) -> None:
     unit's budget; row 0's own update is worth 3.1 F1 points at epsilon 8
     (put back to the start's values after a private run), so freezing it
     (``--freeze-unmarked-row``) gives that up. The share is set before any
-    run (0.5: half the squared budget each). Opacus's hooks only (BC5CDR's
+    run (0.5: half the squared budget each). Measured at epsilon 1
+    (docs/results.md, "Where each unit's clip budget goes"). Opacus's hooks only (BC5CDR's
     sentences of several windows take them). Wraps ``DPOptimizer.clip_and_accumulate``
     and ``add_bias`` in this process."""
     from opacus.optimizers import DPOptimizer
