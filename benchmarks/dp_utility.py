@@ -663,8 +663,9 @@ def clip_unmarked_row_apart(share: float) -> None:
     unit's budget; row 0's own update is worth 3.1 F1 points at epsilon 8
     (put back to the start's values after a private run), so freezing it
     (``--freeze-unmarked-row``) gives that up. The share is set before any
-    run (0.5: half the squared budget each). Measured at epsilon 1
-    (docs/results.md, "Where each unit's clip budget goes"). Opacus's hooks only (BC5CDR's
+    run (0.5: half the squared budget each). Measured (docs/results.md,
+    "Where each unit's clip budget goes"): -0.4 at epsilon 1 (0.725), -0.2
+    in round 1 at epsilon 8, so kept as a negative. Opacus's hooks only (BC5CDR's
     sentences of several windows take them). Wraps ``DPOptimizer.clip_and_accumulate``
     and ``add_bias`` in this process."""
     from opacus.optimizers import DPOptimizer
