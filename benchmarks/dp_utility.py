@@ -583,6 +583,25 @@ def freeze_head() -> None:
     adapters._travels = travels
 
 
+def tag_type_table(**tags) -> None:
+    """Set ``tags`` as attributes of the token-type table's weight whenever
+    the bias plan is built with marks (wraps ``add_bias`` in
+    ``clinfed.adapters`` and ``clinfed.pipeline``, which imports it by name):
+    how the row experiments below find the table among a step's tensors."""
+    from clinfed import adapters, pipeline
+
+    plain_add_bias = adapters.add_bias
+
+    def add_bias(model):
+        model = plain_add_bias(model)
+        if model.adapter["marks"]:
+            for name, value in tags.items():
+                setattr(model.encoder.embeddings.token_type_embeddings.weight, name, value)
+        return model
+
+    adapters.add_bias = pipeline.add_bias = add_bias
+
+
 def freeze_unmarked_row() -> None:
     """``--freeze-unmarked-row`` (an experiment on the bias plan with marks):
     the token-type table trains its marks' rows only; row 0, the one every
@@ -590,43 +609,33 @@ def freeze_unmarked_row() -> None:
     gradient on row 0 is the sum over all its unmarked word pieces, and at
     the start it holds 81% of each unit's squared gradient norm on site 1's
     sentences with a mark per terminology (``benchmarks/unit_norm_groups.py``,
-    a diagnostic), so one row of 384
-    numbers takes most of every unit's clip budget and the bias terms, the
-    marks' rows and the head share the rest. Measured (docs/results.md,
-    "Where each unit's clip budget goes"): round 1 -0.7 at epsilon 8 and
-    -1.1 at 1 against the product's plan, stopped there; row 0's private
-    update is worth 3.1 points at epsilon 8 (and 0.1 without DP).
+    a diagnostic), so one row of 384 numbers takes most of every unit's clip
+    budget and the bias terms, the marks' rows and the head share the rest.
+    Measured (docs/results.md, "Where each unit's clip budget goes"): round
+    1 -0.7 at epsilon 8 and -1.1 at 1 against the product's plan, stopped
+    there; row 0's private update is worth 3.1 points at epsilon 8 (and 0.1
+    without DP).
 
-    Row 0 becomes the table's padding row: its per-unit gradient is zero
-    before clipping (book-keeping already honours ``padding_idx``; Opacus's
-    hooks get a grad sampler that does), so the clipped sum and the
+    Row 0's per-unit gradient is zero before clipping (Opacus's hooks only,
+    as BC5CDR's sentences of several windows take: they get an embedding
+    grad sampler that zeroes the table's frozen rows), so the clipped sum and the
     accounting are over the other rows; the noise Opacus adds to row 0 and
     AdamW's weight decay on it are undone after each step (post-processing).
-    Wraps ``add_bias`` (``clinfed.adapters``, ``clinfed.pipeline``), ``PrivateStep.step`` and
+    Wraps ``add_bias`` (:func:`tag_type_table`), ``PrivateStep.step`` and
     ``PrivateStep.noise_only`` in this process."""
     from opacus.grad_sample import register_grad_sampler
     from opacus.grad_sample.embedding import compute_embedding_grad_sample
     from torch import nn
 
-    from clinfed import adapters, pipeline
     from clinfed.privacy import dpsgd
 
     @register_grad_sampler(nn.Embedding)
     def embedding_grad_sample(layer, activations, backprops):
         grads = compute_embedding_grad_sample(layer, activations, backprops)
-        if layer.padding_idx is not None and layer.weight in grads:
-            grads[layer.weight][:, layer.padding_idx] = 0
+        rows = getattr(layer.weight, "frozen_rows", None)
+        if rows and layer.weight in grads:
+            grads[layer.weight][:, rows] = 0
         return grads
-
-    plain_add_bias = adapters.add_bias
-
-    def add_bias(model):
-        model = plain_add_bias(model)
-        if model.adapter["marks"]:
-            table = model.encoder.embeddings.token_type_embeddings
-            table.padding_idx = 0
-            table.weight.frozen_rows = [0]
-        return model
 
     def kept_rows(update):
         def wrapped(self, *args, **kwargs):
@@ -645,7 +654,7 @@ def freeze_unmarked_row() -> None:
 
         return wrapped
 
-    adapters.add_bias = pipeline.add_bias = add_bias
+    tag_type_table(frozen_rows=[0])
     dpsgd.PrivateStep.step = kept_rows(dpsgd.PrivateStep.step)
     dpsgd.PrivateStep.noise_only = kept_rows(dpsgd.PrivateStep.noise_only)
 
@@ -665,20 +674,10 @@ def clip_unmarked_row_apart(share: float) -> None:
     (``--freeze-unmarked-row``) gives that up. The share is set before any
     run (0.5: half the squared budget each). Measured (docs/results.md,
     "Where each unit's clip budget goes"): -0.4 at epsilon 1 (0.725), -0.2
-    in round 1 at epsilon 8, so kept as a negative. Opacus's hooks only (BC5CDR's
-    sentences of several windows take them). Wraps ``DPOptimizer.clip_and_accumulate``
-    and ``add_bias`` in this process."""
+    in round 1 at epsilon 8, so kept as a negative. Opacus's hooks only
+    (BC5CDR's sentences of several windows take them). Wraps
+    ``DPOptimizer.clip_and_accumulate`` and ``add_bias`` in this process."""
     from opacus.optimizers import DPOptimizer
-
-    from clinfed import adapters, pipeline
-
-    plain_add_bias = adapters.add_bias
-
-    def add_bias(model):
-        model = plain_add_bias(model)
-        if model.adapter["marks"]:
-            model.encoder.embeddings.token_type_embeddings.weight.unmarked_row = 0
-        return model
 
     accumulate = DPOptimizer.clip_and_accumulate
 
@@ -705,7 +704,7 @@ def clip_unmarked_row_apart(share: float) -> None:
                 g[:, r] *= (row_factor / rest_factor).view(-1, 1).to(g.dtype)
         return accumulate(optimizer)
 
-    adapters.add_bias = pipeline.add_bias = add_bias
+    tag_type_table(unmarked_row=0)
     DPOptimizer.clip_and_accumulate = clip_and_accumulate
 
 
