@@ -51,6 +51,9 @@ until 2026-11-27 and makes the same starting model byte for byte), and
 ontologies' one-word disease names added (``terminology.inflected``).
 ``--gazetteer-begin`` (an experiment, a measured negative) marks a name's
 first word apart from its other words (:func:`gazetteer_begin_inside`).
+``--gazetteer-suffixes`` (an experiment) gives words outside the lists
+whose ending is typical of one list's names marks of their own
+(:func:`gazetteer_suffixes`).
 ``--start-alone`` scores the starting model on the test split and stops.
 ``--held-out N`` (bc5cdr) keeps the last N sentences of the train split
 out of the sites and adds them to the public text: text annotated to the
@@ -735,6 +738,53 @@ def gazetteer_begin_inside() -> None:
     Gazetteer.mark_ids = mark_ids
 
 
+def gazetteer_suffixes(lists: Path, public: Path, record: Path) -> None:
+    """``--gazetteer-suffixes`` (an experiment on the marks, with
+    ``--gazetteer-types``): a word outside every listed name whose ending
+    is one of a list's name endings (``terminology.name_suffixes``: written
+    from the lists, the public text's words outside names and the encoder's
+    whole words, no BC5CDR text) takes that list's second mark, chemicals 3
+    and diseases 4, so the marks reach names the lists miss but whose form
+    says their kind (``-amide``, ``-itis``), at 384 trained numbers a list.
+    The endings are written to ``record`` (JSON). Wraps
+    ``clinfed.gazetteer.Gazetteer`` in this process (the start it makes is
+    kept apart, ``-suffixes``)."""
+    import terminology
+
+    from clinfed.gazetteer import Gazetteer
+
+    names = {
+        file.stem: {line for line in file.read_text(encoding="utf-8").splitlines() if line}
+        for file in sorted(lists.glob("*.txt"))
+    }
+    background = set()
+    for file in sorted(public.glob("*.tsv")):
+        for line in file.read_text(encoding="utf-8").splitlines():
+            parts = line.split("\t")
+            if len(parts) >= 2 and parts[-1] == "O":
+                background.add(parts[0].lower())
+    whole = frozenset(terminology._whole_words())
+    endings = terminology.name_suffixes(names, background, whole)
+    record.write_text(json.dumps({k: sorted(v) for k, v in endings.items()}, indent=1) + "\n")
+    order = list(names)  # the per-list marks' order: the lists' file names, sorted
+
+    def marks(self: Gazetteer) -> int:
+        return 2 * max(1, len(self.lists))
+
+    def mark_ids(self: Gazetteer, words: list[str]) -> list[int]:
+        ids = [0] * len(words)
+        for first, size, mark in self.name_spans(words):
+            ids[first : first + size] = [mark] * size
+        for i, word in enumerate(words):
+            kind = None if ids[i] else terminology.suffix_kind(word, endings, whole)
+            if kind is not None:
+                ids[i] = len(order) + 1 + order.index(kind)
+        return ids
+
+    Gazetteer.marks = property(marks)
+    Gazetteer.mark_ids = mark_ids
+
+
 # ------------------------------------------------------------- observation
 class Observer:
     """What one round's DP steps looked like, gathered by wrapping the noise,
@@ -1027,6 +1077,12 @@ def main() -> None:
         "(an experiment)",
     )
     parser.add_argument(
+        "--gazetteer-suffixes",
+        action="store_true",
+        help="with --gazetteer-types: unlisted words with a list's name endings take marks "
+        "3 and 4 (an experiment)",
+    )
+    parser.add_argument(
         "--train-norm-gains",
         action="store_true",
         help="with adapter=bias: the LayerNorm gains train too (an experiment)",
@@ -1187,11 +1243,16 @@ def main() -> None:
             except OSError:  # another run's got there first (the same files)
                 shutil.rmtree(partial)
         public, public_types = both, TYPES
+    if args.gazetteer_suffixes:
+        if not args.gazetteer_types:
+            parser.error("--gazetteer-suffixes needs --gazetteer-types")
+        gazetteer_suffixes(Path(settings["gazetteer"]), public, work / "name-suffixes.json")
     # The experiment's starts ("-gazetteer-types") kept a one-mark list with a
     # grown table; the product's keep their lists, so they are made anew.
     marks = "gazetteer-per-list" if args.gazetteer_types else "gazetteer" if args.gazetteer else ""
     marks += "-inflected" if args.gazetteer_inflect else ""
     marks += "-begin" if args.gazetteer_begin else ""
+    marks += "-suffixes" if args.gazetteer_suffixes else ""
     if args.public != "none":
         # Warm-started once per corpus and public text (clinfed warm-start),
         # then every run starts from the saved model, with or without DP.
