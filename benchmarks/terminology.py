@@ -398,6 +398,33 @@ def tag(words: list[str], tags: list[str], lexicon: dict[str, set[str]]) -> dict
     return found
 
 
+def count_endings(files: list[Path], endings_file: Path) -> None:
+    """Print, per IOB file, how many words that are not a listed name by
+    themselves the endings mark, by (gold type, the ending's list): how far
+    the suffix marks reach and how often they are wrong. (A word inside a
+    longer listed name is counted too, so the reach is a little
+    overstated.) Counts only, no text."""
+    import json
+    from collections import Counter
+
+    endings = {k: frozenset(v) for k, v in json.loads(endings_file.read_text()).items()}
+    listed = set().union(*lexicons().values())
+    whole = _whole_words()
+    for tsv in files:
+        counts: Counter = Counter()
+        for line in tsv.read_text(encoding="utf-8").splitlines():
+            if not line.strip():
+                continue
+            parts = line.split("\t")
+            word, gold = parts[0].lower(), parts[-1]
+            if word in listed:
+                continue
+            gold_kind = gold[2:] if gold != "O" else "O"
+            counts[(gold_kind, suffix_kind(word, endings, whole) or "-")] += 1
+        for (gold_kind, kind), n in sorted(counts.items()):
+            print(f"{tsv}: gold {gold_kind}, ending {kind}: {n} words")
+
+
 def main() -> None:
     """The lexicons alone as a tagger on IOB files: strict P, R, F1 per type."""
     import argparse
@@ -418,7 +445,16 @@ def main() -> None:
         action="store_true",
         help="add plurals and the curated one-word disease names (terminology.inflected)",
     )
+    parser.add_argument(
+        "--endings",
+        type=Path,
+        metavar="JSON",
+        help="instead of tagging: count the words outside listed names that these name "
+        "endings (dp_utility.py --gazetteer-suffixes's record) mark, by gold type",
+    )
     args = parser.parse_args()
+    if args.endings:
+        return count_endings(args.tsv, args.endings)
     if args.write:
         for kind, path in write_lists(args.write, args.inflect).items():
             print(f"{kind}: {path}")
