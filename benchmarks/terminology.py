@@ -298,8 +298,9 @@ def name_suffixes(
 ) -> dict[str, frozenset[str]]:
     """Word endings that say which list a word outside the lists belongs to.
 
-    Written from the lists and public text alone, before any BC5CDR figure
-    was looked at: a 4- or 5-letter ending is a list's when at least 20
+    Written from the lists and public text alone (docs/results.md, "Name
+    endings as marks", tells the one fix made after a look at the words
+    it marked in BC5CDR's train split): a 4- or 5-letter ending is a list's when at least 20
     distinct last words of its names (letters only, ``SUFFIX_WORD`` letters
     or more) end in it, the other lists' share of their own last words
     ending in it is at most 5% of this list's share, and at most 2 words of
