@@ -310,8 +310,8 @@ class PrivacySettings:
     clipping: str = setting(
         "auto",
         "DP-SGD per-example clipping: bk (book-keeping: one backward pass), hooks, ghost, or "
-        "auto (bk wherever it applies, else ghost when embeddings train and examples are "
-        "single rows, else hooks).",
+        "auto (bk wherever its layer rules cover the trainable parameters, else ghost when "
+        "embeddings train and units are single rows, else hooks).",
         choices=("auto", "bk", "hooks", "ghost"),
     )
     privacy_unit: str = setting(

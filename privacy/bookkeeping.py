@@ -22,8 +22,15 @@ Layer types covered: ``nn.Linear`` (peft's LoRA factors are linear layers),
 layer registered with its per-example gradient (:func:`register`; clinfed's
 ``LabelwiseLinear`` registers itself). A model with any other trainable
 parameter (pfeddc's prompts) uses hooks. Rows of one
-example must be contiguous and equally many (MIMIC-III's chunks are); units
-spanning several examples use hooks.
+example must be contiguous and equally many (MIMIC-III's chunks are).
+
+A privacy unit may span several examples (the windows of a long i2b2 line,
+every sentence of a note at ``--privacy-unit document``, every admission of
+a patient): its gradient is the sum of its examples', so its squared norm
+is the ghost norm over all their tokens together. The unit's examples are
+laid end to end (:class:`Units`; shorter units padded with zero rows, which
+add nothing), and every example's share of the clipped sum takes its unit's
+factor.
 """
 
 from __future__ import annotations
@@ -87,8 +94,52 @@ def _per_example(x: torch.Tensor, examples: int) -> torch.Tensor:
     return x.reshape(examples, -1, x.shape[-1])
 
 
-def _per_example_ids(ids: torch.Tensor, examples: int) -> torch.Tensor:
-    return ids.reshape(examples, -1)
+class Units:
+    """Which privacy unit each example of a pass belongs to (``owner[i]``,
+    numbered from 0), and the per-unit views the norms need.
+
+    Parameters
+    ----------
+    owner
+        The unit of each example, ``(examples,)``.
+    """
+
+    def __init__(self, owner: torch.Tensor):
+        self.owner = owner
+        self.examples = len(owner)
+        self.count = int(owner.max()) + 1 if self.examples else 0
+        self.single = bool(
+            self.count == self.examples and torch.equal(owner.cpu(), torch.arange(self.examples))
+        )
+        self.width = 1
+        if not self.single:
+            # layout[u, s]: the s-th example of unit u, or ``examples`` (a
+            # zero row) past the unit's last.
+            order = torch.argsort(owner.cpu(), stable=True)
+            sizes = torch.bincount(owner.cpu(), minlength=self.count)
+            self.width = int(sizes.max())
+            starts = torch.cumsum(sizes, 0) - sizes
+            sorted_owner = owner.cpu()[order]
+            slot = torch.arange(self.examples) - starts[sorted_owner]
+            layout = torch.full((self.count, self.width), self.examples, dtype=torch.long)
+            layout[sorted_owner, slot] = order
+            self.layout = layout.to(owner.device)
+
+    def end_to_end(self, x: torch.Tensor) -> torch.Tensor:
+        """``(examples, tokens, ...)`` as ``(units, width * tokens, ...)``:
+        a unit's examples' tokens laid end to end, zero-padded."""
+        if self.single:
+            return x
+        padded = torch.cat([x, x.new_zeros((1, *x.shape[1:]))])
+        laid = padded[self.layout.to(x.device)]
+        return laid.reshape(self.count, self.width * x.shape[1], *x.shape[2:])
+
+    def total(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-example tensors ``(examples, ...)`` summed per unit."""
+        if self.single:
+            return x
+        out = x.new_zeros((self.count, *x.shape[1:]))
+        return out.index_add_(0, self.owner.to(x.device), x)
 
 
 class LayerRule:
@@ -102,16 +153,20 @@ class LayerRule:
     name (where building them is cheapest) and may add a norm computed
     without them (:meth:`ghost_norms`) and sums computed in one product
     (:meth:`product_sums`). One rule per layer type, registered with
-    :func:`register`, as Opacus registers its grad samplers.
+    :func:`register`, as Opacus registers its grad samplers. Norms are per
+    privacy unit (``units``), sums per example.
     """
 
-    def __init__(self, module: nn.Module, calls: list[tuple[torch.Tensor, torch.Tensor]], n: int):
-        self.module, self.examples = module, n
+    def __init__(
+        self, module: nn.Module, calls: list[tuple[torch.Tensor, torch.Tensor]], units: Units
+    ):
+        self.module, self.units, self.examples = module, units, units.examples
         self.device = calls[0][1].device  # where the output gradients are
         self.kept: dict[str, torch.Tensor] = {}
 
     def ghost_norms(self) -> torch.Tensor | None:
-        """Squared norms of the gradients not in :attr:`kept` (``None``: none)."""
+        """Each unit's squared norm of the gradients not in :attr:`kept`
+        (``None``: none)."""
         return None
 
     def product_sums(self, factors: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -120,15 +175,17 @@ class LayerRule:
         return {}
 
     def norms(self) -> torch.Tensor:
+        """Each unit's squared gradient norm over this layer's parameters."""
         total = self.ghost_norms()
         if total is None:
-            total = torch.zeros(self.examples, device=self.device)
+            total = torch.zeros(self.units.count, device=self.device)
         for grad in self.kept.values():
-            total = total + grad.pow(2).flatten(1).sum(1)
+            total = total + self.units.total(grad).pow(2).flatten(1).sum(1)
         return total
 
     def accumulate(self, factors: torch.Tensor) -> None:
-        """Add ``sum_i factors[i] * grad_i`` into each parameter's ``.grad``."""
+        """Add ``sum_i factors[i] * grad_i`` into each parameter's ``.grad``
+        (``factors``: per example, each its unit's)."""
         sums = {name: torch.tensordot(factors, grad, dims=1) for name, grad in self.kept.items()}
         sums |= self.product_sums(factors)
         for name, total in sums.items():
@@ -150,23 +207,25 @@ class LinearRule(LayerRule):
     from the example's gradient where that is smaller (LoRA's rank-``r``
     factors); its clipped sum in one product."""
 
-    def __init__(self, module, calls, n):
-        super().__init__(module, calls, n)
+    def __init__(self, module, calls, units):
+        super().__init__(module, calls, units)
+        n = units.examples
         self.a = torch.cat([_per_example(a, n) for a, _ in calls], dim=1)
         self.g = torch.cat([_per_example(g, n) for _, g in calls], dim=1)
         if _trains(module, "bias"):
             self.kept["bias"] = self.g.sum(1)
         self.ghost = False
         if _trains(module, "weight"):
-            tokens, d_in, d_out = self.a.shape[1], self.a.shape[2], self.g.shape[2]
+            tokens = self.a.shape[1] * units.width  # a unit's, end to end
+            d_in, d_out = self.a.shape[2], self.g.shape[2]
             self.ghost = tokens * (d_in + d_out) < d_in * d_out
-            if not self.ghost:  # the example's gradient is smaller than its Gram matrices
+            if not self.ghost:  # the unit's gradient is smaller than its Gram matrices
                 self.kept["weight"] = torch.bmm(self.g.transpose(1, 2), self.a)
 
     def ghost_norms(self) -> torch.Tensor | None:
         if not self.ghost:
             return None
-        a, g = self.a, self.g
+        a, g = self.units.end_to_end(self.a), self.units.end_to_end(self.g)
         return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
 
     def product_sums(self, factors: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -180,8 +239,9 @@ class LayerNormRule(LayerRule):
     """The weight multiplies the normalised input: per-example gradients
     ``sum_t g_t * x_hat_t`` and ``sum_t g_t``."""
 
-    def __init__(self, module, calls, n):
-        super().__init__(module, calls, n)
+    def __init__(self, module, calls, units):
+        super().__init__(module, calls, units)
+        n = units.examples
         shape, eps = module.normalized_shape, module.eps
         a = torch.cat([_per_example(F.layer_norm(x, shape, eps=eps), n) for x, _ in calls], dim=1)
         g = torch.cat([_per_example(g, n) for _, g in calls], dim=1)
@@ -196,8 +256,9 @@ class EmbeddingRule(LayerRule):
     output gradients over the positions holding the same id; the clipped sum
     scattered into the looked-up rows (the padding row never trains)."""
 
-    def __init__(self, module, calls, n):
-        super().__init__(module, calls, n)
+    def __init__(self, module, calls, units):
+        super().__init__(module, calls, units)
+        n = units.examples
         ids = torch.cat([a.reshape(n, -1) for a, _ in calls], dim=1)
         g = torch.cat([_per_example(g, n) for _, g in calls], dim=1)
         if module.padding_idx is not None:
@@ -205,8 +266,10 @@ class EmbeddingRule(LayerRule):
         self.a, self.g = ids, g
 
     def ghost_norms(self) -> torch.Tensor | None:
-        same = self.a.unsqueeze(2) == self.a.unsqueeze(1)
-        return (torch.bmm(self.g, self.g.transpose(1, 2)) * same).sum((1, 2))
+        # A padding row's gradient is zero: whatever id it holds adds nothing.
+        ids, g = self.units.end_to_end(self.a), self.units.end_to_end(self.g)
+        same = ids.unsqueeze(2) == ids.unsqueeze(1)
+        return (torch.bmm(g, g.transpose(1, 2)) * same).sum((1, 2))
 
     def product_sums(self, factors: torch.Tensor) -> dict[str, torch.Tensor]:
         weighted = (self.g * factors.view(-1, 1, 1)).reshape(-1, self.g.shape[-1])
@@ -228,8 +291,8 @@ def per_example_rule(grads: PerExample) -> type[LayerRule]:
     and kept; summed over the layer's calls)."""
 
     class PerExampleRule(LayerRule):
-        def __init__(self, module, calls, n):
-            super().__init__(module, calls, n)
+        def __init__(self, module, calls, units):
+            super().__init__(module, calls, units)
             for activation, backprop in calls:
                 for name, grad in grads(module, activation, backprop).items():
                     self.kept[name] = self.kept[name] + grad if name in self.kept else grad
@@ -317,7 +380,6 @@ class BookKeepingClipping:
 
     def backward(self, losses: torch.Tensor, optimizer, owner: torch.Tensor) -> None:
         del optimizer
-        examples = len(owner)
         # A trainable parameter used other than through its layer's forward
         # would get no gradient here: refuse rather than train it wrongly.
         ran = {id(r.module) for r in self.records}
@@ -335,11 +397,12 @@ class BookKeepingClipping:
             if r.backprop is not None:  # else nothing below the loss used it
                 calls.setdefault(id(r.module), []).append((r.activation, r.backprop))
                 modules[id(r.module)] = r.module
-        layers = [_rule(modules[k])(modules[k], found, examples) for k, found in calls.items()]
-        norms = torch.zeros(examples, device=self.params[0].device if self.params else "cpu")
+        units = Units(owner)
+        layers = [_rule(modules[k])(modules[k], found, units) for k, found in calls.items()]
+        norms = torch.zeros(units.count, device=self.params[0].device if self.params else "cpu")
         for layer in layers:
             norms += layer.norms()
-        factors = clip_factors(norms, self.max_grad_norm)
+        factors = clip_factors(norms, self.max_grad_norm)[owner.to(norms.device)]
         for layer in layers:
             layer.accumulate(factors)
         self.records = []

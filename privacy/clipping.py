@@ -4,22 +4,21 @@ gradient norm over every trainable parameter jointly.
 * ``bk``: book-keeping (:mod:`clinfed.privacy.bookkeeping`): one backward
   pass, norms from each layer's inputs and output gradients, the clipped
   sum in one product per parameter. For linear, LayerNorm, embedding and
-  label-wise layers, one example per unit.
+  label-wise layers, whatever rows a unit spans (a MIMIC-III admission's
+  chunks, the windows of a long i2b2 line, every sentence of a note at the
+  document level, every admission of a patient).
 
 * ``hooks``: per-example gradients materialised by Opacus's layer hooks.
-  Works for every task and unit; needed wherever a privacy unit spans
-  several encoder rows (a MIMIC-III admission's chunks, the windows of a
-  long i2b2 line, every sentence of a note at the document level, every
-  admission of a patient): the rows' gradients are summed into the unit's
-  before clipping.
+  Works for every task, unit and layer (pfeddc's prompts): the rows'
+  gradients are summed into the unit's before clipping.
 * ``ghost``: Opacus's ghost clipping computes per-example norms without
   materialising per-example gradients (two backward passes). Cheaper when
   the 30k x 384 word-embedding matrix trains; needs one encoder row per
   unit.
 
-``auto`` picks bk wherever it applies (measured fastest on every plan, see
-``benchmarks/dp_overhead.py``), else ghost when embeddings train and every
-unit is one row, else hooks.
+``auto`` picks bk wherever its layer rules cover the trainable parameters
+(measured fastest on every plan, see ``benchmarks/dp_overhead.py``), else
+ghost when embeddings train and every unit is one row, else hooks.
 """
 
 from __future__ import annotations
@@ -76,15 +75,15 @@ def choose_clipping(
             "ghost needs one encoder row per privacy unit; here a unit spans several rows: "
             "use hooks (or auto)",
         )
-    if requested == "bk" and (grouped or not bookkeeping.supports(model)):
+    if requested == "bk" and not bookkeeping.supports(model):
         raise SettingError(
             "clipping",
-            "bk needs one example per privacy unit and only layers with a book-keeping rule "
+            "bk needs only layers with a book-keeping rule "
             f"({bookkeeping.covered()}) training: use hooks (or auto)",
         )
     if requested != "auto":
         return requested
-    if not grouped and bookkeeping.supports(model):
+    if bookkeeping.supports(model):
         return "bk"
     embeddings = any(
         isinstance(m, nn.Embedding) and m.weight.requires_grad for m in model.modules()

@@ -216,21 +216,26 @@ def test_a_run_s_pass_cap_reaches_every_private_pass(i2b2_corpus, tmp_path, monk
 @pytest.mark.parametrize(
     ("task_name", "trainable", "clipping", "unit", "auto"),
     [
-        ("i2b2", "top", "hooks", "example", "hooks"),  # a folded line: hooks
+        ("i2b2", "top", "hooks", "example", "bk"),  # a line folded from two windows
         ("i2b2", "top", "bk", "example", "bk"),
-        ("i2b2", "all", "ghost", "example", "bk"),
+        ("i2b2", "all", "ghost", "example", "bk"),  # ghost: no folded line
         ("i2b2", "all", "bk", "example", "bk"),  # embeddings and LayerNorms too
         ("mimic3", "top", "hooks", "example", "bk"),  # chunks folded into admissions
         ("mimic3", "top", "bk", "example", "bk"),
         ("mimic3", "all", "bk", "example", "bk"),
-        ("i2b2", "prompts", "hooks", "example", "hooks"),  # pfeddc: P_g, P_l, fusion, head
+        ("i2b2", "prompts", "hooks", "example", "bk"),  # pfeddc: P_g, P_l, fusion, head
+        ("i2b2", "prompts", "bk", "example", "bk"),
         ("mimic3", "prompts", "hooks", "example", "bk"),
         ("mimic3", "prompts", "bk", "example", "bk"),
-        ("i2b2", "top", "hooks", "document", "hooks"),  # every sentence of a note, clipped once
-        ("mimic3", "top", "hooks", "patient", "hooks"),  # every admission of a patient
-        ("i2b2", "lora", "hooks", "example", "hooks"),  # LoRA B factors and the head
+        ("i2b2", "top", "hooks", "document", "bk"),  # every sentence of a note, clipped once
+        ("i2b2", "top", "bk", "document", "bk"),
+        ("i2b2", "all", "bk", "document", "bk"),  # a note's embedding rows, end to end
+        ("mimic3", "top", "hooks", "patient", "bk"),  # every admission of a patient
+        ("mimic3", "all", "bk", "patient", "bk"),
+        ("i2b2", "lora", "hooks", "example", "bk"),  # LoRA B factors and the head
         ("i2b2", "lora", "bk", "example", "bk"),
-        ("i2b2", "lora-ab", "hooks", "document", "hooks"),  # both factors, a note clipped once
+        ("i2b2", "lora-ab", "hooks", "document", "bk"),  # both factors, a note clipped once
+        ("i2b2", "lora-ab", "bk", "document", "bk"),
         ("mimic3", "lora", "bk", "example", "bk"),
         ("i2b2", "bias", "bk", "example", "bk"),  # bias terms only (BitFit)
     ],
@@ -250,8 +255,8 @@ def test_dp_step_clips_each_unit_jointly(
         rows += [i for i, d in enumerate(docs) if d == second][:3]
         keys = list(zip(docs, encoded["line"]))
         split = next(i for i in range(1, len(keys)) if keys[i] == keys[i - 1])
-        # ghost and bk clipping need one row per unit: no folded line there
-        folded = [] if clipping in ("ghost", "bk") else [split - 1, split]
+        # ghost clipping needs one row per unit: no folded line there
+        folded = [] if clipping == "ghost" else [split - 1, split]
         examples = encoded.select(rows + folded)
         if folded:
             assert len(task.unit_rows(examples, unit)) < len(examples)  # something folds
