@@ -203,9 +203,9 @@ def _trains(module: nn.Module, name: str) -> bool:
 
 class LinearRule(LayerRule):
     """``y = x W^T + b``: the weight's norm as a ghost norm
-    ``sum_ts <a_t, a_s> <g_t, g_s>`` (cost ``T^2 (in + out)`` per example) or
-    from the example's gradient where that is smaller (LoRA's rank-``r``
-    factors); its clipped sum in one product."""
+    ``sum_ts <a_t, a_s> <g_t, g_s>`` (cost ``T^2 (in + out)`` per unit) or
+    from the unit's gradient where that is smaller (LoRA's rank-``r``
+    factors, long units); its clipped sum in one product."""
 
     def __init__(self, module, calls, units):
         super().__init__(module, calls, units)
@@ -214,22 +214,29 @@ class LinearRule(LayerRule):
         self.g = torch.cat([_per_example(g, n) for _, g in calls], dim=1)
         if _trains(module, "bias"):
             self.kept["bias"] = self.g.sum(1)
-        self.ghost = False
+        # How the weight's norm is found: "ghost" (Gram matrices), "unit"
+        # (each unit's gradient, built and dropped), or kept per example.
+        self.weight_norm: str | None = None
         if _trains(module, "weight"):
             tokens = self.a.shape[1] * units.width  # a unit's, end to end
             d_in, d_out = self.a.shape[2], self.g.shape[2]
-            self.ghost = tokens * (d_in + d_out) < d_in * d_out
-            if not self.ghost:  # the unit's gradient is smaller than its Gram matrices
+            if tokens * (d_in + d_out) < d_in * d_out:
+                self.weight_norm = "ghost"
+            elif units.single:  # the example's gradient serves its norm and the sum
                 self.kept["weight"] = torch.bmm(self.g.transpose(1, 2), self.a)
+            else:  # per unit, not per example: a note's rows share one gradient
+                self.weight_norm = "unit"
 
     def ghost_norms(self) -> torch.Tensor | None:
-        if not self.ghost:
+        if self.weight_norm is None:
             return None
         a, g = self.units.end_to_end(self.a), self.units.end_to_end(self.g)
+        if self.weight_norm == "unit":
+            return torch.bmm(g.transpose(1, 2), a).pow(2).sum((1, 2))
         return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
 
     def product_sums(self, factors: torch.Tensor) -> dict[str, torch.Tensor]:
-        if not self.ghost:
+        if self.weight_norm is None:
             return {}
         weighted = (self.g * factors.view(-1, 1, 1)).reshape(-1, self.g.shape[-1])
         return {"weight": weighted.t() @ self.a.reshape(-1, self.a.shape[-1])}

@@ -337,6 +337,56 @@ def test_dp_step_clips_each_unit_jointly(
     assert not any(hasattr(p, "grad_sample") for p in model.parameters())  # hooks removed
 
 
+# A linear layer's weight norm takes one of three paths: each example's
+# gradient kept (one example per unit, long rows), Gram matrices over a
+# unit's tokens end to end (few tokens), or each unit's gradient built once
+# (a unit's rows together are long). In 8 x 8, Gram matrices win below 4 tokens.
+@pytest.mark.parametrize(
+    ("tokens", "owner", "path"),
+    [
+        (8, [0, 1, 2], "kept"),
+        (2, [0, 1, 2], "ghost"),
+        (1, [1, 0, 1, 2], "ghost"),  # units of two rows and one, out of order
+        (2, [0, 0, 1, 1, 1, 2], "unit"),
+    ],
+)
+def test_bookkeeping_clips_each_unit_of_several_rows_as_one(tokens, owner, path, monkeypatch):
+    from clinfed.privacy import bookkeeping
+
+    taken = []
+
+    class Recorded(bookkeeping.LinearRule):
+        def __init__(self, module, calls, units):
+            super().__init__(module, calls, units)
+            if module.in_features == 8 and module.out_features == 8:
+                taken.append(self.weight_norm or "kept")
+
+    monkeypatch.setitem(bookkeeping.RULES, nn.Linear, Recorded)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 3))
+    owner = torch.tensor(owner)
+    x = torch.randn(len(owner), tokens, 8)
+    clip = 0.1  # every unit clipped
+
+    def losses(rows):
+        return model(rows).pow(2).sum((1, 2))
+
+    expected = [torch.zeros_like(p) for p in model.parameters()]
+    for unit in owner.unique():
+        grads = torch.autograd.grad(losses(x[owner == unit]).sum(), list(model.parameters()))
+        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
+        for e, g in zip(expected, grads):
+            e += min(1.0, clip / (float(norm) + 1e-6)) * g
+    clipper = bookkeeping.BookKeepingClipping(model, clip)
+    try:
+        clipper.backward(losses(x), None, owner)
+    finally:
+        clipper.cleanup()
+    assert taken == [path]
+    for p, e in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-6)
+
+
 def test_bookkeeping_leaves_the_trainable_parameters_trainable_after_a_failed_pass():
     from clinfed.privacy.bookkeeping import BookKeepingClipping
 
