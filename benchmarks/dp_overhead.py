@@ -13,9 +13,16 @@ bias terms and the head (BitFit). DP runs twice per repeat: with
 ``--clipping auto`` (book-keeping, one backward pass) and with the Opacus
 mode clinfed used before it (ghost where embeddings train, else hooks), so
 the table shows what book-keeping buys. Writes ``RESULTS/dp_overhead.json``
-and ``.md``.
+and ``.md`` (``dp_overhead-document.*`` with ``--unit document``).
+
+``--unit document`` clips each note's sentences as one unit (batches then
+count notes, and the plain step takes as many sentences as a batch of notes
+holds on average): Opacus's ghost clipping needs one row per unit, so the
+comparison there is with hooks, which was clinfed's only mode for units
+spanning several rows before book-keeping covered them.
 
     .venv/bin/python benchmarks/dp_overhead.py --batch-sizes 64   # ~10 min on 2 cores
+    .venv/bin/python benchmarks/dp_overhead.py --unit document --batch-sizes 2 --repeats 2
 """
 
 from __future__ import annotations
@@ -56,7 +63,13 @@ def main() -> None:
         "parameter) is fixed, so the overhead per token falls as the batch grows",
     )
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument(
+        "--unit", default="example", choices=("example", "document"), help="the privacy unit"
+    )
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     print(f"device: {device}", flush=True)
     datasets.disable_progress_bars()
@@ -96,21 +109,30 @@ def main() -> None:
             for m in (model, adapted, biased)
         }
         results, lines = {}, []
+        units = len(task.unit_rows(examples, args.unit))
+        print(f"{len(examples)} rows in {units} {args.unit} units", flush=True)
         for batch_size in (int(b) for b in args.batch_sizes.split(",")):
-            settings = LocalSettings(epochs=1, batch_size=batch_size, lr=1e-4)
+            # The plain step takes as many rows as a private batch of units
+            # holds on average: a per-token comparison at the same batch.
+            rows = max(1, round(batch_size * len(examples) / units))
+            settings = LocalSettings(epochs=1, batch_size=rows, lr=1e-4)
             for label, (model, plan) in plans.items():
                 start = starts[id(model)]
                 timings: dict[str, list[float]] = {"plain": [], "dp": [], "opacus": []}
                 clipping = {}
                 embeddings = "encoder.embeddings.word_embeddings.weight" in plan.trainable
-                opacus = "ghost" if embeddings else "hooks"
+                opacus = "ghost" if embeddings and args.unit == "example" else "hooks"
                 for repeat in range(args.repeats):
                     for mode in ("plain", "dp", "opacus"):
                         model.load_state_dict(start)
                         dp = {
                             "plain": None,
-                            "dp": DPSettings(1.0, 1.0, "auto"),
-                            "opacus": DPSettings(1.0, 1.0, opacus),
+                            "dp": DPSettings(
+                                1.0, 1.0, "auto", unit=args.unit, batch_size=batch_size
+                            ),
+                            "opacus": DPSettings(
+                                1.0, 1.0, opacus, unit=args.unit, batch_size=batch_size
+                            ),
                         }[mode]
                         generator = np.random.default_rng(repeat)
                         randomness = secret() if dp is not None else None
@@ -147,8 +169,9 @@ def main() -> None:
         "|---|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n"
     )
     args.results.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(args.results / "dp_overhead.json", results)
-    atomic_write_text(args.results / "dp_overhead.md", table)
+    stem = "dp_overhead" if args.unit == "example" else f"dp_overhead-{args.unit}"
+    atomic_write_json(args.results / f"{stem}.json", results)
+    atomic_write_text(args.results / f"{stem}.md", table)
     print(table)
 
 

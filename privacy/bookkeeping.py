@@ -94,6 +94,14 @@ def _per_example(x: torch.Tensor, examples: int) -> torch.Tensor:
     return x.reshape(examples, -1, x.shape[-1])
 
 
+def _end_to_end(calls: list[torch.Tensor], examples: int) -> torch.Tensor:
+    """A layer's tensors from each of its calls, as ``(examples, tokens, d)``
+    with the calls' tokens laid end to end (no copy for a single call)."""
+    if len(calls) == 1:
+        return _per_example(calls[0], examples)
+    return torch.cat([_per_example(x, examples) for x in calls], dim=1)
+
+
 class Units:
     """Which privacy unit each example of a pass belongs to (``owner[i]``,
     numbered from 0), and the per-unit views the norms need.
@@ -210,14 +218,14 @@ class LinearRule(LayerRule):
     def __init__(self, module, calls, units):
         super().__init__(module, calls, units)
         n = units.examples
-        self.a = torch.cat([_per_example(a, n) for a, _ in calls], dim=1)
-        self.g = torch.cat([_per_example(g, n) for _, g in calls], dim=1)
+        self.g = _end_to_end([g for _, g in calls], n)
         if _trains(module, "bias"):
             self.kept["bias"] = self.g.sum(1)
         # How the weight's norm is found: "ghost" (Gram matrices), "unit"
         # (each unit's gradient, built and dropped), or kept per example.
         self.weight_norm: str | None = None
-        if _trains(module, "weight"):
+        if _trains(module, "weight"):  # else the inputs are not needed: no copy
+            self.a = _end_to_end([a for a, _ in calls], n)
             tokens = self.a.shape[1] * units.width  # a unit's, end to end
             d_in, d_out = self.a.shape[2], self.g.shape[2]
             if tokens * (d_in + d_out) < d_in * d_out:
@@ -250,9 +258,9 @@ class LayerNormRule(LayerRule):
         super().__init__(module, calls, units)
         n = units.examples
         shape, eps = module.normalized_shape, module.eps
-        a = torch.cat([_per_example(F.layer_norm(x, shape, eps=eps), n) for x, _ in calls], dim=1)
-        g = torch.cat([_per_example(g, n) for _, g in calls], dim=1)
+        g = _end_to_end([g for _, g in calls], n)
         if _trains(module, "weight"):
+            a = _end_to_end([F.layer_norm(x, shape, eps=eps) for x, _ in calls], n)
             self.kept["weight"] = (g * a).sum(1)
         if _trains(module, "bias"):
             self.kept["bias"] = g.sum(1)
@@ -267,7 +275,7 @@ class EmbeddingRule(LayerRule):
         super().__init__(module, calls, units)
         n = units.examples
         ids = torch.cat([a.reshape(n, -1) for a, _ in calls], dim=1)
-        g = torch.cat([_per_example(g, n) for _, g in calls], dim=1)
+        g = _end_to_end([g for _, g in calls], n)
         if module.padding_idx is not None:
             g = g * (ids != module.padding_idx).unsqueeze(-1)
         self.a, self.g = ids, g
