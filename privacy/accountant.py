@@ -85,7 +85,7 @@ def calibrate_noise(
     once
         Mechanisms released once per run whatever the noise (a noisy count).
     tolerance
-        Bisection stops once the planned epsilon lies in
+        The search stops once the planned epsilon lies in
         ``[target * (1 - tolerance), target]``.
 
     Returns
@@ -108,26 +108,101 @@ def calibrate_noise(
     def planned(sigma: float, by: Accountant) -> float:
         return by.epsilon([*once, *(list(round_mechanisms(sigma)) * rounds)], delta)
 
+    # Search on a 10x coarser grid first where the accountant has one (an
+    # evaluation costs a tenth): it is pessimistic, so the noise it finds
+    # meets the target on the fine grid too, and the fine grid then moves
+    # that noise down the last few percent along a curve whose slope the
+    # coarse search has measured.
     coarse = getattr(accountant, "coarse", None)
-    if coarse is not None:
-        # Search on the 10x coarser grid first: it is pessimistic, so the
-        # noise it finds meets the target on the fine grid too, and the
-        # fine search only narrows [0.8x, 1x] of it.
-        rough = coarse()
-        high = _bisect(
-            lambda s: planned(s, rough),
-            target_epsilon,
-            MIN_NOISE_MULTIPLIER,
-            _bracket(lambda s: planned(s, rough), target_epsilon, delta, rounds),
-            0.02,
-        )
-        low = MIN_NOISE_MULTIPLIER
-        if high * 0.8 > low and planned(high * 0.8, accountant) > target_epsilon:
-            low = high * 0.8
-    else:
-        high = _bracket(lambda s: planned(s, accountant), target_epsilon, delta, rounds)
-        low = MIN_NOISE_MULTIPLIER
-    return _bisect(lambda s: planned(s, accountant), target_epsilon, low, high, tolerance)
+    rough = coarse() if coarse is not None else accountant
+    seen: dict[float, float] = {}
+
+    def rough_planned(sigma: float) -> float:
+        seen[sigma] = planned(sigma, rough)
+        return seen[sigma]
+
+    high = _bracket(rough_planned, target_epsilon, delta, rounds)
+    if coarse is None:
+        return _refine(
+            rough_planned, target_epsilon, high, _log_slope(seen, high), MIN_NOISE_MULTIPLIER,
+            tolerance,
+        )  # fmt: skip
+    high = _refine(
+        rough_planned, target_epsilon, high, _log_slope(seen, high), MIN_NOISE_MULTIPLIER, 0.02
+    )
+    return _refine(
+        lambda s: planned(s, accountant),
+        target_epsilon,
+        high,
+        _log_slope(seen, high),
+        MIN_NOISE_MULTIPLIER,
+        tolerance,
+    )
+
+
+def _log_slope(seen: dict[float, float], at: float) -> float:
+    """d log(epsilon) / d log(sigma) between ``at`` and its nearest other
+    point in ``seen`` (negative: more noise, less epsilon)."""
+    others = [s for s in seen if s != at and math.isfinite(seen[s]) and seen[s] > 0]
+    if not others or not seen.get(at, 0) > 0:
+        return -1.5  # eps falls as 1 / sigma for large noise, faster below
+    near = min(others, key=lambda s: abs(math.log(s / at)))
+    slope = math.log(seen[near] / seen[at]) / math.log(near / at)
+    return slope if slope < 0 else -1.5
+
+
+def _refine(
+    planned: Callable[[float], float],
+    target: float,
+    high: float,
+    slope: float,
+    floor: float,
+    tolerance: float,
+) -> float:
+    """Lower ``high`` (whose planned epsilon meets ``target``) until its
+    epsilon lies in ``[target * (1 - tolerance), target]``.
+
+    Secant steps on log(epsilon) against log(sigma), aimed at the middle of
+    that window and started from ``slope``; once a noise over the target has
+    been seen, steps stay inside the bracket (Illinois regula falsi, and
+    halving when a step would leave it). On the smooth monotone curve this
+    takes two or three evaluations where bisection takes six or seven.
+    ``floor`` itself is never tried; a noise within ``tolerance`` of it is
+    accepted.
+    """
+    aim = math.log(target * (1 - tolerance / 2))
+    enough = target * (1 - tolerance)
+    spent = planned(high)
+    x_high, f_high = math.log(high), math.log(spent) - aim  # f < 0: under the aim
+    x_low = f_low = None  # once seen: a noise whose epsilon exceeds the target
+    last = None  # which end the previous step replaced (Illinois)
+    for _ in range(100):
+        if spent >= enough or high <= floor * (1 + tolerance):
+            break
+        if x_low is None:
+            x = x_high - f_high / slope if slope < 0 else x_high
+            if not math.log(floor) < x < x_high:
+                x = (math.log(floor) + x_high) / 2
+        else:
+            x = x_high - f_high * (x_high - x_low) / (f_high - f_low)
+            if not x_low < x < x_high:
+                x = (x_low + x_high) / 2
+        sigma = math.exp(x)
+        epsilon = planned(sigma)
+        f = math.log(epsilon) - aim
+        if epsilon > target:
+            if last == "low":
+                f_high /= 2
+            x_low, f_low, last = x, f, "low"
+        else:
+            if x_low is None:
+                slope = (f - f_high) / (x - x_high)
+            elif last == "high":
+                f_low /= 2
+            x_high, f_high, high, spent, last = x, f, sigma, epsilon, "high"
+        if x_low is not None and x_high - x_low < 1e-6:
+            break
+    return high
 
 
 def _bracket(planned: Callable[[float], float], target: float, delta: float, rounds: int) -> float:
@@ -140,27 +215,6 @@ def _bracket(planned: Callable[[float], float], target: float, delta: float, rou
                 f"epsilon {target} at delta {delta} is out of reach for {rounds} rounds: "
                 "costs that do not depend on the DP-SGD noise already exceed it"
             )
-    return high
-
-
-def _bisect(
-    planned: Callable[[float], float], target: float, low: float, high: float, tolerance: float
-) -> float:
-    """Narrow [low, high] (``high`` meets the target) until it is within
-    ``tolerance``; ``low`` itself is never tried (the floor)."""
-    if high <= low:
-        return high
-    for _ in range(100):
-        mid = (low + high) / 2
-        eps = planned(mid)
-        if eps > target:
-            low = mid
-        else:
-            high = mid
-            if eps >= target * (1 - tolerance):
-                break
-        if high - low < 1e-6 * high:
-            break
     return high
 
 

@@ -40,6 +40,43 @@ def _tracked(generator, **kwargs):
     yield from generator(**kwargs)
 
 
+def tokenizing_fingerprint(dataset: datasets.Dataset, function, tokenizer) -> str | None:
+    """The fingerprint ``dataset.map(function)`` would get, for a ``function``
+    that closes over ``tokenizer``, without pickling the tokenizer.
+
+    ``datasets`` names a mapped dataset (its cache entry under ``--cache-dir``)
+    by hashing the function with everything it closes over; a tokenizer in
+    the closure is pickled whole each time (about a second a call, most of a
+    small run's encoding). The tokenizer stands in here as its class and its
+    backend's serialised state, which fix what it produces; the function's
+    code, globals and other captured values are hashed as ``datasets`` would.
+    None (``datasets`` hashes it all) for a tokenizer without a backend.
+    """
+    import types
+
+    from datasets.fingerprint import Hasher
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or function.__closure__ is None:
+        return None
+    key = Hasher.hash(
+        (
+            type(tokenizer).__qualname__,
+            backend.to_str(),
+            tokenizer.unk_token_id,
+            tokenizer.pad_token_id,
+        )
+    )
+    cells = tuple(
+        types.CellType(key if cell.cell_contents is tokenizer else cell.cell_contents)
+        for cell in function.__closure__
+    )
+    stand_in = types.FunctionType(
+        function.__code__, function.__globals__, function.__name__, function.__defaults__, cells
+    )
+    return Hasher.hash((dataset._fingerprint, stand_in))
+
+
 def rows_to_dataset(
     generator, gen_kwargs: dict[str, Any], features: datasets.Features, cache_dir: str | None
 ) -> datasets.Dataset:

@@ -43,3 +43,39 @@ def test_impossible_settings_are_refused(tmp_path, changes, message):
     with pytest.raises(ClinfedError, match=message):
         RunConfig.of(**values).validate()
     assert not (tmp_path / "run").exists()
+
+
+def test_a_cache_folder_reuses_encoded_notes_only_when_nothing_that_shapes_them_changed(
+    i2b2_corpus, tmp_path
+):
+    # Under --cache-dir a second run takes the tokenized rows from the
+    # cache when the mapped dataset's fingerprint matches; the fingerprint
+    # is built without pickling the tokenizer, so it must still change with
+    # the tokenizer's vocabulary and with what the encoding closes over.
+    from pathlib import Path
+
+    from clinfed.errors import ProblemLog
+    from clinfed.models import load_tokenizer
+    from clinfed.tasks.i2b2.adapter import I2b2Task
+
+    cache = str(tmp_path / "cache")
+    task = I2b2Task()
+    records = task.load(Path(i2b2_corpus), ProblemLog()).train[:4]
+    tokenizer = load_tokenizer("tiny")
+
+    def encoded(tokenizer, max_length):
+        return I2b2Task().encode(records, tokenizer, max_length, cache)
+
+    first = encoded(tokenizer, 32)
+    again = encoded(load_tokenizer("tiny"), 32)
+    assert again._fingerprint == first._fingerprint
+    assert again.cache_files == first.cache_files  # read back, not encoded again
+    assert again["input_ids"] == first["input_ids"]
+
+    shorter = encoded(tokenizer, 16)
+    assert shorter._fingerprint != first._fingerprint
+    assert max(len(ids) for ids in shorter["input_ids"]) <= 16
+
+    grown = load_tokenizer("tiny")
+    grown.add_tokens([records[0].lines[0][0].lower() + "zq"])
+    assert encoded(grown, 32)._fingerprint != first._fingerprint

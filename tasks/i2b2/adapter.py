@@ -22,7 +22,14 @@ from torch.nn import functional as F
 
 from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.models import special_tokens
-from clinfed.tasks.base import SPLIT_KEY, Corpus, ScoreTable, Task, rows_to_dataset
+from clinfed.tasks.base import (
+    SPLIT_KEY,
+    Corpus,
+    ScoreTable,
+    Task,
+    rows_to_dataset,
+    tokenizing_fingerprint,
+)
 from clinfed.tasks.i2b2.bio import (
     allowed_transitions,
     best_valid_tags,
@@ -427,7 +434,12 @@ class I2b2Task(Task):
             return dict(out)
 
         return rows.map(
-            tokenize, batched=True, batch_size=256, remove_columns=rows.column_names, desc=None
+            tokenize,
+            batched=True,
+            batch_size=256,
+            remove_columns=rows.column_names,
+            desc=None,
+            new_fingerprint=tokenizing_fingerprint(rows, tokenize, tokenizer),
         )
 
     def _open_labels(self) -> dict[str, list[int]]:

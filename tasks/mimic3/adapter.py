@@ -33,7 +33,7 @@ from torch.nn import functional as F
 from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.models import special_tokens
 from clinfed.runs import atomic_write_text
-from clinfed.tasks.base import SPLIT_KEY, Corpus, ScoreTable, Task
+from clinfed.tasks.base import SPLIT_KEY, Corpus, ScoreTable, Task, tokenizing_fingerprint
 from clinfed.tasks.mimic3.format import (
     find_file,
     patient_split,
@@ -350,6 +350,7 @@ class Mimic3Task(Task):
             batched=True,
             batch_size=64,
             remove_columns=[c for c in records.column_names if c not in keep],
+            new_fingerprint=tokenizing_fingerprint(records, tokenize, tokenizer),
         )
 
     units = {
