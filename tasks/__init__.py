@@ -54,6 +54,15 @@ def task_options() -> dict[str, type]:
     return {name: _load(options) for name, (_, options) in REGISTRY.items()}
 
 
+def task_baselines() -> dict[str, tuple[str, ...]]:
+    """Each task's model-free baselines (``clinfed baseline --kind``), by
+    task name, read from its options module (no model code imported)."""
+    return {
+        name: import_module(options.split(":")[0]).BASELINES
+        for name, (_, options) in REGISTRY.items()
+    }
+
+
 def get_task(name: str, **options) -> Any:
     """A task adapter by name.
 
@@ -77,4 +86,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-__all__ = ["Corpus", "REGISTRY", "TASKS", "Task", "get_task", "task_options"]
+__all__ = ["Corpus", "REGISTRY", "TASKS", "Task", "get_task", "task_baselines", "task_options"]

@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 
 from clinfed.settings import schema_fields
-from clinfed.tasks import TASKS
+from clinfed.tasks import TASKS, task_baselines
 
 app = typer.Typer(
     help="Federated training of clinical NLP models with privacy accounting.",
@@ -112,11 +112,11 @@ class Heterogeneity(str, Enum):
 
 BaselineKind = Enum(
     "BaselineKind",
-    {kind: kind for task in TASKS.values() for kind in task.baselines},
+    {kind: kind for kinds in task_baselines().values() for kind in kinds},
     type=str,
 )
 BASELINE_HELP = "; ".join(
-    f"{name}: {' or '.join(task.baselines)}" for name, task in TASKS.items() if task.baselines
+    f"{name}: {' or '.join(kinds)}" for name, kinds in task_baselines().items() if kinds
 )
 
 

@@ -40,7 +40,7 @@ from clinfed.tasks.i2b2.brat import read_brat
 from clinfed.tasks.i2b2.conll import conll_files, read_conll
 from clinfed.tasks.i2b2.format import Document, read_corpus, write_con
 from clinfed.tasks.i2b2.metrics import prf, score_concepts
-from clinfed.tasks.i2b2.options import I2b2Options
+from clinfed.tasks.i2b2.options import BASELINES, I2b2Options
 from clinfed.tasks.i2b2.schema import (
     CONCEPT_TYPES,
     OUTSIDE,
@@ -164,7 +164,7 @@ class I2b2Task(Task):
     options = I2b2Options
     description = "i2b2 2010 concept extraction"
     records = "documents"
-    baselines = ("dictionary",)
+    baselines = BASELINES
 
     @classmethod
     def synthesize(cls, out: Path, *, sites: int, docs: int, seed: int, **options) -> dict:

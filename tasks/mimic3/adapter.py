@@ -42,7 +42,7 @@ from clinfed.tasks.mimic3.format import (
     read_split_files,
 )
 from clinfed.tasks.mimic3.metrics import THRESHOLD, multilabel_metrics
-from clinfed.tasks.mimic3.options import Mimic3Options
+from clinfed.tasks.mimic3.options import BASELINES, Mimic3Options
 
 log = logging.getLogger("clinfed.tasks")
 
@@ -131,7 +131,7 @@ class Mimic3Task(Task):
     options = Mimic3Options
     description = "MIMIC-III ICD-9 coding"
     records = "admissions"
-    baselines = ("frequency", "keyword")
+    baselines = BASELINES
 
     @classmethod
     def synthesize(cls, out: Path, *, sites: int, docs: int, seed: int, **options) -> dict:

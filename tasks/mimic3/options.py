@@ -8,6 +8,11 @@ from dataclasses import dataclass
 
 from clinfed.schema import setting
 
+# The model-free baselines the task offers (``clinfed baseline --kind``),
+# declared beside its settings so the command line lists them without
+# importing the task's model code.
+BASELINES = ("frequency", "keyword")
+
 
 @dataclass
 class Mimic3Options:
