@@ -291,8 +291,9 @@ def test_baselines_cli(i2b2_corpus, mimic_corpus, capsys):
 def test_config_file_evaluate_and_predict(i2b2_corpus, tmp_path):
     config = tmp_path / "run.toml"
     config.write_text(
-        f'task = "i2b2"\ndata = "{i2b2_corpus}"\n[federation]\nstrategy = "fedavg"\n'
-        'rounds = 1\n[model]\nmodel = "tiny"\n[training]\nbatch_size = 8\n'
+        f'task = "i2b2"\ndata = "{i2b2_corpus}"\nmax_length = 32\n'
+        '[federation]\nstrategy = "fedavg"\nrounds = 1\n'
+        '[model]\nmodel = "tiny"\n[training]\nbatch_size = 8\n'
     )
     run = tmp_path / "run"
     result = run_cli("train", "--config", str(config), "--rounds", "2", "--out", str(run))
