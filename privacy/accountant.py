@@ -122,14 +122,13 @@ def calibrate_noise(
         return seen[sigma]
 
     high = _bracket(rough_planned, target_epsilon, delta, rounds)
-    if coarse is None:
-        return _refine(
-            rough_planned, target_epsilon, high, _log_slope(seen, high), MIN_NOISE_MULTIPLIER,
-            tolerance,
-        )  # fmt: skip
+    slope = _log_slope(seen, high)
+    rough_tolerance = tolerance if coarse is None else 0.02
     high = _refine(
-        rough_planned, target_epsilon, high, _log_slope(seen, high), MIN_NOISE_MULTIPLIER, 0.02
+        rough_planned, target_epsilon, high, slope, MIN_NOISE_MULTIPLIER, rough_tolerance
     )
+    if coarse is None:
+        return high
     return _refine(
         lambda s: planned(s, accountant),
         target_epsilon,

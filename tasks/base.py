@@ -57,7 +57,8 @@ def tokenizing_fingerprint(dataset: datasets.Dataset, function, tokenizer) -> st
     from datasets.fingerprint import Hasher
 
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or function.__closure__ is None:
+    closure = function.__closure__ or ()
+    if backend is None or not closure:
         return None
     key = Hasher.hash(
         (
@@ -67,10 +68,13 @@ def tokenizing_fingerprint(dataset: datasets.Dataset, function, tokenizer) -> st
             tokenizer.pad_token_id,
         )
     )
-    cells = tuple(
-        types.CellType(key if cell.cell_contents is tokenizer else cell.cell_contents)
-        for cell in function.__closure__
-    )
+    try:
+        cells = tuple(
+            types.CellType(key if cell.cell_contents is tokenizer else cell.cell_contents)
+            for cell in closure
+        )
+    except ValueError:  # a name it closes over, not yet assigned: datasets decides
+        return None
     stand_in = types.FunctionType(
         function.__code__, function.__globals__, function.__name__, function.__defaults__, cells
     )

@@ -104,8 +104,8 @@ def test_calibration_lands_in_the_window_under_every_accountant(
 ):
     # The secant search (coarse grid, then fine) against a plain check of
     # the answer: the planned epsilon lies in [target * (1 - tolerance),
-    # target] by the accountant that was searched, from noise in the tens
-    # of percent (q 0.01, 500 steps) to noise in the tens (epsilon 0.5).
+    # target] by the accountant that was searched, from noise multipliers
+    # near 1 (q 0.01, 500 steps) to ones in the tens (epsilon 0.5).
     from clinfed.privacy.accountants.rdp import RDPAccountant
 
     chosen = {
