@@ -672,8 +672,8 @@ def public_mark_dropout(rate: float, seed: int) -> None:
     from 0.646 to 0.684, and the bias plan under DP from it moved by +0.4
     at epsilon 8 and -0.4 at 1, so kept as a negative. A name is a run of
     word pieces with the same mark (two adjacent names of one list drop
-    together). Draws come from a generator
-    seeded by ``seed`` (public randomness: nothing private depends on it).
+    together). Draws come from a generator seeded by ``seed`` (public
+    randomness: nothing private depends on it).
     Wraps ``clinfed.gazetteer.PieceMarker.__call__`` in this process, only
     while gradients are on (training forwards)."""
     from clinfed.gazetteer import PieceMarker
