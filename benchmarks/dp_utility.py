@@ -62,6 +62,9 @@ of the model to P in the sites' local training (:func:`local_dropout`).
 ``--public-mark-dropout P`` (an experiment, a measured negative at 0.3)
 drops each listed name's marks with probability P while the public warm
 start trains (:func:`public_mark_dropout`).
+``--public-preconditioner POWER`` (an experiment) scales each unit's
+gradient before clipping by a diagonal found on public text at the start
+(AdaDPS; :func:`public_preconditioner`).
 ``--set public_epochs=E`` warm-starts with E passes over the public text
 (a start of its own, kept apart by its settings' digest).
 ``--start-alone`` scores the starting model on the test split and stops.
@@ -821,6 +824,184 @@ def clip_unmarked_row_apart(share: float) -> None:
     DPOptimizer.clip_and_accumulate = clip_and_accumulate
 
 
+# ``--public-preconditioner``: each trainable number's scale, by name
+# (filled by public_preconditioner, read by the wrappers it installs).
+_PRECONDITION: dict[str, torch.Tensor] = {}
+
+
+def public_preconditioner(
+    settings: dict, power: float, floor: float, examples: int, record: Path
+) -> None:
+    """``--public-preconditioner POWER`` (an experiment on DP-SGD's geometry):
+    a fixed diagonal preconditioner from public text, applied to each unit's
+    gradient before it is clipped (AdaDPS: Li et al. 2022, "Private
+    adaptive optimization with side information", ICML). Equivalent to
+    training ``phi`` in ``theta = start + a * phi`` under the same DP-SGD:
+    each unit's gradient is ``a * g_i``, clipped to the same ``C``, the
+    noise isotropic in ``phi``, and each optimizer step's change of the
+    parameters multiplied by ``a`` again.
+
+    ``a_j = (mean(v) / (v_j + floor * mean(v))) ** POWER``, ``v_j`` the mean
+    square of coordinate ``j``'s per-example gradient over ``examples``
+    public sentences at the starting model (no dropout); ``POWER`` 0.5 is
+    AdaDPS's RMSProp form. Why: where the noise dominates, DP-Adam's
+    second moment is the noise's variance on every coordinate, so it steps
+    like SGD at one rate everywhere and the noise lands alike on flat and
+    on steep directions. With ``a_j**2 ~ 1 / v_j`` (``v`` the empirical
+    Fisher's diagonal) the noise's cost in loss is spread evenly, the clip
+    budget is no longer mostly one tensor's (the token-type table's
+    unmarked row holds 81% of a unit's squared norm), and ``mean(v)`` in
+    the numerator keeps a public sentence's squared norm about what it was,
+    so the clip norm keeps its meaning.
+
+    Privacy: ``a`` is a function of public text and the public start; the
+    clipped sum's sensitivity is still ``C`` and the noise is unchanged, so
+    the accounting is the same. Opacus's hooks only (BC5CDR's sentences of
+    several windows take them). Wraps ``add_bias`` (to tag the parameters),
+    ``DPOptimizer.clip_and_accumulate``, ``PrivateStep.step`` and
+    ``PrivateStep.noise_only`` in this process; call after
+    ``Observer.attach`` so the observed norms are the preconditioned ones."""
+    from opacus.optimizers import DPOptimizer
+
+    from clinfed import adapters, pipeline
+    from clinfed.adapters import shared_names
+    from clinfed.device import device_of, to_device
+    from clinfed.errors import ProblemLog
+    from clinfed.models import load_tokenizer
+    from clinfed.privacy import dpsgd
+    from clinfed.privacy.clipping import layer_hooks, per_example_gradients
+    from clinfed.scratch import temporary_folder
+    from clinfed.settings import RunConfig
+    from clinfed.warmstart import public_examples
+
+    started = time.perf_counter()
+    config = RunConfig.of(**settings, out=str(record.parent / "unused"))
+    with temporary_folder("cache") as cache:
+        task = pipeline.make_task(config, cache)
+        model = pipeline.make_model(config, task)
+        tokenizer = load_tokenizer(config.model)
+        order = np.random.default_rng([config.seed, 11])  # the warm start's draw
+        public, _ = public_examples(
+            config, task, tokenizer, cache, ProblemLog(config.on_error), order
+        )
+        names = shared_names(model)
+        params = dict(model.named_parameters())
+        for name, param in params.items():
+            param.requires_grad_(name in names)
+        targets = [params[n] for n in names]
+        rows = order.choice(len(public), min(examples, len(public)), replace=False)
+        lengths = np.asarray([len(public[int(r)]["input_ids"]) for r in rows])
+        ordered = rows[np.lexsort((rows, lengths))].tolist()
+        squares = [torch.zeros(p.shape, dtype=torch.float64) for p in targets]
+        model.eval()
+        with layer_hooks(model):
+            for begin in range(0, len(ordered), 32):
+                batch = to_device(
+                    task.collate(public[ordered[begin : begin + 32]]), device_of(model)
+                )
+                losses = task.example_losses(model(**task.model_inputs(batch)), batch)
+                for total, grad in zip(
+                    squares, per_example_gradients(model, targets, losses), strict=True
+                ):
+                    total += grad.double().pow(2).sum(0)
+    second = {n: s / len(ordered) for n, s in zip(names, squares, strict=True)}
+    mean = float(sum(s.sum() for s in second.values()) / sum(s.numel() for s in second.values()))
+    for name, v in second.items():
+        _PRECONDITION[name] = ((mean / (v + floor * mean)) ** power).float()
+    groups: dict[str, list[str]] = defaultdict(list)
+    for name in names:
+        group = (
+            "head"
+            if name.startswith("head.")
+            else "type table"
+            if name == adapters.TYPE_TABLE
+            else "LayerNorm biases"
+            if "LayerNorm" in name
+            else "linear biases"
+        )
+        groups[group].append(name)
+    summary = {
+        "power": power,
+        "floor": floor,
+        "public_examples": len(ordered),
+        "seconds": round(time.perf_counter() - started, 1),
+        "groups": {
+            group: {
+                "numbers": sum(second[n].numel() for n in members),
+                "share_of_squared_norm": round(
+                    float(sum(second[n].sum() for n in members))
+                    / float(sum(s.sum() for s in second.values())),
+                    4,
+                ),
+                "share_after": round(
+                    float(sum((second[n] * _PRECONDITION[n].double() ** 2).sum() for n in members))
+                    / float(sum((second[n] * _PRECONDITION[n].double() ** 2).sum() for n in names)),
+                    4,
+                ),
+                "scale_quartiles": [
+                    round(float(q), 3)
+                    for q in torch.quantile(
+                        torch.cat([_PRECONDITION[n].flatten() for n in members]),
+                        torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0]),
+                    )
+                ],
+            }
+            for group, members in groups.items()
+        },
+        "squared_norm_after_over_before": round(
+            float(sum((second[n] * _PRECONDITION[n].double() ** 2).sum() for n in names))
+            / float(sum(s.sum() for s in second.values())),
+            3,
+        ),
+    }
+    record.write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary))
+
+    plain_add_bias = adapters.add_bias
+
+    def add_bias(model):
+        model = plain_add_bias(model)
+        for name, param in model.named_parameters():
+            if name in _PRECONDITION:
+                param.precondition = _PRECONDITION[name]
+        return model
+
+    adapters.add_bias = pipeline.add_bias = add_bias
+
+    accumulate = DPOptimizer.clip_and_accumulate
+
+    def clip_and_accumulate(optimizer):
+        tagged = 0
+        for p in optimizer.params:
+            scale = getattr(p, "precondition", None)
+            if scale is not None:
+                grads = optimizer._get_flat_grad_sample(p)
+                p.grad_sample = grads * scale.to(grads.device, grads.dtype)
+                tagged += 1
+        if not tagged:
+            raise RuntimeError("--public-preconditioner: no trained tensor is tagged")
+        return accumulate(optimizer)
+
+    def rescaled(update):
+        def wrapped(self, *args, **kwargs):
+            before = [
+                (p, p.precondition, p.detach().clone())
+                for p in self.params
+                if getattr(p, "precondition", None) is not None
+            ]
+            result = update(self, *args, **kwargs)
+            with torch.no_grad():
+                for p, scale, old in before:
+                    p.copy_(old + scale.to(p.device, p.dtype) * (p - old))
+            return result
+
+        return wrapped
+
+    DPOptimizer.clip_and_accumulate = clip_and_accumulate
+    dpsgd.PrivateStep.step = rescaled(dpsgd.PrivateStep.step)
+    dpsgd.PrivateStep.noise_only = rescaled(dpsgd.PrivateStep.noise_only)
+
+
 def gazetteer_begin_inside() -> None:
     """``--gazetteer-begin`` (an experiment on the marks): each list takes
     two token-type ids, one for the first word of a listed name (1..L, the
@@ -1246,6 +1427,16 @@ def main() -> None:
         "public warm start trains (an experiment)",
     )
     parser.add_argument(
+        "--public-preconditioner",
+        type=float,
+        default=None,
+        metavar="POWER",
+        help="under DP: scale each unit's gradient before clipping by the public text's "
+        "per-coordinate gradient scale to the -2 POWER (AdaDPS at 0.5; an experiment)",
+    )
+    parser.add_argument("--preconditioner-floor", type=float, default=0.01, metavar="F")
+    parser.add_argument("--preconditioner-examples", type=int, default=1024, metavar="N")
+    parser.add_argument(
         "--start-alone",
         action="store_true",
         help="score the starting model on the test split and stop (no rounds)",
@@ -1438,6 +1629,18 @@ def main() -> None:
 
     observer = Observer()
     observer.attach()
+    if args.public_preconditioner is not None:
+        if math.isinf(args.epsilon) or args.public == "none":
+            parser.error("--public-preconditioner needs DP and a --public start")
+        if not 0.0 < args.public_preconditioner <= 1.0:
+            parser.error("--public-preconditioner takes a power in (0, 1]")
+        public_preconditioner(
+            settings | public_settings | {"public_epochs": 0},
+            args.public_preconditioner,
+            args.preconditioner_floor,
+            args.preconditioner_examples,
+            work / f"preconditioner-{args.out.name}.json",
+        )
     rounds: list[dict] = []
 
     earlier = extendable(args.extend, settings) if args.extend else None
