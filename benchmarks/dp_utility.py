@@ -856,8 +856,9 @@ def public_preconditioner(
 
     Privacy: ``a`` is a function of public text and the public start; the
     clipped sum's sensitivity is still ``C`` and the noise is unchanged, so
-    the accounting is the same. Opacus's hooks only (BC5CDR's sentences of
-    several windows take them). Wraps ``add_bias`` (to tag the parameters),
+    the accounting is the same. Opacus's hooks only (the run's clipping is
+    set to ``hooks``; book-keeping, the default, would clip unscaled).
+    Wraps ``add_bias`` (to tag the parameters),
     ``DPOptimizer.clip_and_accumulate``, ``PrivateStep.step`` and
     ``PrivateStep.noise_only`` in this process; call after
     ``Observer.attach`` so the observed norms are the preconditioned ones."""
@@ -969,6 +970,7 @@ def public_preconditioner(
     adapters.add_bias = pipeline.add_bias = add_bias
 
     accumulate = DPOptimizer.clip_and_accumulate
+    announced: list[int] = []
 
     def clip_and_accumulate(optimizer):
         tagged = 0
@@ -980,10 +982,15 @@ def public_preconditioner(
                 tagged += 1
         if not tagged:
             raise RuntimeError("--public-preconditioner: no trained tensor is tagged")
+        if not announced:
+            announced.append(tagged)
+            print(f"preconditioned clipping: {tagged} of {len(optimizer.params)} tensors scaled")
         return accumulate(optimizer)
 
     def rescaled(update):
         def wrapped(self, *args, **kwargs):
+            if self.mode != "hooks":  # book-keeping would clip the gradients unscaled
+                raise RuntimeError("--public-preconditioner needs Opacus's hooks (clipping=hooks)")
             before = [
                 (p, p.precondition, p.detach().clone())
                 for p in self.params
@@ -1530,12 +1537,16 @@ def main() -> None:
     if args.freeze_unmarked_row:
         if settings.get("adapter") != "bias" or not args.gazetteer:
             parser.error("--freeze-unmarked-row is for --set adapter=bias with --gazetteer")
+        # Its grad sampler is Opacus's: book-keeping (the default since
+        # 2026-11-29) would keep row 0 in every unit's norm.
+        settings["clipping"] = "hooks"
         freeze_unmarked_row()
     if args.clip_unmarked_row_apart is not None:
         if settings.get("adapter") != "bias" or not args.gazetteer:
             parser.error("--clip-unmarked-row-apart is for --set adapter=bias with --gazetteer")
         if not 0.0 < args.clip_unmarked_row_apart < 1.0:
             parser.error("--clip-unmarked-row-apart takes a share between 0 and 1")
+        settings["clipping"] = "hooks"  # it wraps Opacus's clipping; book-keeping never calls it
         clip_unmarked_row_apart(args.clip_unmarked_row_apart)
     if args.dropout is not None:
         if not 0.0 <= args.dropout < 1.0:
@@ -1634,6 +1645,8 @@ def main() -> None:
             parser.error("--public-preconditioner needs DP and a --public start")
         if not 0.0 < args.public_preconditioner <= 1.0:
             parser.error("--public-preconditioner takes a power in (0, 1]")
+        # The gradients are scaled where Opacus clips them (its hooks).
+        settings["clipping"] = "hooks"
         public_preconditioner(
             settings | public_settings | {"public_epochs": 0},
             args.public_preconditioner,
