@@ -102,9 +102,10 @@ type), and under DP the mean over the round's steps of the clipped
 signal's norm on the averaged step (``||sum of clipped gradients|| / B``,
 at most the clip norm) against the noise's (``sigma C sqrt(d) / B``, ``d``
 the noised numbers), the share of units clipped (observed where the
-clipping happens: book-keeping clipping, the default wherever every unit
-is one row, or Opacus's hooks, as BC5CDR's multi-window sentences take;
-ghost clipping prints neither), the norm of each site's local update, and epsilon per site.
+clipping happens: book-keeping clipping, the default (for BC5CDR's
+sentences of several windows too since 2026-11-29), or Opacus's hooks,
+as the experiments that wrap them set; ghost clipping prints neither),
+the norm of each site's local update, and epsilon per site.
 Writes ``OUT/dp_utility.json``.
 
 These figures are computed inside the sites from their training data, so
@@ -732,9 +733,9 @@ def freeze_unmarked_row() -> None:
     there; row 0's private update is worth 3.1 points at epsilon 8 (and 0.1
     without DP).
 
-    Row 0's per-unit gradient is zero before clipping (Opacus's hooks only,
-    as BC5CDR's sentences of several windows take: they get an embedding
-    grad sampler that zeroes the table's frozen rows), so the clipped sum and the
+    Row 0's per-unit gradient is zero before clipping (Opacus's hooks,
+    which the run is set to: they get an embedding grad sampler that
+    zeroes the table's frozen rows), so the clipped sum and the
     accounting are over the other rows; the noise Opacus adds to row 0 and
     AdamW's weight decay on it are undone after each step (post-processing).
     Wraps ``add_bias`` (:func:`tag_type_table`), ``PrivateStep.step`` and
@@ -790,8 +791,9 @@ def clip_unmarked_row_apart(share: float) -> None:
     (``--freeze-unmarked-row``) gives that up. The share is set before any
     run (0.5: half the squared budget each). Measured (docs/results.md,
     "Where each unit's clip budget goes"): -0.4 at epsilon 1 (0.725), -0.2
-    in round 1 at epsilon 8, so kept as a negative. Opacus's hooks only
-    (BC5CDR's sentences of several windows take them). Wraps
+    in round 1 at epsilon 8, so kept as a negative (measured when BC5CDR's
+    sentences of several windows took Opacus's hooks; the run is now set
+    to them). Wraps
     ``DPOptimizer.clip_and_accumulate`` and ``add_bias`` in this process."""
     from opacus.optimizers import DPOptimizer
 
@@ -1162,8 +1164,8 @@ class Observer:
         self.attach_opacus()
 
     def attach_opacus(self) -> None:
-        """The same figures where Opacus clips (its hooks, as BC5CDR's
-        multi-window sentences take): the units' norms as its optimizer
+        """The same figures where Opacus clips (its hooks, where a run is
+        set to them): the units' norms as its optimizer
         computes them, and the clipped sum when it (or the public subspace
         in its place) adds the noise."""
         from opacus.optimizers import DPOptimizer
