@@ -832,7 +832,7 @@ _PRECONDITION: dict[str, torch.Tensor] = {}
 
 
 def public_preconditioner(
-    settings: dict, power: float, floor: float, examples: int, record: Path
+    settings: dict, power: float, floor: float, examples: int, scale: str, record: Path
 ) -> None:
     """``--public-preconditioner POWER`` (an experiment on DP-SGD's geometry):
     a fixed diagonal preconditioner from public text, applied to each unit's
@@ -854,7 +854,11 @@ def public_preconditioner(
     budget is no longer mostly one tensor's (the token-type table's
     unmarked row holds 81% of a unit's squared norm), and ``mean(v)`` in
     the numerator keeps a public sentence's squared norm about what it was,
-    so the clip norm keeps its meaning.
+    so the clip norm keeps its meaning (``scale`` ``public``). With
+    ``scale`` ``walk`` the scales are then divided by their root mean square,
+    so the noise's random walk over all the numbers is as large as the
+    plan's and only its direction changes (``public`` at POWER 0.5 made the
+    sites' updates seven times the plan's: docs/results.md).
 
     Privacy: ``a`` is a function of public text and the public start; the
     clipped sum's sensitivity is still ``C`` and the noise is unchanged, so
@@ -911,6 +915,13 @@ def public_preconditioner(
     mean = float(sum(s.sum() for s in second.values()) / sum(s.numel() for s in second.values()))
     for name, v in second.items():
         _PRECONDITION[name] = ((mean / (v + floor * mean)) ** power).float()
+    if scale == "walk":
+        count = sum(a.numel() for a in _PRECONDITION.values())
+        root = math.sqrt(
+            sum(float(a.double().pow(2).sum()) for a in _PRECONDITION.values()) / count
+        )
+        for name in _PRECONDITION:
+            _PRECONDITION[name] /= root
     groups: dict[str, list[str]] = defaultdict(list)
     for name in names:
         group = (
@@ -926,6 +937,7 @@ def public_preconditioner(
     summary = {
         "power": power,
         "floor": floor,
+        "scale": scale,
         "public_examples": len(ordered),
         "seconds": round(time.perf_counter() - started, 1),
         "groups": {
@@ -1445,6 +1457,7 @@ def main() -> None:
     )
     parser.add_argument("--preconditioner-floor", type=float, default=0.01, metavar="F")
     parser.add_argument("--preconditioner-examples", type=int, default=1024, metavar="N")
+    parser.add_argument("--preconditioner-scale", choices=("public", "walk"), default="public")
     parser.add_argument(
         "--start-alone",
         action="store_true",
@@ -1654,6 +1667,7 @@ def main() -> None:
             args.public_preconditioner,
             args.preconditioner_floor,
             args.preconditioner_examples,
+            args.preconditioner_scale,
             work / f"preconditioner-{args.out.name}.json",
         )
     rounds: list[dict] = []
