@@ -934,6 +934,9 @@ def public_preconditioner(
             else "linear biases"
         )
         groups[group].append(name)
+    # Each number's squared public gradient before and after the scaling.
+    before = {n: float(second[n].sum()) for n in names}
+    after = {n: float((second[n] * _PRECONDITION[n].double() ** 2).sum()) for n in names}
     summary = {
         "power": power,
         "floor": floor,
@@ -944,15 +947,9 @@ def public_preconditioner(
             group: {
                 "numbers": sum(second[n].numel() for n in members),
                 "share_of_squared_norm": round(
-                    float(sum(second[n].sum() for n in members))
-                    / float(sum(s.sum() for s in second.values())),
-                    4,
+                    sum(before[n] for n in members) / sum(before.values()), 4
                 ),
-                "share_after": round(
-                    float(sum((second[n] * _PRECONDITION[n].double() ** 2).sum() for n in members))
-                    / float(sum((second[n] * _PRECONDITION[n].double() ** 2).sum() for n in names)),
-                    4,
-                ),
+                "share_after": round(sum(after[n] for n in members) / sum(after.values()), 4),
                 "scale_quartiles": [
                     round(float(q), 3)
                     for q in torch.quantile(
@@ -963,11 +960,7 @@ def public_preconditioner(
             }
             for group, members in groups.items()
         },
-        "squared_norm_after_over_before": round(
-            float(sum((second[n] * _PRECONDITION[n].double() ** 2).sum() for n in names))
-            / float(sum(s.sum() for s in second.values())),
-            3,
-        ),
+        "squared_norm_after_over_before": round(sum(after.values()) / sum(before.values()), 3),
     }
     record.write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary))
