@@ -62,7 +62,8 @@ of the model to P in the sites' local training (:func:`local_dropout`).
 ``--public-mark-dropout P`` (an experiment, a measured negative at 0.3)
 drops each listed name's marks with probability P while the public warm
 start trains (:func:`public_mark_dropout`).
-``--public-preconditioner POWER`` (an experiment) scales each unit's
+``--public-preconditioner POWER`` (an experiment, a measured negative at
+epsilon 1) scales each unit's
 gradient before clipping by a diagonal found on public text at the start
 (AdaDPS; :func:`public_preconditioner`).
 ``--set public_epochs=E`` warm-starts with E passes over the public text
@@ -859,6 +860,10 @@ def public_preconditioner(
     so the noise's random walk over all the numbers is as large as the
     plan's and only its direction changes (``public`` at POWER 0.5 made the
     sites' updates seven times the plan's: docs/results.md).
+
+    Measured on BC5CDR's bias plan at epsilon 1 (docs/results.md, "A
+    preconditioner from public gradients (AdaDPS)"): POWER 0.25 -0.0,
+    POWER 0.5 -9.1 in round 1, ``walk`` -2.1, so kept as a negative.
 
     Privacy: ``a`` is a function of public text and the public start; the
     clipped sum's sensitivity is still ``C`` and the noise is unchanged, so
