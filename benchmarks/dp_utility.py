@@ -1453,11 +1453,29 @@ def main() -> None:
         default=None,
         metavar="POWER",
         help="under DP: scale each unit's gradient before clipping by the public text's "
-        "per-coordinate gradient scale to the -2 POWER (AdaDPS at 0.5; an experiment)",
+        "per-coordinate mean square gradient to the power -POWER (AdaDPS at 0.5; an experiment)",
     )
-    parser.add_argument("--preconditioner-floor", type=float, default=0.01, metavar="F")
-    parser.add_argument("--preconditioner-examples", type=int, default=1024, metavar="N")
-    parser.add_argument("--preconditioner-scale", choices=("public", "walk"), default="public")
+    parser.add_argument(
+        "--preconditioner-floor",
+        type=float,
+        default=0.01,
+        metavar="F",
+        help="added to each mean square, as a share of their mean (caps the scales)",
+    )
+    parser.add_argument(
+        "--preconditioner-examples",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="public sentences the mean squares are taken over",
+    )
+    parser.add_argument(
+        "--preconditioner-scale",
+        choices=("public", "walk"),
+        default="public",
+        help="public: a public sentence's norm kept near its own; walk: the scales' root "
+        "mean square 1 (the noise's walk the plan's size)",
+    )
     parser.add_argument(
         "--start-alone",
         action="store_true",
