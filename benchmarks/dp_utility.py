@@ -316,6 +316,39 @@ def terminology_renamed(folder: Path, copies: int) -> Path:
     return published(partial, folder)
 
 
+def terminology_definitions(folder: Path) -> Path:
+    """``--public terminology`` plus HPO's definitions of its phenotypic
+    abnormalities (``terminology.hpo_definitions``), tokenised as the corpora are
+    and tagged by the same lookup (``terminology.tag``); a definition the
+    lookup finds no name in is left out (it would only add ``O``). Public
+    running text in which the terminologies' names occur in context, as a
+    hospital can read it without any annotator: distant supervision, no
+    private or test text."""
+    import terminology
+
+    if folder.exists():
+        return folder
+    tagged = terminology_notes(folder.with_name("public-terminology"))
+    names = terminology.lexicons()
+    partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
+    shutil.copytree(tagged, partial)
+    found: Counter = Counter()
+    out = []
+    for text in terminology.hpo_definitions():
+        words = terminology._TOKEN.findall(text)
+        tags = ["O"] * len(words)
+        counts = terminology.tag(words, tags, names)
+        if sum(counts.values()):
+            found.update(counts)
+            out.append("\n".join(f"{w}\t{t}" for w, t in zip(words, tags)))
+    (partial / "hpo-definitions.tsv").write_text("\n\n".join(out) + "\n")
+    print(
+        f"public terminologies: {len(out)} HPO definitions, {dict(found)} mentions tagged",
+        flush=True,
+    )
+    return published(partial, folder)
+
+
 def public_names() -> dict[str, list[list[str]]]:
     """Public names of each BC5CDR type: the chemical lexicon's names and
     NCBI-disease's train mentions (both public text)."""
@@ -1338,6 +1371,11 @@ def main() -> None:
         help="with --public terminology: K copies of each public sentence, names drawn in",
     )
     parser.add_argument(
+        "--public-definitions",
+        action="store_true",
+        help="with --public terminology: HPO's definitions, tagged by the same lookup, added",
+    )
+    parser.add_argument(
         "--held-out", type=int, default=0, help="bc5cdr: train sentences made public, not a site's"
     )
     parser.add_argument(
@@ -1510,6 +1548,8 @@ def main() -> None:
         parser.error("--held-out-epochs needs --held-out N and a --public text to start from")
     if args.public_renamed and args.public != "terminology":
         parser.error("--public-renamed is for --public terminology")
+    if args.public_definitions and (args.public != "terminology" or args.public_renamed):
+        parser.error("--public-definitions is for --public terminology, without --public-renamed")
     if args.public == "held-out" and not args.held_out:
         parser.error("--public held-out needs --held-out N")
     name = "bc5cdr" if args.corpus == "bc5cdr" else f"i2b2-{args.docs}"
@@ -1603,7 +1643,10 @@ def main() -> None:
         ]
         if args.public == "terminology" and args.public_renamed:
             make = functools.partial(terminology_renamed, copies=args.public_renamed)
+        if args.public == "terminology" and args.public_definitions:
+            make = terminology_definitions
         suffix = f"-renamed{args.public_renamed}" if args.public_renamed else ""
+        suffix += "-definitions" if args.public_definitions else ""
         public, public_types = make(work / f"public-{args.public}{suffix}"), TYPES
         args.public = "auto"
     elif args.public == "held-out":

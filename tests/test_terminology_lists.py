@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from terminology import name_suffixes, plural, suffix_kind  # noqa: E402
+from terminology import (  # noqa: E402
+    hpo_definitions,
+    hpo_phenotypic_abnormalities,
+    name_suffixes,
+    plural,
+    suffix_kind,
+)
 
 
 @pytest.mark.parametrize(
@@ -66,3 +72,68 @@ def test_common_words_neither_set_an_ending_nor_take_a_mark():
     # Nor is a short word or one that is not letters only.
     assert suffix_kind("azole", endings, whole=set()) is None
     assert suffix_kind("5-azole", endings, whole=set()) is None
+
+
+_OBO = """format-version: 1.2
+
+[Term]
+id: HP:0000001
+name: All
+
+[Term]
+id: HP:0000118
+name: Phenotypic abnormality
+def: "A phenotypic abnormality." [HPO:probinson]
+is_a: HP:0000001 ! All
+
+[Term]
+id: HP:0000005
+name: Mode of inheritance
+def: "The pattern in which a trait is inherited." [HPO:probinson]
+is_a: HP:0000001 ! All
+
+[Term]
+id: HP:0000006
+name: Autosomal dominant inheritance
+def: "A mode of inheritance seen in heterozygotes." [HPO:probinson]
+is_a: HP:0000005 ! Mode of inheritance
+
+[Term]
+id: HP:0001627
+name: Abnormal heart morphology
+def: "Any structural anomaly of the heart." [HPO:probinson]
+is_a: HP:0000118 ! Phenotypic abnormality
+
+[Term]
+id: HP:0001638
+name: Cardiomyopathy
+def: "A disease of the heart muscle, "often" with arrhythmia." [PMID:1, HPO:x]
+is_a: HP:0001627 ! Abnormal heart morphology
+
+[Term]
+id: HP:0009999
+name: Retired term
+def: "Obsolete." [HPO:x]
+is_obsolete: true
+is_a: HP:0001627 ! Abnormal heart morphology
+
+[Typedef]
+id: part_of
+name: part of
+"""
+
+
+def test_hpo_terms_under_phenotypic_abnormality_only(tmp_path):
+    obo = tmp_path / "hp.obo"
+    obo.write_text(_OBO)
+    # Not the root itself, not another branch (inheritance), not an obsolete term.
+    assert hpo_phenotypic_abnormalities(obo) == {"HP:0001627", "HP:0001638"}
+
+
+def test_hpo_definitions_of_phenotypic_abnormalities_citations_cut(tmp_path):
+    obo = tmp_path / "hp.obo"
+    obo.write_text(_OBO)
+    assert hpo_definitions(obo) == [
+        "Any structural anomaly of the heart.",
+        'A disease of the heart muscle, "often" with arrhythmia.',
+    ]
