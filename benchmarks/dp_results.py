@@ -40,7 +40,10 @@ def public_name(result: dict) -> str:
     if given == "none":
         return "no warm start"
     if given == "terminology":
-        return f"warm start on NCBI-disease tagged by public terminologies{marks}"
+        text = "NCBI-disease"
+        if "--public-definitions" in words:
+            text += " and HPO's definitions"
+        return f"warm start on {text} tagged by public terminologies{marks}"
     if given == "lexicon":
         text = "NCBI-disease and synthetic notes tagged by a public chemical lexicon"
         if "--held-out" in words:
