@@ -304,15 +304,22 @@ def terminology_renamed(folder: Path, copies: int) -> Path:
         return folder
     tagged = terminology_notes(folder.with_name("public-terminology"))
     names = terminology.draw_names()
-    partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
-    shutil.copytree(tagged, partial)
     draw, out = random.Random(f"terminology-{copies}"), []
     for split in ("train", "devel"):
         for block in (tagged / f"ncbi-disease-{split}.tsv").read_text().strip().split("\n\n"):
             if "\tB-" in block:
                 out += [renamed(block, names, draw) for _ in range(copies)]
-    (partial / "ncbi-disease-renamed.tsv").write_text("\n\n".join(out) + "\n")
     print(f"public terminologies: {len(out)} renamed sentences", flush=True)
+    return terminology_plus(folder, "ncbi-disease-renamed.tsv", out)
+
+
+def terminology_plus(folder: Path, name: str, blocks: list[str]) -> Path:
+    """The ``--public terminology`` text with one more CoNLL file, ``name``,
+    of ``blocks`` (sentences), written aside and published as ``folder``."""
+    tagged = terminology_notes(folder.with_name("public-terminology"))
+    partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
+    shutil.copytree(tagged, partial)
+    (partial / name).write_text("\n\n".join(blocks) + "\n")
     return published(partial, folder)
 
 
@@ -328,10 +335,7 @@ def terminology_definitions(folder: Path) -> Path:
 
     if folder.exists():
         return folder
-    tagged = terminology_notes(folder.with_name("public-terminology"))
     names = terminology.lexicons()
-    partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
-    shutil.copytree(tagged, partial)
     found: Counter = Counter()
     out = []
     for text in terminology.hpo_definitions():
@@ -341,12 +345,11 @@ def terminology_definitions(folder: Path) -> Path:
         if sum(counts.values()):
             found.update(counts)
             out.append("\n".join(f"{w}\t{t}" for w, t in zip(words, tags)))
-    (partial / "hpo-definitions.tsv").write_text("\n\n".join(out) + "\n")
     print(
         f"public terminologies: {len(out)} HPO definitions, {dict(found)} mentions tagged",
         flush=True,
     )
-    return published(partial, folder)
+    return terminology_plus(folder, "hpo-definitions.tsv", out)
 
 
 def public_names() -> dict[str, list[list[str]]]:
