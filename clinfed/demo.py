@@ -98,7 +98,11 @@ def _train_beside(config: Any, results: Any) -> None:
     """One run in a process of its own, its outcome sent back on ``results``
     (no progress events cross over)."""
     from clinfed.pipeline import run_training
+    from clinfed.quiet import quiet_libraries
 
+    # A spawned process starts with the libraries' defaults: without this the
+    # reference run prints datasets' per-map progress bars into the demo's output.
+    quiet_libraries()
     try:
         results.send(("done", run_training(config)))
     except BaseException as error:  # the parent raises it

@@ -559,6 +559,27 @@ def test_the_demo_s_reference_run_fails_in_its_process_as_the_caller_s_clear_err
     assert (tmp_path / "private" / "summary.json").is_file()  # the private run still ended
 
 
+def test_the_demo_s_reference_process_silences_the_libraries_progress_bars(monkeypatch):
+    # The reference run trains in a spawned process, which starts with the
+    # libraries' defaults: datasets' per-map bars would fill the demo's output.
+    import datasets
+
+    from clinfed import demo, pipeline
+
+    sent = []
+
+    class Results:
+        send = staticmethod(sent.append)
+
+    monkeypatch.setattr(pipeline, "run_training", lambda config: datasets.is_progress_bar_enabled())
+    datasets.enable_progress_bars()
+    try:
+        demo._train_beside(None, Results())
+    finally:
+        datasets.disable_progress_bars()
+    assert sent == [("done", False)]
+
+
 def test_an_external_validation_site_is_scored_like_its_predictions(tmp_path):
     corpus = tmp_path / "corp"
     assert run_cli("data", "synth", "i2b2", "--out", str(corpus), "--sites", "3",
