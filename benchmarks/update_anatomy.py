@@ -14,11 +14,14 @@ model folder) and the model it started from (``config.json``'s
 ``spectrum``: each tensor's update (private minus start) against the update
 of the run without DP from the same start: norms, cosine, and for matrices
 the top singular value over the median (a Gaussian random matrix gives
-about 2.5 for a square one; a fine-tuning update, tens).
+about 2.5 for a square one; a fine-tuning update, tens), and the cosine
+with the reference's update of the private one truncated to its top
+singular directions (``TRUNCATION_RANKS``).
 
 ``resets``: the private model with one group of tensors put back to the
 start's values (``GROUPS`` below), for each group: what that group's
-private update is worth.
+private update is worth. ``--together G1,G2``: one row, those groups put
+back at once.
 
 ``noise``: the start plus Gaussian noise, per tensor ``scale`` times the
 standard deviation of the private update's entries (``--only`` restricts
@@ -60,6 +63,10 @@ GROUPS: dict[str, str] = {
     "value and attention output": r"(value|attention[.]output[.]dense)[.]weight$",
     "feed-forward": r"layer[.]\d+[.](intermediate|output)[.]dense[.]weight$",
 }
+
+
+# Ranks ``spectrum`` truncates each matrix's private update to.
+TRUNCATION_RANKS = (1, 4, 16, 64)
 
 
 def group_of(name: str) -> str:
@@ -116,6 +123,24 @@ def spectrum(private: dict, initial: dict, reference: dict) -> list[dict]:
             for key, matrix in (("private", update), ("reference", wanted)):
                 values = torch.linalg.svdvals(matrix)
                 row[f"{key}_top_over_median"] = round(float(values[0] / values.median()), 2)
+            if update.shape[0] <= 4096:  # not the word embeddings: an SVD too large here
+                # Low-rank denoising: does the top of the private spectrum hold
+                # more of the reference's direction than the whole update?
+                u, values, v = torch.linalg.svd(update, full_matrices=False)
+                row["truncated_cosine"] = {
+                    rank: round(
+                        float(
+                            cos(
+                                ((u[:, :rank] * values[:rank]) @ v[:rank]).flatten(),
+                                wanted.flatten(),
+                                dim=0,
+                            )
+                        ),
+                        4,
+                    )
+                    for rank in TRUNCATION_RANKS
+                    if rank < min(update.shape)
+                }
         rows.append(row)
     return rows
 
@@ -159,6 +184,7 @@ def main() -> None:
     parser.add_argument("--data", type=Path, help="annotated test folder")
     parser.add_argument("--scales", default="1,1.5,2,3", help="noise: multiples of the update")
     parser.add_argument("--only", help="noise: comma-separated groups (default: every tensor)")
+    parser.add_argument("--together", help="resets: comma-separated groups put back at once")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path)
@@ -168,8 +194,10 @@ def main() -> None:
     if args.command != "spectrum" and args.data is None:
         parser.error(f"{args.command} needs --data")
     only = args.only.split(",") if args.only else None
-    if only and set(only) - set(GROUPS):
-        parser.error(f"--only takes groups among: {', '.join(GROUPS)}")
+    together = args.together.split(",") if args.together else None
+    for chosen in (only, together):
+        if chosen and set(chosen) - set(GROUPS):
+            parser.error(f"--only and --together take groups among: {', '.join(GROUPS)}")
 
     import torch
 
@@ -182,10 +210,11 @@ def main() -> None:
         rows = spectrum(private, initial, reference)
     elif args.command == "resets":
         rows.append({"reset": None, "f1": round(scored(template, private, args.data), 4)})
-        for group in GROUPS:
-            if not any(group_of(name) == group for name in private):
+        for group in [together] if together else GROUPS:
+            chosen = group if isinstance(group, list) else [group]
+            if not any(group_of(name) in chosen for name in private):
                 continue
-            tensors = {k: initial[k] if group_of(k) == group else v for k, v in private.items()}
+            tensors = {k: initial[k] if group_of(k) in chosen else v for k, v in private.items()}
             rows.append({"reset": group, "f1": round(scored(template, tensors, args.data), 4)})
             print(json.dumps(rows[-1]), flush=True)
     elif args.command == "noise":
