@@ -104,6 +104,11 @@ def scored(template: Path, tensors: dict, data: Path) -> float:
         return float(evaluate(folder, data)["f1"])
 
 
+def truncated(u, values, v, rank: int):
+    """The rank-``rank`` part of a matrix from its SVD, flattened."""
+    return ((u[:, :rank] * values[:rank]) @ v[:rank]).flatten()
+
+
 def spectrum(private: dict, initial: dict, reference: dict) -> list[dict]:
     import torch
 
@@ -120,27 +125,24 @@ def spectrum(private: dict, initial: dict, reference: dict) -> list[dict]:
             "cosine": round(float(cos(update.flatten(), wanted.flatten(), dim=0)), 4),
         }
         if update.dim() == 2 and min(update.shape) > 3:
-            for key, matrix in (("private", update), ("reference", wanted)):
-                values = torch.linalg.svdvals(matrix)
-                row[f"{key}_top_over_median"] = round(float(values[0] / values.median()), 2)
-            if update.shape[0] <= 4096:  # not the word embeddings: an SVD too large here
+            wanted_values = torch.linalg.svdvals(wanted)
+            row["reference_top_over_median"] = round(
+                float(wanted_values[0] / wanted_values.median()), 2
+            )
+            if update.shape[0] > 4096:  # the word embeddings: a full SVD too large here
+                values = torch.linalg.svdvals(update)
+            else:
                 # Low-rank denoising: does the top of the private spectrum hold
                 # more of the reference's direction than the whole update?
                 u, values, v = torch.linalg.svd(update, full_matrices=False)
                 row["truncated_cosine"] = {
                     rank: round(
-                        float(
-                            cos(
-                                ((u[:, :rank] * values[:rank]) @ v[:rank]).flatten(),
-                                wanted.flatten(),
-                                dim=0,
-                            )
-                        ),
-                        4,
+                        float(cos(truncated(u, values, v, rank), wanted.flatten(), dim=0)), 4
                     )
                     for rank in TRUNCATION_RANKS
                     if rank < min(update.shape)
                 }
+            row["private_top_over_median"] = round(float(values[0] / values.median()), 2)
         rows.append(row)
     return rows
 
