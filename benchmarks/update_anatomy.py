@@ -21,7 +21,9 @@ singular directions (``TRUNCATION_RANKS``).
 ``resets``: the private model with one group of tensors put back to the
 start's values (``GROUPS`` below), for each group: what that group's
 private update is worth. ``--together G1,G2``: one row, those groups put
-back at once.
+back at once. ``--by layer`` groups the tensors by where they sit instead
+(the embeddings, each encoder layer, the head): which layers' updates a
+plan could leave untrained.
 
 ``noise``: the start plus Gaussian noise, per tensor ``scale`` times the
 standard deviation of the private update's entries (``--only`` restricts
@@ -69,7 +71,15 @@ GROUPS: dict[str, str] = {
 TRUNCATION_RANKS = (1, 4, 16, 64)
 
 
-def group_of(name: str) -> str:
+def group_of(name: str, by: str = "kind") -> str:
+    """The group of tensor ``name``: by what it does (``GROUPS``), or by layer."""
+    if by == "layer":
+        layer = re.search(r"[.]layer[.](\d+)[.]", name)
+        if layer:
+            return f"layer {layer.group(1)}"
+        if "embeddings" in name:
+            return "embeddings"
+        return "head" if name.startswith("head.") else "other"
     for group, pattern in GROUPS.items():
         if re.search(pattern, name):
             return group
@@ -187,6 +197,9 @@ def main() -> None:
     parser.add_argument("--scales", default="1,1.5,2,3", help="noise: multiples of the update")
     parser.add_argument("--only", help="noise: comma-separated groups (default: every tensor)")
     parser.add_argument("--together", help="resets: comma-separated groups put back at once")
+    parser.add_argument(
+        "--by", choices=["kind", "layer"], default="kind", help="resets: how tensors are grouped"
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path)
@@ -197,7 +210,7 @@ def main() -> None:
         parser.error(f"{args.command} needs --data")
     only = args.only.split(",") if args.only else None
     together = args.together.split(",") if args.together else None
-    for chosen in (only, together):
+    for chosen in (only, together if args.by == "kind" else None):
         if chosen and set(chosen) - set(GROUPS):
             parser.error(f"--only and --together take groups among: {', '.join(GROUPS)}")
 
@@ -211,13 +224,17 @@ def main() -> None:
         _, reference, _, _ = load_pair(args.reference, args.start)
         rows = spectrum(private, initial, reference)
     elif args.command == "resets":
+        group = {name: group_of(name, args.by) for name in private}
+        names = list(GROUPS) if args.by == "kind" else sorted(set(group.values()))
+        if together and set(together) - set(names):
+            parser.error(f"--together takes groups among: {', '.join(names)}")
         rows.append({"reset": None, "f1": round(scored(template, private, args.data), 4)})
-        for group in [together] if together else GROUPS:
-            chosen = group if isinstance(group, list) else [group]
-            if not any(group_of(name) in chosen for name in private):
+        for chosen in [together] if together else [[name] for name in names]:
+            if not any(group[name] in chosen for name in private):
                 continue
-            tensors = {k: initial[k] if group_of(k) in chosen else v for k, v in private.items()}
-            rows.append({"reset": group, "f1": round(scored(template, tensors, args.data), 4)})
+            tensors = {k: initial[k] if group[k] in chosen else v for k, v in private.items()}
+            reset = chosen if together else chosen[0]
+            rows.append({"reset": reset, "f1": round(scored(template, tensors, args.data), 4)})
             print(json.dumps(rows[-1]), flush=True)
     elif args.command == "noise":
         generator = torch.Generator().manual_seed(args.seed)

@@ -39,3 +39,18 @@ def test_the_spectrum_tells_a_noise_walk_from_a_low_rank_update():
     assert abs(row["cosine"]) < 0.2
     (same,) = spectrum({"w": low_rank}, start, {"w": low_rank + 0.05 * noise})
     assert same["cosine"] > 0.9
+
+
+def test_by_layer_every_tensor_sits_in_the_embeddings_a_layer_or_the_head():
+    from clinfed.models import build_model
+
+    model = build_model("token", "tiny", 5, seed=0)
+    groups = {name: group_of(name, "layer") for name, _ in model.named_parameters()}
+    assert "other" not in groups.values()
+    assert groups["encoder.encoder.layer.0.output.dense.weight"] == "layer 0"
+    assert groups["encoder.embeddings.token_type_embeddings.weight"] == "embeddings"
+    assert groups["head.weight"] == "head"
+    layers = model.encoder.config.num_hidden_layers
+    assert {g for g in groups.values() if g.startswith("layer ")} == {
+        f"layer {i}" for i in range(layers)
+    }
