@@ -86,6 +86,12 @@ def group_of(name: str, by: str = "kind") -> str:
     return "other"
 
 
+def layer_order(group: str) -> int:
+    """Sort key of a ``--by layer`` group: the model's order, layer 2 before 10."""
+    ends = {"embeddings": -1, "head": 10**6, "other": 10**6 + 1}
+    return ends[group] if group in ends else int(group.split()[-1])
+
+
 def load_pair(run: Path, start: Path | None) -> tuple[Path, dict, dict, Path]:
     from safetensors.torch import load_file
 
@@ -224,7 +230,7 @@ def main() -> None:
         rows = spectrum(private, initial, reference)
     elif args.command == "resets":
         group = {name: group_of(name, args.by) for name in private}
-        names = list(GROUPS) if args.by == "kind" else sorted(set(group.values()))
+        names = list(GROUPS) if args.by == "kind" else sorted(set(group.values()), key=layer_order)
         if together and set(together) - set(names):
             parser.error(f"--together takes groups among: {', '.join(names)}")
         rows.append({"reset": None, "f1": round(scored(template, private, args.data), 4)})

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from update_anatomy import group_of, spectrum  # noqa: E402
+from update_anatomy import group_of, layer_order, spectrum  # noqa: E402
 
 
 def test_every_tensor_of_the_token_model_falls_in_a_named_group():
@@ -54,3 +54,14 @@ def test_by_layer_every_tensor_sits_in_the_embeddings_a_layer_or_the_head():
     assert {g for g in groups.values() if g.startswith("layer ")} == {
         f"layer {i}" for i in range(layers)
     }
+
+
+def test_layer_groups_sort_in_the_model_s_order():
+    groups = ["head", "layer 10", "embeddings", "layer 2", "layer 0"]
+    assert sorted(groups, key=layer_order) == [
+        "embeddings",
+        "layer 0",
+        "layer 2",
+        "layer 10",
+        "head",
+    ]
