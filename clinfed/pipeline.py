@@ -64,6 +64,7 @@ from clinfed.models import (
     load_tokenizer,
     save_model,
 )
+from clinfed.privacy.count import count_path
 from clinfed.privacy.policy import PrivacyPolicy
 from clinfed.privacy.site import SitePrivacy
 from clinfed.privacy.subspace import GradientSubspace
@@ -536,8 +537,12 @@ def warm_start_model(config: RunConfig, report: Reporter = _quiet) -> dict[str, 
     """``clinfed warm-start``: train the run's starting model on its public
     text (``config.public_data``) and save it to ``config.out``, for any
     number of runs to start from (``--model``) without paying for the warm
-    start again. Reads ``config.data`` only for the run's label set (the
-    types its sites annotate); trains on no site's data."""
+    start again. A public stage: it reads nothing private, not even the
+    label set, which comes from the task's declared settings (``--types``,
+    the i2b2 preset, the public code list). ``config.data``, when given, is
+    only where the public inputs and ``--out`` must not be."""
+    from clinfed.provenance import check_public_input
+    from clinfed.settings import PUBLIC_INPUTS, flag
     from clinfed.warmstart import warm_start
 
     config = config.resolved()
@@ -546,11 +551,20 @@ def warm_start_model(config: RunConfig, report: Reporter = _quiet) -> dict[str, 
     out = Path(config.out)
     if out.exists():
         raise ClinfedError(f"--out {out}: already exists; name a new folder")
+    if config.data:
+        for name in PUBLIC_INPUTS:
+            if getattr(config, name):
+                check_public_input(flag(name), getattr(config, name), config.data)
+        data = Path(config.data).resolve()
+        if out.resolve() == data or data in out.resolve().parents:
+            raise ClinfedError(
+                f"--out {config.out} is inside --data {config.data}: choose a folder outside "
+                "the corpus"
+            )
     use_threads(config.threads)
     problems = ProblemLog(config.on_error)
     with temporary_folder("cache") as cache_dir:
         task = make_task(config, cache_dir)
-        task.load(Path(config.data), problems)  # fixes the label set
         tokenizer = load_tokenizer(config.model)
         model = make_model(config, task)
         public = warm_start(config, task, model, tokenizer, cache_dir, problems, report)
@@ -586,16 +600,26 @@ def privacy_policy(
     folder: Path,
     strategy: Strategy,
     memo: Path | None = None,
+    ledger_paths: dict[str, Path] | None = None,
 ) -> PrivacyPolicy:
     """Each site's DP-SGD settings and ledger (``train``: each site's encoded
     training examples). A site calibrates from its own number of privacy
-    units only, so it gets the same noise in every transport."""
+    units only, so it gets the same noise in every transport.
+    ``ledger_paths``: ledgers that outlive the run (a node's, one per
+    dataset; default ``folder/<site>.jsonl``); a released count is kept
+    beside its ledger."""
     target = config.target_epsilon
     unit = config.privacy_unit
+    ledger_paths = dict(ledger_paths or {})
     sites_units = {site: task.unit_rows(data, unit) for site, data in train.items()}
     sizes = {site: len(units) for site, units in sites_units.items()}
     if config.neighbours == "add-remove":
-        sizes = {site: released_count(config, site, n, folder) for site, n in sizes.items()}
+        sizes = {
+            site: released_count(
+                config, site, n, count_path(ledger_paths.get(site, folder / f"{site}.jsonl"))
+            )
+            for site, n in sizes.items()
+        }
     policy = PrivacyPolicy.build(
         folder,
         sizes,
@@ -614,6 +638,7 @@ def privacy_policy(
         memo=memo,
         relation=config.neighbours,
     )
+    policy.ledger_paths = ledger_paths
     policy.unit, policy.unit_text = unit, task.units[unit]
     if unit == "example":
         # k: how many units one note or patient holds (group privacy).
@@ -631,15 +656,16 @@ def privacy_policy(
     return policy
 
 
-def released_count(config: RunConfig, site: str, units: int, folder: Path) -> int:
+def released_count(config: RunConfig, site: str, units: int, kept_at: Path) -> int:
     """Under add/remove neighbours, the unit count ``site`` releases: the one
-    it kept in this run's privacy folder, or a fresh noisy draw from its
-    secret randomness (clinfed.privacy.count; kept before its first charge)."""
+    kept at ``kept_at`` (beside its ledger: one per dataset), or a fresh
+    noisy draw from its secret randomness (clinfed.privacy.count; kept before
+    anything covering it leaves)."""
     from clinfed.federated.client import site_generator
     from clinfed.privacy.count import kept_count, noisy_count
     from clinfed.privacy.randomness import reproducible, secret
 
-    kept = kept_count(folder, site)
+    kept = kept_count(kept_at)
     if kept is not None:
         return kept
     if config.reproducible_noise:

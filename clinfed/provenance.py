@@ -81,3 +81,54 @@ def data_fingerprint(data: Path, cache: Path | None = None) -> str:
         cache.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(cache, seen)
     return total.hexdigest()
+
+
+def check_public_input(flag: str, public: str | Path, data: str | Path) -> None:
+    """Refuse a public input (warm-start text, public check notes, name
+    lists) that is, or holds, private data: a folder inside ``data`` or
+    containing it, or a file with the same bytes as one of ``data``'s. What
+    is public is spent freely, so a private note passed as public would be
+    released with no accounting at all. Names no file and no content.
+
+    Raises
+    ------
+    ClinfedError
+        Naming ``flag`` and ``data``, never what matched.
+    """
+    import hashlib
+
+    from clinfed.errors import ClinfedError
+
+    public, data = Path(public).resolve(), Path(data).resolve()
+    if public == data or data in public.parents or public in data.parents:
+        raise ClinfedError(
+            f"{flag} {public}: overlaps the private data folder {data}; public inputs must "
+            "come from outside it"
+        )
+    private = [p for p in data.rglob("*") if p.is_file()] if data.is_dir() else []
+    by_size: dict[int, list[Path]] = {}
+    for path in private:
+        by_size.setdefault(path.stat().st_size, []).append(path)
+
+    def digest(path: Path) -> str:
+        h = hashlib.sha256()
+        with open(path, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+        return h.hexdigest()
+
+    candidates = [public] if public.is_file() else sorted(public.rglob("*"))
+    private_digests: dict[int, set[str]] = {}
+    for path in candidates:
+        if not path.is_file():
+            continue
+        size = path.stat().st_size
+        if size == 0 or size not in by_size:  # an empty file holds nothing
+            continue
+        if size not in private_digests:
+            private_digests[size] = {digest(p) for p in by_size[size]}
+        if digest(path) in private_digests[size]:
+            raise ClinfedError(
+                f"{flag} {public}: holds a file with the same bytes as a file of the private "
+                f"data folder {data}; public inputs must not be private data"
+            )

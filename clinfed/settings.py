@@ -471,6 +471,15 @@ PANELS = {
     "privacy": "Privacy (DP-SGD)",
     "machine": "Machine",
 }
+# Settings that name public inputs: never the private data (see validate).
+PUBLIC_INPUTS = ("public_data", "public_check", "gazetteer")
+
+
+def flag(name: str) -> str:
+    """A setting's command-line flag."""
+    return "--" + name.replace("_", "-")
+
+
 # Keys a run's config.json carries beside the settings (ignored on reading).
 METADATA_KEYS = {
     "public_start",
@@ -685,6 +694,12 @@ class RunConfig(
                 )
         if check_data and not Path(self.data).is_dir():
             raise ClinfedError(f"--data {self.data}: not a folder")
+        if check_data:
+            from clinfed.provenance import check_public_input
+
+            for name in PUBLIC_INPUTS:
+                if getattr(self, name):
+                    check_public_input(flag(name), getattr(self, name), self.data)
         if check_data and self.out:
             out, data = Path(self.out).resolve(), Path(self.data).resolve()
             if out == data or data in out.parents:

@@ -8,30 +8,37 @@ size and differ in one replaced unit, which costs about twice the
 sensitivity of adding or removing one.
 
 With ``--neighbours add-remove`` a site instead releases ``n + N(0, s^2)``
-(``s`` = :data:`COUNT_NOISE`), rounded, once per run, from its secret
-randomness, and derives everything from that: its sampling rate
-``batch / n_released``, its steps, its noise calibration and its
-aggregation weight. The exact count is then released nowhere, and the
-whole run is a fixed mechanism of the dataset: the count (a Gaussian
-mechanism of sensitivity 1) composed with DP-SGD's subsampled Gaussian
-steps, each accounted under add/remove. The count costs little: its
-Renyi divergence at order ``a`` is ``a / (2 s^2)``, about 0.03 at the
-orders that decide epsilon 1-8.
+(``s`` = :data:`COUNT_NOISE`), rounded, drawn once per dataset from its
+secret randomness, and derives everything from that: its sampling rate
+``batch / n_released``, its steps, its noise calibration, its aggregation
+weight and its default delta cap. Nothing derived from the exact count
+leaves the site through those; the whole run is then a fixed mechanism of
+the dataset: the count (a Gaussian mechanism of sensitivity 1) composed with
+DP-SGD's subsampled Gaussian steps, each accounted under add/remove. The
+count costs little: its Renyi divergence at order ``a`` is ``a / (2 s^2)``,
+about 0.03 at the orders that decide epsilon 1-8.
 
-The released count is kept beside the site's ledger before the first
-charge that covers it, so a resumed run releases the same one (a second
-draw would be a second release).
+One draw per dataset: the released count is kept beside the site's ledger
+(``<ledger>.count.json``) and every later run and message reuses it, so a
+server that asks many times gets the same value each time (fresh draws
+would average away). A Flower node charges it on its ledger the first time
+it is drawn, before any message could carry it (:meth:`Ledger.charge_once`);
+an in-process run, whose ledger is the run's, charges it with its first
+round. What a site still releases exactly is listed in ``docs/privacy.md``
+(its held-out size and evaluation counts, declared and metered; the number
+of units per document or patient, ``k``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
 
 from clinfed.privacy.accountants import Mechanism
-from clinfed.privacy.durable import atomic_write_json
+from clinfed.privacy.durable import atomic_write_json, fsync_folder
 
 # Standard deviation of the noise on a released count (in units).
 COUNT_NOISE = 20.0
@@ -51,22 +58,36 @@ def noisy_count(units: int, generator: torch.Generator) -> int:
     return max(1, round(units + noise))
 
 
-def count_path(folder: Path, site: str) -> Path:
-    return Path(folder) / f"{site}.count.json"
+def count_path(ledger: Path) -> Path:
+    """Where a ledger's dataset keeps its released count: beside the ledger."""
+    ledger = Path(ledger)
+    return ledger.with_name(f"{ledger.stem}.count.json")
 
 
-def kept_count(folder: Path, site: str) -> int | None:
-    """The count this site released in this run before, if any."""
-    path = count_path(folder, site)
+def kept_count(path: Path) -> int | None:
+    """The count kept at ``path`` (:func:`count_path`), if any."""
+    path = Path(path)
     if not path.is_file():
         return None
     return int(json.loads(path.read_text())["released_units"])
 
 
-def keep_count(folder: Path, site: str, released: int) -> None:
-    """Keep the released count (durably) before anything covering it leaves."""
-    path = count_path(folder, site)
-    if path.is_file():
-        return
+def keep_count(path: Path, released: int) -> int:
+    """Keep ``released`` at ``path`` durably unless a count is kept there
+    already; the kept count either way (the first one kept wins, also when
+    two processes draw at once: a kept count is never replaced)."""
+    path = Path(path)
+    kept = kept_count(path)
+    if kept is not None:
+        return kept
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(path, {"released_units": released, "noise_std": COUNT_NOISE})
+    draft = path.with_name(f".{path.name}.{os.getpid()}.draft")
+    atomic_write_json(draft, {"released_units": released, "noise_std": COUNT_NOISE})
+    try:
+        os.link(draft, path)  # fails if another process kept one first
+    except FileExistsError:
+        pass
+    finally:
+        draft.unlink(missing_ok=True)
+    fsync_folder(path.parent)
+    return int(kept_count(path))

@@ -21,7 +21,8 @@ from typing import Any
 from clinfed.privacy.errors import PrivacyError
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_folder(folder: Path) -> None:
+    """fsync a folder, so the names created in it survive a crash."""
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -59,7 +60,7 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_folder(path.parent)
 
 
 def atomic_write_text(path: Path, text: str) -> None:

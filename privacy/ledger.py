@@ -71,6 +71,9 @@ from clinfed.privacy.errors import PrivacyError
 
 log = logging.getLogger("clinfed.privacy")
 
+# The round a once-per-dataset charge is written under (rounds count from 1).
+ONCE_ROUND = 0
+
 # Budget checks allow for float noise in the accountant, nothing more.
 SLACK = 1e-9
 
@@ -143,6 +146,7 @@ class Ledger:
     def _load(self) -> None:
         """Read every complete line; cut a torn last line back; check the seal."""
         self.lines: list[dict] = []  # charges
+        self.torn_bytes = 0  # a torn last line's bytes, cut back before the next append
         self.unprotected: list[dict] = []  # runs that gave no guarantee
         # (run, round, attempt) of every release line (attempt None: a line
         # written before attempts existed, releasing the whole round).
@@ -164,18 +168,11 @@ class Ledger:
             return
         data = self.path.read_bytes()
         if data and not data.endswith(b"\n"):
+            # A crash mid-append: read up to the last complete line. The file
+            # is cut back only under the lock, just before the next append
+            # (:meth:`_cut_torn_tail`): reading a ledger never writes it.
             keep = data.rfind(b"\n") + 1
-            with open(self.path, "r+b") as fh:
-                fh.truncate(keep)
-                fh.flush()
-                os.fsync(fh.fileno())
-            self.repaired_bytes += len(data) - keep
-            log.warning(
-                "%s: torn last line (%d bytes, a crash mid-write) cut back to the last "
-                "complete line",
-                self.path,
-                len(data) - keep,
-            )
+            self.torn_bytes = len(data) - keep
             data = data[:keep]
         if self.seal_path.exists():
             try:
@@ -276,6 +273,23 @@ class Ledger:
             append_jsonl(self.path, line)
             self.unprotected.append(line)
             self._seal()
+
+    def _cut_torn_tail(self) -> None:
+        """Cut a torn last line back before appending (under the lock)."""
+        if not self.torn_bytes:
+            return
+        keep = self.path.stat().st_size - self.torn_bytes
+        with open(self.path, "r+b") as fh:
+            fh.truncate(keep)
+            fh.flush()
+            os.fsync(fh.fileno())
+        self.repaired_bytes += self.torn_bytes
+        log.warning(
+            "%s: torn last line (%d bytes, a crash mid-write) cut back to the last complete line",
+            self.path,
+            self.torn_bytes,
+        )
+        self.torn_bytes = 0
 
     def _create(self) -> None:
         """Create the file and fsync its folder, so the file survives a crash."""
@@ -383,6 +397,33 @@ class Ledger:
             self._claims.setdefault(round_number, []).append([attempt, fd, True])
             return self.record(round_number, mechanisms, attempt)
 
+    def charge_once(self, mechanism: Mechanism) -> bool:
+        """Charge ``mechanism`` once over the ledger's whole life (a release
+        made once per dataset, such as its noisy unit count): under the lock,
+        nothing if a line of that mechanism is on the ledger already, else
+        a charge (round 0 of this run) released at once, since what it covers
+        may leave with any reply from now on. False when the budget does not
+        afford it (nothing written)."""
+        with self._locked():
+            self._load()
+            if any(line["mechanism"] == mechanism.name for line in self.lines):
+                return True
+            if not self.affords([mechanism]):
+                return False
+            attempt = secrets.token_hex(8)
+            self.record(ONCE_ROUND, [mechanism], attempt)
+            release = {
+                "client": self.client,
+                "run": self.run,
+                "round": ONCE_ROUND,
+                "attempt": attempt,
+                "released": True,
+            }
+            append_jsonl(self.path, release)
+            self.released.add((self.run, ONCE_ROUND, attempt))
+            self._seal()
+            return True
+
     def settle(self, round_number: int) -> None:
         """The attempt's computation ended and waits for its release: a
         later re-run of the round by this object (a retried round) may reuse
@@ -404,6 +445,7 @@ class Ledger:
             return  # no attempt of this object's: nothing of it to release
         with self._locked():
             self._load()
+            self._cut_torn_tail()
             pending = {line.get("attempt") for line in self.unreleased(round_number)}
             for attempt, _, _ in held:
                 if attempt not in pending:
@@ -457,6 +499,7 @@ class Ledger:
         Use :meth:`charge` to check, claim and record under the lock."""
         if not self.path.exists():
             self._create()
+        self._cut_torn_tail()
         eps = 0.0
         run_history = self._run_history()
         for mechanism in mechanisms:

@@ -24,7 +24,7 @@ from clinfed.privacy.accountant import (
     epsilon,
 )
 from clinfed.privacy.accountants import budget_accountant
-from clinfed.privacy.count import COUNT_MECHANISM, count_mechanism, keep_count
+from clinfed.privacy.count import COUNT_MECHANISM, count_mechanism, count_path, keep_count
 from clinfed.privacy.dpsgd import CLIPPINGS, DPSettings, round_mechanism
 from clinfed.privacy.durable import atomic_write_json
 from clinfed.privacy.errors import PrivacyError, SettingError
@@ -40,13 +40,14 @@ RELATION_REASONS = {
         "datasets have the same size and differ in one example"
     ),
     "add-remove": (
-        "add/remove: each site releases its number of training units once, with Gaussian "
-        "noise (std 20, accounted as the ledger's unit-count line), and derives its sampling "
-        "rate, steps, noise and aggregation weight from that; the exact count is released "
-        "nowhere, so neighbouring datasets differ in one unit added or removed"
+        "add/remove: each site releases its number of training units once per dataset, with "
+        "Gaussian noise (std 20, accounted as the ledger's unit-count line), and derives its "
+        "sampling rate, steps, noise, aggregation weight and default delta cap from that; no "
+        "accounted release depends on the exact count, so neighbouring datasets differ in "
+        "one unit added or removed (held-out sizes and units per note or patient are "
+        "declared, released exactly)"
     ),
 }
-RELATION_REASON = RELATION_REASONS[RELATION]
 PATIENT_CAVEAT = (
     "The guarantee protects one unit. A note or patient with k units at a site is protected "
     "by group privacy only: (k epsilon, k e^((k-1) epsilon) delta), so delta grows fast with "
@@ -307,21 +308,47 @@ class PrivacyPolicy:
         return [sgd] * self.trainings + extra
 
     def _count_charged(self, site: str, round_number: int | None) -> bool:
-        """Whether this run charged the count's release in an earlier round
-        (a re-run of the same round charges the same mechanisms again)."""
+        """Whether the count's release is on the site's ledger already: from
+        another run on the same dataset, once per dataset at a node, or from
+        an earlier round of this run (a re-run of the same round charges the
+        same mechanisms again)."""
         if round_number is None:
             return False
         return any(
-            line["mechanism"] == COUNT_MECHANISM and line["round"] < round_number
-            for line in self.ledger(site).run_lines()
+            line["mechanism"] == COUNT_MECHANISM
+            and (line.get("run") != self.run or line["round"] < round_number)
+            for line in self.ledger(site).lines
         )
+
+    def ledger_path(self, site: str) -> Path:
+        """The site's ledger file (a node's outlives the run)."""
+        return self.ledger_paths.get(site, self.folder / f"{site}.jsonl")
 
     def keep_count(self, site: str) -> None:
         """Under add/remove: keep the site's released count beside its
-        ledger before the first charge that covers it (a resumed run then
-        releases the same one)."""
-        if self.relation == "add-remove":
-            keep_count(self.folder, site, self.sizes[site])
+        ledger before the first charge that covers it, so every later run
+        and message releases the same one (clinfed.privacy.count)."""
+        if self.relation != "add-remove":
+            return
+        kept = keep_count(count_path(self.ledger_path(site)), self.sizes[site])
+        if kept != self.sizes[site]:
+            raise PrivacyError(
+                f"{count_path(self.ledger_path(site))}: another process kept this dataset's "
+                "released count at the same moment; nothing left the site: try again"
+            )
+
+    def charge_count(self, site: str) -> None:
+        """Under add/remove at a node: keep the released count and charge it
+        on the dataset's ledger once, before any reply can carry it (a
+        refused or evaluate-only reply carries it as much as a trained one)."""
+        if self.relation != "add-remove":
+            return
+        self.keep_count(site)
+        if not self.ledger(site).charge_once(count_mechanism()):
+            raise PrivacyError(
+                f"{site}: the site's privacy budget does not afford releasing its unit count: "
+                "refused"
+            )
 
     def planned_epsilon(self, site: str) -> float:
         """Epsilon of the site's planned run (count, if released, included)."""
@@ -331,7 +358,7 @@ class PrivacyPolicy:
 
     def ledger(self, site: str) -> Ledger:
         if site not in self._ledgers:
-            path = self.ledger_paths.get(site, self.folder / f"{site}.jsonl")
+            path = self.ledger_path(site)
             one_run = site not in self.ledger_paths
             self._ledgers[site] = Ledger(
                 path,

@@ -73,6 +73,17 @@ def i2b2_corpus(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def public_i2b2(tmp_path_factory) -> Path:
+    """Public notes of other patients: a synthetic corpus of its own draw
+    (a public input may hold no file of the private corpus)."""
+    from clinfed.tasks.i2b2.synth import generate
+
+    out = tmp_path_factory.mktemp("public-i2b2") / "data"
+    generate(out, sites=2, docs=6, seed=2)
+    return out
+
+
+@pytest.fixture(scope="session")
 def mimic_corpus(tmp_path_factory) -> Path:
     from clinfed.tasks.mimic3.synth import generate
 

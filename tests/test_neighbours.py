@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from clinfed.privacy.count import COUNT_MECHANISM, kept_count
+from clinfed.privacy.count import COUNT_MECHANISM, count_path, kept_count
 from clinfed.privacy.errors import PrivacyError
 from clinfed.privacy.sampler import PoissonSampler
 from clinfed.runs import read_jsonl
@@ -39,13 +39,14 @@ def test_add_remove_releases_one_noisy_count_and_costs_less_at_equal_noise(tiny_
         assert {line["relation"] for line in charges} == {"add-remove"}
         counts = [line for line in charges if line["mechanism"] == COUNT_MECHANISM]
         assert [line["round"] for line in counts] == [1]  # released once, with round 1
-        released = kept_count(run / "sites" / site / "privacy", site)
+        released = kept_count(count_path(run / "sites" / site / "privacy" / f"{site}.jsonl"))
         # What the site sent as its weight is the released count, never the exact one.
         assert {r["examples"] for r in records if r["client"] == site} == {released}
         sgd = [line for line in charges if line["mechanism"] == "dp-sgd"]
         assert all(line["sample_rate"] == pytest.approx(64 / released) or released < 64
                    for line in sgd)  # fmt: skip
-    assert any(kept_count(run / "sites" / s / "privacy", s) != exact[s] for s in exact)
+    kept = {s: kept_count(count_path(run / "sites" / s / "privacy" / f"{s}.jsonl")) for s in exact}
+    assert any(kept[s] != exact[s] for s in exact)
     policy = json.loads((run / "privacy" / "policy.json").read_text())
     assert policy["relation"] == "add-remove"
 
@@ -78,10 +79,11 @@ def test_a_kept_count_is_released_again_after_a_restart(tiny_config, tmp_path):
     from clinfed.privacy.count import keep_count
 
     config = tiny_config(noise_multiplier=1.0, neighbours="add-remove")
-    keep_count(tmp_path, "beth", 117)
-    assert released_count(config, "beth", 100, tmp_path) == 117  # never a second draw
-    keep_count(tmp_path, "beth", 90)  # a kept count is never replaced
-    assert kept_count(tmp_path, "beth") == 117
+    kept_at = count_path(tmp_path / "beth.jsonl")
+    assert keep_count(kept_at, 117) == 117
+    assert released_count(config, "beth", 100, kept_at) == 117  # never a second draw
+    assert keep_count(kept_at, 90) == 117  # a kept count is never replaced
+    assert kept_count(kept_at) == 117
 
 
 def test_the_sampling_rate_derives_from_the_released_count():

@@ -71,7 +71,7 @@ def test_the_sign_test_is_one_sided_at_five_percent():
 
 @pytest.mark.parametrize("rises", [False, True])
 def test_a_round_not_kept_leaves_the_global_model_and_the_sites_in_step(
-    i2b2_corpus, tmp_path, monkeypatch, rises
+    i2b2_corpus, public_i2b2, tmp_path, monkeypatch, rises
 ):
     # The judge is forced: public F1 that only falls (every round refused)
     # or only rises (every round kept).
@@ -90,7 +90,7 @@ def test_a_round_not_kept_leaves_the_global_model_and_the_sites_in_step(
     # only the F1 decides.
     monkeypatch.setattr("clinfed.federated.public_check.significant", lambda b, w: True)
     out = tmp_path / "run"
-    result = _train(i2b2_corpus, out, "--public-check", str(i2b2_corpus))
+    result = _train(i2b2_corpus, out, "--public-check", str(public_i2b2))
     assert result.returncode == 0, result.stderr
     records = [r for r in read_jsonl(out / "metrics.jsonl") if "client" not in r]
     assert [r["public_check"]["kept"] for r in records] == [rises] * 3
@@ -101,7 +101,7 @@ def test_a_round_not_kept_leaves_the_global_model_and_the_sites_in_step(
     assert [r["evaluated_sites"] for r in records] == [3, 3, 3]
     config = json.loads((out / "config.json").read_text())
     assert config["public_check_text"]["types"] == ["problem", "test", "treatment"]
-    assert config["model"]["public_check"] == str(i2b2_corpus)
+    assert config["model"]["public_check"] == str(public_i2b2)
     assert run_cli("report", str(out)).returncode == 0
     page = (out / "report" / "report.md").read_text()
     said = "kept round 1, 2, 3;" if rises else "kept the last model instead in round 1, 2, 3"
@@ -129,7 +129,9 @@ def test_a_strategy_without_one_shared_model_is_refused(i2b2_corpus, tmp_path):
     assert result.returncode == 2 and "--public-check needs a strategy" in result.stderr
 
 
-def test_the_judge_scores_a_copy_and_leaves_the_run_s_model_alone(tiny_config, i2b2_corpus):
+def test_the_judge_scores_a_copy_and_leaves_the_run_s_model_alone(
+    tiny_config, i2b2_corpus, public_i2b2
+):
     # In one process the sites share the run's model object; the server's
     # judge loads each proposal into a copy of its own.
     import tempfile
@@ -142,7 +144,7 @@ def test_the_judge_scores_a_copy_and_leaves_the_run_s_model_alone(tiny_config, i
     from clinfed.pipeline import make_model, make_task
     from clinfed.warmstart import public_check
 
-    config = tiny_config(public_check=str(i2b2_corpus)).resolved()
+    config = tiny_config(public_check=str(public_i2b2)).resolved()
     with tempfile.TemporaryDirectory() as cache:
         task = make_task(config, cache)
         task.load(Path(config.data), ProblemLog())

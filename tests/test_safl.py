@@ -125,6 +125,8 @@ def test_private_selection_counts_each_privacy_unit_once(i2b2_corpus, tmp_path):
         info = strategy.select(1, "s", model, task, local, np.random.default_rng(0), unit)
         clipped = np.clip(profile(model, task, local), 0.0, 1.0)
         # every unit weighs the same, whatever its number of rows
-        expected = np.mean([clipped[r].mean(axis=0) for r in units], axis=0)
-        assert info["selection_mechanism"]["units"] == len(units)
+        # (scaled by the public profile size, 99, never by the site's count)
+        expected = np.sum([clipped[r].mean(axis=0) for r in units], axis=0) / 99
+        mechanism = info["selection_mechanism"]
+        assert mechanism["profile_units"] == 99 and len(units) not in mechanism.values()
         np.testing.assert_allclose(info["scores"], expected, atol=1e-5)

@@ -402,3 +402,33 @@ def test_a_site_masks_only_in_a_group_as_large_as_its_policy_says(tmp_path):
     # ... a group as large as it expects is served.
     _, part = secure.site_stage(folders["a"], 1, request, min_group=3)
     assert part["shares"]
+
+
+def test_a_forged_key_and_a_declared_dropout_never_shrink_the_group_below_the_site_s_minimum(
+    tmp_path,
+):
+    # The server joins a key of its own ("f") beside the victim ("a") and one
+    # real site ("b"): three keys pass a's minimum group of 3 at the share
+    # stage. It then declares b dropped, so that the masked sum of the
+    # remaining two, a's update plus its own, would give it a's update.
+    session = secure.SecureRound(SHAPES, frozenset(NAMES), 0.5)
+    folders = {s: tmp_path / s for s in "abf"}
+    for site, folder in folders.items():
+        session.join(site, secure.hold_upload(folder, site, 1, upload_of(site, 1), 5))
+    for site, request in session.share_requests().items():
+        _, part = secure.site_stage(folders[site], 1, request, min_group=3)
+        session.take_shares(site, part)
+    request = session.mask_requests()["a"]
+    index = {site: session.members[site].index for site in "abf"}
+    shrunk = request | {
+        "members": [index["a"], index["f"]],
+        "shares": {k: v for k, v in request["shares"].items() if k == str(index["f"])},
+    }
+    with pytest.raises(ClinfedError, match="minimum group"):
+        secure.site_stage(folders["a"], 1, shrunk)
+    # The same at the unmasking: survivors fewer than the minimum are refused.
+    tensors, _ = secure.site_stage(folders["a"], 1, request)
+    unmask = {"stage": "unmask", "survivors": [index["a"], index["f"]], "dropped": [index["b"]]}
+    with pytest.raises(ClinfedError, match="minimum group"):
+        secure.site_stage(folders["a"], 1, unmask)
+    assert tensors

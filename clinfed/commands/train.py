@@ -396,13 +396,16 @@ def warm_start_cmd(
 
     Runs then start from it with --model OUT: the private run and its no-DP
     reference start from the same model, and the warm start is paid once.
-    --data is read for the run's label set only; no site's data is trained
-    on and no privacy is spent. Exit status: 0 done; 2 bad settings or data."""
+    Nothing private is read, not even the label set: it comes from --types
+    (or the task's preset or public code list). --data, if given, is only
+    checked against: the public inputs and --out must lie outside it, and no
+    public file may have a private file's bytes. No privacy is spent. Exit
+    status: 0 done; 2 bad settings or data."""
     from clinfed.commands.options import given, merge
     from clinfed.pipeline import RunConfig, warm_start_model
 
     values = merge(config_file, given(settings))
-    for required in ("data", "out", "public_data"):
+    for required in ("out", "public_data"):
         if not values.get(required):
             raise ClinfedError(f"--{required.replace('_', '-')} is required")
     config = RunConfig.from_values(values, str(config_file) if config_file else "flags")

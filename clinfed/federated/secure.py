@@ -388,8 +388,8 @@ def site_stage(
     """Stages 2-4 at a site: the tensors (masked input) and the secure part
     of its reply. Refuses (ClinfedError) whatever would let the server learn
     one site's upload: a group of fewer keys than ``min_group`` (the site's
-    own policy: the sites it expects), a threshold below a majority, a group
-    smaller than it, a site named both survivor and dropout, a second
+    own policy: the sites it expects) at any stage, a threshold below a
+    majority, a group smaller than it, a site named both survivor and dropout, a second
     unmasking."""
     stage = request.get("stage")
     if stage == "share":
@@ -451,6 +451,10 @@ def _share(
         "stage": "share",
         "index": index,
         "threshold": t,
+        # The site's own minimum group, held at every later stage too: a
+        # server that drops members after the shares must not shrink the
+        # group whose sum it learns below it.
+        "min_group": min_group,
         "keys": {str(k): v for k, v in keys.items()},
         "self_seed": _b64(self_seed),
         "held": {str(index): own},
@@ -477,10 +481,11 @@ def _mask(
     members = sorted({int(m) for m in request["members"]})
     if index not in members or not set(members) <= set(keys):
         raise ClinfedError("secure aggregation: the group is not the one shares were made for")
-    if len(members) < t:
+    least = max(t, int(secrets.get("min_group", 2)))
+    if len(members) < least:
         raise ClinfedError(
-            f"secure aggregation: {len(members)} sites left, below the threshold {t}: "
-            "this site does not send"
+            f"secure aggregation: {len(members)} sites left, below the threshold or this "
+            f"site's minimum group ({least}): this site does not send"
         )
     incoming = dict(request["shares"])
     if set(incoming) != {str(m) for m in members if m != index}:
@@ -559,10 +564,11 @@ def _unmask(state_dir: Path, round_number: int, request: Mapping[str, Any]) -> d
         raise ClinfedError(
             "secure aggregation: survivors and dropouts do not split this round's group"
         )
-    if len(survivors) < t:
+    least = max(t, int(secrets.get("min_group", 2)))
+    if len(survivors) < least:
         raise ClinfedError(
-            f"secure aggregation: {len(survivors)} survivors, below the threshold {t}: "
-            "this site does not unmask"
+            f"secure aggregation: {len(survivors)} survivors, below the threshold or this "
+            f"site's minimum group ({least}): this site does not unmask"
         )
     answer = {}
     for source in sorted(members):

@@ -550,14 +550,17 @@ def secure_reply(state_dir: Path, message: Any, min_group: int = 2) -> Any:
 def check_delta_cap(delta: float, units: int, cap: float | None = None) -> None:
     """Refuse a DP run whose delta exceeds what the site allows: ``cap``
     (a node's ``max-delta``), else ``1 / (10 n)`` for ``n`` privacy units (a
-    delta near ``1/n`` allows releasing a unit outright)."""
+    delta near ``1/n`` allows releasing a unit outright). Under add/remove
+    ``units`` is the site's released noisy count, never the exact one; the
+    refusal states no count, nor a cap derived from one."""
     if not units:
         return
     limit = cap if cap is not None else 1 / (10 * units)
     if delta > limit:
+        stated = f" {limit:.3g}" if cap is not None else " (default 1/(10 n))"
         raise ClinfedError(
-            f"the run asks for delta {delta:g}, above this site's cap {limit:.3g} "
-            f"(node config max-delta; default 1/(10 n), n = {units} units): refused"
+            f"the run asks for delta {delta:g}, above this site's cap{stated} (node config "
+            "max-delta): refused"
         )
 
 

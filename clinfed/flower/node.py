@@ -26,7 +26,9 @@ A node is configured by its operator, not by the server (``--node-config``):
     training under DP.
 ``max-delta``
     The largest delta the site accepts (default ``1 / (10 n)``, ``n`` its
-    training examples); a run asking for more is refused.
+    training units: under add/remove its released noisy count, never the
+    exact one); a run asking for more is refused, without a count in the
+    refusal.
 ``privacy-unit``
     The weakest privacy unit the site accepts (``example`` < ``document``
     < ``patient``; default ``example``); a run asking for a weaker one is
@@ -49,8 +51,9 @@ A node is configured by its operator, not by the server (``--node-config``):
 ``max-evaluations``
     The most evaluations of this dataset's held-out split over every run
     (default 200): what the site releases by evaluating (summed counts,
-    the held-out size) is declared, not noised, so the number of times a
-    server may ask is capped.
+    the held-out size) is declared, not noised (held-out units are outside
+    epsilon, and the report says so), so the number of times a server may
+    ask is capped.
 ``model``, ``model-sha256``
     The encoder this site trains: ``minilm`` or ``tiny`` (bundled, public)
     or a checkpoint folder, pinned by the SHA-256 of its files
@@ -229,16 +232,15 @@ class NodeConfig:
             state=Path(str(values["state"])),
             site=str(values["site"]) if values.get("site") else None,
             max_epsilon=float(max_epsilon) if max_epsilon is not None else None,
-            share_ledger=bool(values.get("share-ledger", True)),
+            share_ledger=_boolean(values, "share-ledger", True),
             threads=int(values.get("threads", 0)),
             max_delta=float(max_delta) if max_delta is not None else None,
-            allow_no_dp=bool(values.get("allow-no-dp", False)),
+            allow_no_dp=_boolean(values, "allow-no-dp", False),
             max_grad_norm=float(max_grad_norm) if max_grad_norm is not None else None,
             max_length=int(max_length) if max_length is not None else 512,
             privacy_unit=privacy_unit,
-            worker=str(values.get("worker", True)).lower() not in ("false", "0"),
-            require_secure_aggregation=str(values.get("require-secure-aggregation", False)).lower()
-            in ("true", "1"),
+            worker=_boolean(values, "worker", True),
+            require_secure_aggregation=_boolean(values, "require-secure-aggregation", False),
             annotated_types=tuple(
                 t.strip() for t in str(values["annotated-types"]).split(",") if t.strip()
             )
@@ -279,15 +281,16 @@ class NodeConfig:
                 )
         return self.model
 
-    def check(self, config: RunConfig) -> None:
-        """Refuse a run this site's policy forbids (before any data is read)."""
-        config.validate()  # the same checks as ``clinfed train``
-        if isinstance(config.types, str) and config.types.endswith(".toml"):
-            # A site reads no file the server names (nor says whether it exists).
-            raise ClinfedError(
-                "the run's --types names a file; a site reads no file a server names: the "
-                "run declares its types inline (Disease=problem,Chemical=treatment): refused"
-            )
+    def check(self, config: RunConfig) -> RunConfig:
+        """Refuse a run this site's policy forbids (before any data is read);
+        the run config the site then uses: the server's, less the paths only
+        the server reads (its run folder, its public check), which the node
+        never opens."""
+        refuse_server_named_inputs(config)
+        config = config.replace(**SERVER_SIDE)
+        # The same checks as ``clinfed train``, but none that touches a path:
+        # whether a server-named path exists at the node is itself a leak.
+        config.validate(check_data=False)
         if not config.dp and not self.allow_no_dp:
             raise ClinfedError(
                 "this site trains under DP only (node config allow-no-dp is false); the run "
@@ -324,6 +327,54 @@ class NodeConfig:
             raise ClinfedError(
                 f"the run asks for windows of {config.max_length} tokens, above this site's "
                 f"cap {self.max_length} (node config max-length): refused"
+            )
+        return config
+
+
+def _boolean(values: Mapping[str, Any], key: str, default: bool) -> bool:
+    """A node setting read strictly: true/false (a TOML boolean or the words,
+    any case) or 1/0; anything else is refused by the key's name (a quoted
+    "false" read as a truthy string would open what the operator closed)."""
+    value = values.get(key, default)
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "1", "false", "0"):
+        return value.strip().lower() in ("true", "1")
+    raise ClinfedError(f"--node-config {key} must be true or false (or 1 or 0)")
+
+
+# Settings only the server reads (its run folder, the public text it scores
+# each round on): a node replaces them with nothing before it builds its site.
+SERVER_SIDE = {"out": "", "public_check": None}
+
+# Settings that name a file inline when they end so (``--types x.toml``).
+FILE_VALUED = ("types", "public_types")
+
+
+def refuse_server_named_inputs(config: RunConfig) -> None:
+    """Refuse every setting through which the server would name a file or
+    folder the node reads (data, name lists, public text, type files, caches)
+    or decide what only the node decides (its device, its memory), by the
+    setting's name: the node never looks at the path, so a refusal says
+    nothing about what exists on the hospital's machine."""
+    from clinfed.settings import schema_fields
+
+    defaults = RunConfig()
+    for name, spec in schema_fields().items():
+        if spec.metadata.get("simulator_only") and getattr(config, name) != getattr(defaults, name):
+            raise ClinfedError(
+                f"the run sets {name}: a node takes its data, model, name lists, public text "
+                "and machine from its own node config, never from the server's run: refused"
+            )
+    for name in FILE_VALUED:
+        value = getattr(config, name, None)
+        if isinstance(value, str) and value.strip().lower().endswith(".toml"):
+            # A site reads no file the server names (nor says whether it exists).
+            raise ClinfedError(
+                f"the run's {name} names a file; a site reads no file a server names: the "
+                "run declares its types inline (Disease=problem,Chemical=treatment): refused"
             )
 
 
@@ -412,7 +463,7 @@ class NodeSite:
     def __init__(self, config: RunConfig, node: NodeConfig, run_name: str):
         use_threads(node.threads, config.threads)
         # The site's own policy, whatever the server's run config says.
-        node.check(config)
+        config = node.check(config)
         device = resolve_device(node.device)  # the node's; one it lacks: refused now
         # The site's own model: never a folder the server names.
         config = replace(config, model=node.model_for(config), dp_pass_units=node.dp_pass_units)
@@ -437,28 +488,32 @@ class NodeSite:
             name, train, test = encoded.site, encoded.train, encoded.test
             test_records = encoded.test_records
             units = task.count_units(train, config.privacy_unit)
-            if config.dp:
-                check_delta_cap(config.delta, units, node.max_delta)
             model = make_model(config, task).to(device)
             strategy = make_strategy(config, task, tokenizer, cache_dir)
             privacy = None
             if config.dp and units:  # an evaluation site trains nothing to account
                 # Calibrated once per setting, not per message (checked on reuse).
                 memo = node.state / "calibration.json"
-                policy = privacy_policy(
-                    config, task, {name: train}, folder / "privacy", strategy, memo
-                )
                 # One ledger per dataset at this node, whatever the run is
                 # called: capped by the node's own max-epsilon over every
-                # run, and this run by its own target.
-                ledgers = node.state / "ledger"
-                policy.ledger_paths = {name: ledgers / f"{name}-{data_fp[:16]}.jsonl"}
+                # run, and this run by its own target. Under add/remove the
+                # released count is kept beside it (one draw per dataset).
+                ledger = node.state / "ledger" / f"{name}-{data_fp[:16]}.jsonl"
+                policy = privacy_policy(
+                    config, task, {name: train}, folder / "privacy", strategy, memo,
+                    ledger_paths={name: ledger},
+                )  # fmt: skip
                 policy.ledger_budget = node.max_epsilon
                 policy.ledger_mark = node.state / LEDGER_MARK
                 policy.run = run_name
                 privacy = SitePrivacy(policy, name)
                 if config.reproducible_noise:
                     privacy.ledger.mark_unprotected("reproducible noise (not private)")
+                # Every reply from here on (a refusal too) may carry the
+                # count or something derived from it: charged first, once.
+                policy.charge_count(name)
+                # Under add/remove the cap derives from the released count.
+                check_delta_cap(config.delta, policy.sizes[name], node.max_delta)
             elif not config.dp and units:
                 # An allow-no-dp node: this dataset has no guarantee from now on.
                 Ledger(

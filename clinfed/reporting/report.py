@@ -240,7 +240,8 @@ def _site_rows(run_data: dict[str, Any]) -> list[dict[str, Any]]:
                 "noise_multiplier": sgd[-1]["noise_multiplier"] if sgd else None,
                 "sample_rate": sgd[-1]["sample_rate"] if sgd else None,
                 "steps_per_round": sgd[-1]["steps"] if sgd else None,
-                "rounds_accounted": len({x["round"] for x in lines}),
+                # Round 0 holds a release made once per dataset (its count).
+                "rounds_accounted": len({x["round"] for x in lines if x["round"] > 0}),
                 "epsilon": lines[-1]["epsilon"] if lines else 0.0,
                 "epsilon_rdp": (
                     reference_epsilon(mechanisms, delta, _relation(lines)) if mechanisms else 0.0
@@ -370,6 +371,16 @@ def _verdicts(content: dict[str, Any], pooled: bool) -> list[str]:
             f"**{row['site']}: {word}.** Epsilon {row['epsilon']:.3f} {budget} at delta "
             f"{row['delta']:g}, over {row['rounds_accounted']} rounds{refused}."
         )
+    answered = content.get("evaluation_queries") or {}
+    if answered:
+        counts = ", ".join(f"{site} {n}" for site, n in sorted(answered.items()))
+        lines.append(
+            "**Held-out notes are outside epsilon.** The epsilon above covers the units the "
+            "sites trained on. Their held-out units answered evaluation queries with exact "
+            f"counts, not noised ({counts} queries in this run): declared and capped, one "
+            "query per global round, on Flower at most the node's max-evaluations per dataset "
+            "over every run."
+        )
     if content.get("not_private"):
         lines.insert(0, f"**NOT PRIVATE.** {content['not_private']}.")
     return lines
@@ -443,6 +454,29 @@ RECORD_FIELDS = {
 }
 
 
+def _weight_cover(content: dict[str, Any]) -> str:
+    """How a DP run's weight left each site: under the relation it ran."""
+    if content.get("relation") == "add-remove":
+        return (
+            "accounted: a noisy count (std 20) released once per dataset, charged as the "
+            "ledger's unit-count line; the weight, sampling rate, steps and default delta cap "
+            "derive from it, never from the exact count (add/remove)"
+        )
+    return "declared: released exactly; the accounting assumes it public (replace-one)"
+
+
+def evaluation_queries(records: list[dict[str, Any]]) -> dict[str, int]:
+    """How many evaluation queries each site answered in the run (the global
+    records whose per-site F1 names it)."""
+    answered: dict[str, int] = {}
+    for record in records:
+        if "client" in record:
+            continue
+        for site in record.get("per_site_f1", {}):
+            answered[site] = answered.get(site, 0) + 1
+    return answered
+
+
 def _released(content: dict[str, Any], config: dict[str, Any], pooled: bool) -> list[list[str]]:
     """What left each hospital: one row per kind of quantity."""
     if pooled:
@@ -465,13 +499,11 @@ def _released(content: dict[str, Any], config: dict[str, Any], pooled: bool) -> 
         [
             "its weight: the number of privacy units it trained on (never rows)",
             "each round it trained",
-            "declared: released exactly; the accounting assumes it public (replace-one)"
-            if dp
-            else "declared, not protected",
+            _weight_cover(content) if dp else "declared, not protected",
         ],
         [
             "evaluation counts (true/false positives on held-out examples), the F1 computed "
-            "from them, and the held-out size",
+            "from them, and the held-out size: exact, on held-out units outside epsilon",
             "once per round",
             capped,
         ],
@@ -505,8 +537,8 @@ def _released(content: dict[str, Any], config: dict[str, Any], pooled: bool) -> 
         rows.append(
             [
                 "units per note or patient (k: median, largest) for the group bound",
-                "once",
-                "declared, not accounted",
+                "with every reply",
+                "declared: released exactly, not accounted",
             ]
         )
         rows.append(
@@ -618,6 +650,7 @@ def build(run: Path, reference: Path | None = None) -> dict[str, Any]:
         group = (policy or {}).get("sites", {}).get(row["site"], {}).get("group")
         if group:
             row["group"] = group
+    content["evaluation_queries"] = evaluation_queries(run_data["records"])
     content["verdicts"] = _verdicts(content, pooled)
     content["meaning"] = _meaning(content)
     content["released"] = _released(content, config, pooled)

@@ -188,15 +188,18 @@ class SAFL(Strategy):
             per_unit /= np.asarray([len(r) for r in chosen], dtype=float)[:, None]
             sigma = self.noise * math.sqrt(layers_total)
             noisy = per_unit.sum(axis=0) + rng.normal(0.0, sigma, size=layers_total)
-            scores = (noisy / len(idx)).tolist()
+            # Scaled by the public number of units a profile takes, never by
+            # how many the site had: a site with fewer would release its exact
+            # count through the divisor (the layer order is the same).
+            scores = (noisy / self.profile_examples).tolist()
             layers = top_k_layers(scores, self.top_k)
             info["selection_mechanism"] = {
                 "type": "gaussian",
                 # Under add/remove and under replace-one alike.
                 "l2_sensitivity": math.sqrt(layers_total),
                 "sigma": sigma,
-                "units": int(len(idx)),
-                "sample_size": int(len(units)),
+                # At most this many units profiled: a public setting, not a count.
+                "profile_units": int(self.profile_examples),
             }
         self._chosen[site] = layers
         return info | {"layers": layers, "scores": [round(s, 6) for s in scores]}
