@@ -44,7 +44,9 @@ def test_the_page_has_a_header_a_verdict_per_site_and_every_layer(dp_run):
     assert problems(outline, model_layers(dp_run), sites) == []
     assert outline["header"]["Strategy"] == "safl+fedfrozen"
     assert outline["header"]["Rounds"] == "2 of 2 planned"
-    assert all("within budget" in line for line in outline["verdicts"])
+    per_site = [line for line in outline["verdicts"] if "outside epsilon" not in line]
+    assert len(per_site) == 3 and all("within budget" in line for line in per_site)
+    assert any("Held-out notes are outside epsilon" in line for line in outline["verdicts"])
     assert outline["sent_columns"] == ["embeddings", "layer 0", "layer 1", "head"]
     assert outline["sent_rows"] == 6  # 2 rounds x 3 sites
     assert {"What epsilon means here", "What left each hospital"} <= set(outline["headings"])
@@ -53,7 +55,7 @@ def test_the_page_has_a_header_a_verdict_per_site_and_every_layer(dp_run):
     # A real renderer: lists and bold survive into the page.
     page = (dp_run / "report" / "report.html").read_text()
     assert "<li><strong>beth: within budget.</strong>" in page
-    assert "**" not in page and markdown.count("- **") == 3
+    assert "**" not in page and markdown.count("- **") == 4  # 3 sites + held-out notes
 
 
 def test_a_page_that_drops_a_layer_is_caught(dp_run):

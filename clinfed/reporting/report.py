@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import math
 from datetime import datetime, timezone
 from pathlib import Path
@@ -29,8 +28,8 @@ from clinfed.privacy.accountant import (
 )
 from clinfed.privacy.accountants import reference_accountant
 from clinfed.privacy.policy import PATIENT_CAVEAT, UNIT, group_bound
-from clinfed.runs import atomic_write_json, atomic_write_text, read_jsonl
-from clinfed.settings import read_run_config
+from clinfed.reporting.verify import load_run, read_json, verify_run
+from clinfed.runs import atomic_write_json, atomic_write_text
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -81,26 +80,6 @@ def _task_words(name: str) -> str:
 
     task = TASKS.get(name)
     return task.description if task is not None and task.description else name
-
-
-def _load(run: Path) -> dict[str, Any]:
-    for name in ("config.json", "metrics.jsonl"):
-        if not (run / name).is_file():
-            raise ClinfedError(f"{run}: no {name} (not a clinfed run folder?)")
-    records = read_jsonl(run / "metrics.jsonl")
-    policy_path = run / "privacy" / "policy.json"
-    ledgers = {path.stem: read_jsonl(path) for path in sorted((run / "privacy").glob("*.jsonl"))}
-    summary_path, audit_path = run / "summary.json", run / "audit.json"
-    labels_path = run / "labels.json"
-    return {
-        "labels": json.loads(labels_path.read_text()) if labels_path.is_file() else {},
-        "config": read_run_config(run),
-        "records": records,
-        "policy": json.loads(policy_path.read_text()) if policy_path.is_file() else None,
-        "ledgers": ledgers,
-        "summary": json.loads(summary_path.read_text()) if summary_path.is_file() else {},
-        "audit": json.loads(audit_path.read_text()) if audit_path.is_file() else None,
-    }
 
 
 def _png(fig) -> bytes:
@@ -291,10 +270,15 @@ def _reference_f1(run: Path, config: dict[str, Any], reference: Path | None) -> 
         if guess.resolve() == run.resolve() or not (guess / "summary.json").is_file():
             return None
         reference = guess
+    elif Path(reference).resolve() == run.resolve():
+        raise ClinfedError(
+            f"--reference {reference}: names the run itself; give the same run without DP"
+        )
     path = Path(reference) / "summary.json"
-    if not path.is_file():
+    summary = read_json(path)
+    if summary is None:
         raise ClinfedError(f"{reference}: no summary.json (not a finished run folder?)")
-    value = json.loads(path.read_text()).get("f1")
+    value = summary.get("f1")
     return float(value) if isinstance(value, (int, float)) else None
 
 
@@ -554,55 +538,12 @@ def _released(content: dict[str, Any], config: dict[str, Any], pooled: bool) -> 
     return rows
 
 
-def check_ledgers(run: Path, run_data: dict[str, Any]) -> None:
-    """Refuse (ClinfedError, naming the file) a ledger the report could not
-    verify: the run's copy must charge every round the run's records say
-    the site trained in, end at the epsilon the records last state, and,
-    where the site's own ledger is in the run folder (in-process runs),
-    hold this run's lines of it exactly (the site's ledger is checked
-    against its seal on reading)."""
-    from clinfed.privacy.ledger import Ledger
-
-    for site, lines in run_data["ledgers"].items():
-        path = run / "privacy" / f"{site}.jsonl"
-        charges = [line for line in lines if line.get("state", "charged") == "charged"]
-        charged = {line["round"] for line in charges}
-        trained = [r for r in run_data["records"] if r.get("client") == site and "bytes_up" in r]
-        missing = sorted({r["round"] for r in trained} - charged)
-        if missing:
-            raise ClinfedError(
-                f"{path}: no charge for round {missing[0]}, in which metrics.jsonl says {site} "
-                "trained: the ledger was shortened; no epsilon can be stated from it"
-            )
-        stated = [r["epsilon"] for r in trained if "epsilon" in r]
-        if (
-            stated
-            and charges
-            and abs(charges[-1]["epsilon"] - max(stated)) > 1e-9 * max(1.0, max(stated))
-        ):
-            raise ClinfedError(
-                f"{path}: ends at epsilon {charges[-1]['epsilon']:.6g}, but metrics.jsonl says "
-                f"{site} spent {max(stated):.6g}: the ledger was altered; it cannot be trusted"
-            )
-        own = run / "sites" / site / "privacy" / f"{site}.jsonl"
-        if own.is_file():
-            delta = charges[0]["delta"] if charges else 1e-5
-            kept = Ledger(own, site, delta).run_lines()
-            key = ("round", "mechanism", "noise_multiplier", "sample_rate", "steps")
-            if [tuple(x.get(k) for k in key) for x in kept] != [
-                tuple(x.get(k) for k in key) for x in charges
-            ]:
-                raise ClinfedError(
-                    f"{path}: differs from the site's own ledger {own}: it cannot be trusted"
-                )
-
-
 def build(run: Path, reference: Path | None = None) -> dict[str, Any]:
     """The report's content as plain data (also ``privacy.json``)."""
-    run_data = _load(run)
-    check_ledgers(run, run_data)
+    run_data = load_run(run)
+    verify_run(run, run_data)
     config, policy, summary = run_data["config"], run_data["policy"], run_data["summary"]
-    raw = json.loads((run / "config.json").read_text())
+    raw = read_json(run / "config.json") or {}
     pooled = _pooled(config.get("strategy"))
     private = policy is not None
     not_private = summary.get("not_private") or next(
