@@ -532,6 +532,16 @@ def test_a_dp_run_killed_at_any_stage_resumes_charging_each_round_once(
     killed = subprocess.run([sys.executable, "-c", KILLER, stage, "2", *args],
                             capture_output=True, timeout=600)  # fmt: skip
     assert killed.returncode == -9, killed.stderr.decode()[-2000:]
+    # A report on the killed run says it is unfinished at the top (or, where
+    # the records run ahead of what it can verify, refuses naming a file).
+    from clinfed.errors import USER_ERRORS
+
+    try:
+        verdicts = build(out)["verdicts"]
+    except USER_ERRORS as err:
+        assert stage != "after-commit" and str(out) in str(err)
+    else:
+        assert verdicts[0].startswith("**UNFINISHED RUN.**")
     resumed = run_cli(*args, "--resume")
     assert resumed.returncode == 0, resumed.stderr
     whole = json.loads((uninterrupted / "summary.json").read_text())

@@ -180,3 +180,29 @@ def test_a_report_refuses_its_own_run_as_the_reference(finished, tmp_path):
     source, _ = finished
     result = run_cli("report", str(source), "--reference", str(source))
     assert result.returncode == 2 and "names the run itself" in result.stderr
+
+
+def test_the_grid_shows_a_bias_plan_as_a_small_part_of_each_layer(finished):
+    source, page = finished
+    grid = [line for line in page.splitlines() if line.startswith("| round ")]
+    assert grid and all("■" not in line.split("|", 2)[2].rsplit("|", 2)[0] for line in grid)
+    assert all("▫" in line for line in grid)
+
+
+def test_the_audit_s_words_follow_every_interval(finished, tmp_path):
+    source, _ = finished
+    run = tmp_path / "run"
+    shutil.copytree(source, run)
+
+    def attack(low, high):
+        return {"auc": (low + high) / 2, "ci_low": low, "ci_high": high, "reading": "chance"}
+
+    final = {"members": 40, "non_members": 40}
+    final |= {"loss_threshold": attack(0.4, 0.6), "calibrated_loss": attack(0.42, 0.61)}
+    beth = {"loss_threshold": attack(0.45, 0.55), "calibrated_loss": attack(0.566, 0.834)}
+    audit = {"holdout_share": 0.1, "final_model": final, "site_updates": {"beth": beth}}
+    (run / "audit.json").write_text(json.dumps(audit))
+    page = (write_report(run) / "report.md").read_text()
+    words = next(line for line in page.splitlines() if line.startswith("In plain words"))
+    assert "better than chance" in words and "beth's last update" in words
+    assert "0.566-0.834" in words and "no evidence of privacy" not in page

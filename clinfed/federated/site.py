@@ -527,6 +527,9 @@ class SiteRunner:
             # sent" over every layer): public, it follows from the plan.
             blocks = {block_of(n) for n in plan.uploaded}
             record["sent_blocks"] = sorted(str(b) for b in blocks)
+            # ... and how much of each block: an adapter or bias terms send a
+            # small part of a layer, never "the whole block".
+            record["sent_share"] = self._sent_share(result.upload)
             record["num_layers"] = num_layers(parameter_blocks(self.names))
             if result.clipping is not None:
                 record["clipping"] = result.clipping
@@ -535,6 +538,18 @@ class SiteRunner:
         if self.privacy is None:
             return update(None)
         return self.privacy.run(round_number, update)
+
+    def _sent_share(self, upload: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Per block, the share of the block's numbers the upload holds."""
+        total: dict[str, int] = {}
+        for name, param in self.model.named_parameters():
+            key = str(block_of(name))
+            total[key] = total.get(key, 0) + param.numel()
+        sent: dict[str, int] = {}
+        for name, tensor in upload.items():
+            key = str(block_of(name))
+            sent[key] = sent.get(key, 0) + tensor.numel()
+        return {k: round(min(1.0, n / total[k]), 6) for k, n in sorted(sent.items()) if k in total}
 
 
 def secure_reply(state_dir: Path, message: Any, min_group: int = 2) -> Any:

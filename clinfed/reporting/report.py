@@ -137,7 +137,8 @@ def _relation(lines: list[dict[str, Any]]) -> str:
 def _sent_grid(run_data: dict[str, Any]) -> dict[str, Any] | None:
     """What each site sent, by round, over every block of the model:
     embeddings, each encoder layer (whole, or without its frozen Q/K), head.
-    Cells: 2 whole layer (or block) sent, 1 sent without Q/K, 0 not sent."""
+    Cells: 2 whole layer (or block) sent, 1 sent without Q/K, 3 a small part
+    of its numbers (adapters, bias terms), 0 not sent."""
     sent = [r for r in run_data["records"] if "sent_blocks" in r]
     if not sent:
         return None
@@ -145,14 +146,31 @@ def _sent_grid(run_data: dict[str, Any]) -> dict[str, Any] | None:
     columns = ["embeddings"] + [f"layer {i}" for i in range(layers)] + ["head"]
     rows = []
     for record in sorted(sent, key=lambda r: (r["round"], r["client"])):
-        blocks = set(record["sent_blocks"])
-        cells = [2 if "embeddings" in blocks else 0]
+        blocks, share = set(record["sent_blocks"]), record.get("sent_share")
+        cells = [_sent_cell(["embeddings"], blocks, share)]
         for i in range(layers):
-            parts = {k for k in ("query_key", "value", "rest") if f"layer{i}.{k}" in blocks}
-            cells.append(2 if len(parts) == 3 else 1 if parts else 0)
-        cells.append(2 if "head" in blocks else 0)
+            kinds = [f"layer{i}.{k}" for k in ("query_key", "value", "rest")]
+            cells.append(_sent_cell(kinds, blocks, share))
+        cells.append(_sent_cell(["head"], blocks, share))
         rows.append({"label": f"round {record['round']}, {record['client']}", "cells": cells})
     return {"columns": columns, "rows": rows}
+
+
+# A block counts as sent whole when the upload holds this share of its numbers.
+WHOLE = 0.999
+
+
+def _sent_cell(keys: list[str], blocks: set[str], share: dict[str, float] | None) -> int:
+    """One grid cell over ``keys`` (a layer's blocks, or one block): 2 all
+    sent whole, 1 some sent whole (a layer without its frozen Q/K), 3 a
+    small part of their numbers, 0 none (records before shares were kept
+    count every named block as whole)."""
+    there = [k for k in keys if k in blocks]
+    if not there:
+        return 0
+    if share is not None and any(share.get(k, 0.0) < WHOLE for k in there):
+        return 3
+    return 2 if len(there) == len(keys) else 1
 
 
 def _plots(run_data: dict[str, Any], reference_f1: float | None) -> dict[str, bytes]:
@@ -195,11 +213,15 @@ def _plots(run_data: dict[str, Any], reference_f1: float | None) -> dict[str, by
         fig, ax = plt.subplots(
             figsize=(max(4.5, len(grid["columns"]) * 0.7), max(2.2, len(values) * 0.24))
         )
-        cmap = ListedColormap(["#f0f0f0", "#9ecae1", "#08519c"])
-        ax.imshow(values, aspect="auto", cmap=cmap, vmin=0, vmax=2)
+        cmap = ListedColormap(["#f0f0f0", "#9ecae1", "#08519c", "#fdd0a2"])
+        ax.imshow(values, aspect="auto", cmap=cmap, vmin=0, vmax=3)
         ax.set_yticks(range(len(values)), [row["label"] for row in grid["rows"]], fontsize=7)
         ax.set_xticks(range(len(grid["columns"])), grid["columns"], fontsize=7, rotation=45)
-        ax.set_title("What each site sent (dark: sent; light: sent without Q/K; grey: not)")
+        ax.set_title(
+            "What each site sent (dark: whole; light: without Q/K; orange: a small part; "
+            "grey: not)",
+            fontsize=8,
+        )
         plots["layers"] = _png(fig)
     return plots
 
@@ -353,7 +375,7 @@ def _verdicts(content: dict[str, Any], pooled: bool) -> list[str]:
         word = "within budget" if within else "OVER BUDGET"
         lines.append(
             f"**{row['site']}: {word}.** Epsilon {row['epsilon']:.3f} {budget} at delta "
-            f"{row['delta']:g}, over {row['rounds_accounted']} rounds{refused}."
+            f"{row['delta']:g}, charged in {row['rounds_accounted']} rounds{refused}."
         )
     answered = content.get("evaluation_queries") or {}
     if answered:
@@ -419,6 +441,7 @@ RECORD_FIELDS = {
     "trainable_params": "model update",
     "uploaded_params": "model update",
     "sent_blocks": "model update",
+    "sent_share": "model update",
     "num_layers": "model update",
     "clipping": "model update",
     "secure_dropped": "model update",
@@ -592,7 +615,16 @@ def build(run: Path, reference: Path | None = None) -> dict[str, Any]:
         if group:
             row["group"] = group
     content["evaluation_queries"] = evaluation_queries(run_data["records"])
+    if not summary and not pooled:
+        done = (run_data["state"] or {}).get("round", 0)
+        content["unfinished"] = (
+            f"The run committed round {done} of {config.get('rounds')} planned and wrote no "
+            "summary: every figure here is as of that round (charges may run a round ahead "
+            "of the commit). Resume it with clinfed train --resume --out RUN."
+        )
     content["verdicts"] = _verdicts(content, pooled)
+    if content.get("unfinished"):
+        content["verdicts"].insert(0, f"**UNFINISHED RUN.** {content['unfinished']}")
     content["meaning"] = _meaning(content)
     content["released"] = _released(content, config, pooled)
     content["_plots"] = _plots(run_data, reference_f1)
@@ -612,7 +644,7 @@ def _cell(text: Any) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-SENT_SYMBOLS = {2: "■", 1: "◧", 0: "·"}
+SENT_SYMBOLS = {2: "■", 1: "◧", 3: "▫", 0: "·"}
 
 
 def _markdown(content: dict[str, Any], images: dict[str, str]) -> str:
@@ -672,7 +704,8 @@ def _markdown(content: dict[str, Any], images: dict[str, str]) -> str:
             "### What each site sent",
             "",
             "■ the whole block sent, ◧ the layer sent without its frozen attention "
-            "query/key, · not sent.",
+            "query/key, ▫ a small part of its numbers sent (adapters, bias terms), · not "
+            "sent.",
             "",
             "| | " + " | ".join(sent["columns"]) + " |",
             "|---|" + "---|" * len(sent["columns"]),
@@ -706,6 +739,7 @@ def _markdown(content: dict[str, Any], images: dict[str, str]) -> str:
             (f"{site}'s last update", attack)
             for site, attack in sorted(audit.get("site_updates", {}).items())
         ]
+        above = []  # attacks whose interval lies above chance
         for name, attack in targets:
             for key, label in (
                 ("loss_threshold", "loss threshold"),
@@ -716,9 +750,23 @@ def _markdown(content: dict[str, Any], images: dict[str, str]) -> str:
                     f"| {name} | {label} | {result['auc']:.3f} "
                     f"| {result['ci_low']:.3f}-{result['ci_high']:.3f} |"
                 )
-        lines += ["", f"In plain words: {final['loss_threshold']['reading']}."]
+                if result["ci_low"] > 0.5:
+                    above.append(
+                        f"{name} by {label} (AUC {result['auc']:.3f}, 95% CI "
+                        f"{result['ci_low']:.3f}-{result['ci_high']:.3f})"
+                    )
+        if above:
+            # The words follow every interval, not the final model's alone.
+            lines += [
+                "",
+                f"In plain words: {len(above)} of the {2 * len(targets)} attacks tell training "
+                f"rows from held-out ones better than chance: {'; '.join(above)}. What they "
+                "attack leaks membership at least this much; epsilon is the guarantee.",
+            ]
+        else:
+            lines += ["", f"In plain words: {final['loss_threshold']['reading']}."]
         threshold = final["loss_threshold"]
-        if threshold["ci_low"] <= 0.5 <= threshold["ci_high"]:
+        if not above and threshold["ci_low"] <= 0.5 <= threshold["ci_high"]:
             lines += [
                 "",
                 "An interval that holds 0.5 is no evidence of privacy: at small sizes this "

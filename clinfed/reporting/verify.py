@@ -110,8 +110,10 @@ def _same(a: float, b: float) -> bool:
     return abs(a - b) <= TOLERANCE * max(1.0, abs(a), abs(b))
 
 
-def _global_rounds(records: list[dict[str, Any]]) -> list[int]:
-    return [int(r["round"]) for r in records if "client" not in r and "round" in r]
+def _rounds(records: list[dict[str, Any]]) -> list[int]:
+    """Every round a record names (a round's site records come before its
+    commit; its global record, the evaluation, with the next round's)."""
+    return [int(r["round"]) for r in records if "round" in r]
 
 
 def verify_run(run: Path, data: dict[str, Any]) -> None:
@@ -150,7 +152,7 @@ def _check_commit(
 ) -> None:
     """The records cover the last commit; the summary is the commit's."""
     metrics = run / "metrics.jsonl"
-    rounds = _global_rounds(records)
+    rounds = _rounds(records)
     last = max(rounds, default=0)
     if state is not None:
         try:
@@ -174,7 +176,10 @@ def _check_commit(
                 f"{run / 'summary.json'}: says round {stated}, but {run / 'state.json'} commits "
                 f"round {state['round']}: they disagree; the run cannot be reported"
             )
-        if stated is not None and int(stated) != last:
+        evaluated = max(
+            (int(r["round"]) for r in records if "client" not in r and "round" in r), default=0
+        )
+        if stated is not None and (int(stated) != last or evaluated != int(stated)):
             raise ClinfedError(
                 f"{run / 'summary.json'}: says round {stated}, but {metrics} ends at round "
                 f"{last}: they disagree; the run cannot be reported"
