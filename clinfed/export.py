@@ -42,7 +42,7 @@ def export_run(run: Path, out: Path) -> dict[str, Any]:
     from clinfed.models import load_saved_model
 
     run, out = Path(run), Path(out)
-    ensure_new_run_folder(out, "exported model")
+    ensure_new_run_folder(out, "exported model", {"RUN": run})
     model, tokenizer, meta = load_saved_model(run / "model")
     if meta.get("head") != "token":
         raise ClinfedError(

@@ -48,7 +48,7 @@ def evaluate_run(run: Path, data: Path, on_error: str = "strict") -> dict[str, A
 def predict_run(run: Path, data: Path, out: Path, on_error: str = "strict") -> int:
     """Write predictions for every document of ``data`` to the new folder
     ``out`` in the task's format; return how many records were predicted."""
-    ensure_new_run_folder(out, "predictions")
+    ensure_new_run_folder(out, "predictions", {"--data": data, "RUN": run})
     problems = ProblemLog(on_error)
     with temporary_folder("cache") as cache:
         task, records, examples, outputs = _outputs(run, data, problems, cache)

@@ -73,6 +73,7 @@ from clinfed.runs import (
     atomic_write_json,
     claimed_run_folder,
     create_run_folder,
+    ensure_outside,
 )
 from clinfed.scratch import temporary_folder
 from clinfed.settings import RunConfig, load_file
@@ -555,12 +556,7 @@ def warm_start_model(config: RunConfig, report: Reporter = _quiet) -> dict[str, 
         for name in PUBLIC_INPUTS:
             if getattr(config, name):
                 check_public_input(flag(name), getattr(config, name), config.data)
-        data = Path(config.data).resolve()
-        if out.resolve() == data or data in out.resolve().parents:
-            raise ClinfedError(
-                f"--out {config.out} is inside --data {config.data}: choose a folder outside "
-                "the corpus"
-            )
+        ensure_outside(out, config.data)
     use_threads(config.threads)
     problems = ProblemLog(config.on_error)
     with temporary_folder("cache") as cache_dir:
@@ -729,6 +725,12 @@ def _pooled(prep: _Prepared, config: RunConfig, train, test, report: Reporter) -
         } | {k: v for k, v in metrics.items() if k not in ("f1", "scores")}
         append_jsonl(prep.out / "metrics.jsonl", record)
         report("epoch_end", record)
+        if not math.isfinite(stats.loss):
+            stopped = (
+                f"stopped in epoch {epoch}: training diverged (the loss is not finite): lower "
+                "--lr or --head-lr"
+            )
+            return _finish(prep, config, test, outputs, record, {"stopped": stopped})
     return _finish(prep, config, test, outputs, record, {"detail": metrics.get("scores")})
 
 

@@ -24,13 +24,29 @@ from clinfed.privacy.durable import (  # noqa: F401
 )
 
 
-def ensure_new_run_folder(path: Path | str, what: str = "run folder") -> None:
+def ensure_outside(out: Path | str, data: Path | str, flag: str = "--data") -> None:
+    """Refuse an output folder that is, or lies inside, an input folder: what
+    a command writes there (predictions, a converted corpus, a model) would
+    become part of the corpus the next run reads."""
+    out_path, data_path = Path(out).resolve(), Path(data).resolve()
+    if out_path == data_path or data_path in out_path.parents:
+        raise ClinfedError(
+            f"--out {out} is inside {flag} {data}: choose a folder outside the corpus"
+        )
+
+
+def ensure_new_run_folder(
+    path: Path | str, what: str = "run folder", inputs: dict[str, Path | str] | None = None
+) -> None:
     """Refuse a folder (``what``: a run folder, the predictions folder...)
-    that already holds files, or a file in its place.
+    that already holds files, or a file in its place, or that lies inside
+    one of ``inputs`` (``{flag: folder}``, :func:`ensure_outside`).
 
     Refusing, rather than overwriting, means a mistyped ``--out`` can never
-    damage an earlier run.
+    damage an earlier run or a corpus.
     """
+    for flag, folder in (inputs or {}).items():
+        ensure_outside(path, folder, flag)
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ClinfedError(

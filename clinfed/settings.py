@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -32,6 +33,9 @@ from typing import Any
 
 from clinfed.errors import ClinfedError
 from clinfed.schema import setting
+
+# Above this target epsilon a run needs --accept-large-epsilon.
+EPSILON_CEILING = 50.0
 
 
 # ------------------------------------------------------------------ concerns
@@ -161,6 +165,7 @@ class ModelSettings:
         "The encoder's rate on the public text (default: the task's whole-model rate, "
         "whatever --lr and --adapter set for the private rounds).",
         above=0.0,
+        maximum=1.0,
     )
     public_examples: int = setting(
         0,
@@ -201,11 +206,16 @@ class TrainingSettings:
         minimum=1,
         maximum=65_536,
     )
-    lr: float | None = setting(None, "AdamW rate of the encoder (default: the task's).", above=0.0)
-    head_lr: float | None = setting(
-        None, "Rate of the freshly initialised task head (default: the task's).", above=0.0
+    lr: float | None = setting(
+        None, "AdamW rate of the encoder (default: the task's).", above=0.0, maximum=1.0
     )
-    weight_decay: float = setting(0.01, "AdamW weight decay.", minimum=0.0)
+    head_lr: float | None = setting(
+        None,
+        "Rate of the freshly initialised task head (default: the task's).",
+        above=0.0,
+        maximum=1.0,
+    )
+    weight_decay: float = setting(0.01, "AdamW weight decay.", minimum=0.0, maximum=1.0)
     optimizer: str = setting(
         "adamw",
         "Under DP: adamw; adambc, Adam with the noise's variance taken out of its second "
@@ -289,6 +299,11 @@ class PrivacySettings:
         "just under this epsilon; sites refuse rounds past it ('inf': no DP).",
         above=0.0,
         allow_inf=True,
+    )
+    accept_large_epsilon: bool = setting(
+        False,
+        f"Allow --target-epsilon above {EPSILON_CEILING:g}: a bound that large says nothing "
+        "a patient would call privacy; without this flag such a target is refused.",
     )
     delta: float = setting(1e-5, "DP delta (below 1 / site examples).", above=0.0, below=1.0)
     noise_multiplier: float | None = setting(
@@ -684,6 +699,17 @@ class RunConfig(
                 f"--optimizer {self.optimizer} needs DP (--target-epsilon or "
                 "--noise-multiplier): it is derived from the noise's scale"
             )
+        if (
+            self.dp
+            and self.target_epsilon is not None
+            and self.target_epsilon > EPSILON_CEILING
+            and not self.accept_large_epsilon
+        ):
+            raise ClinfedError(
+                f"--target-epsilon {self.target_epsilon:g} is above {EPSILON_CEILING:g}: a bound "
+                "that large protects nobody in practice; give --accept-large-epsilon to run it "
+                "anyway"
+            )
         if self.dp:
             if not (self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)):
                 raise ClinfedError("--max-grad-norm must be a positive finite number under DP")
@@ -701,13 +727,10 @@ class RunConfig(
                 if getattr(self, name):
                     check_public_input(flag(name), getattr(self, name), self.data)
         if check_data and self.out:
-            out, data = Path(self.out).resolve(), Path(self.data).resolve()
-            if out == data or data in out.parents:
-                # Run outputs (predictions, copies) would land inside the corpus.
-                raise ClinfedError(
-                    f"--out {self.out} is inside --data {self.data}: choose a folder outside "
-                    "the corpus"
-                )
+            from clinfed.runs import ensure_outside
+
+            # Run outputs (predictions, copies) would land inside the corpus.
+            ensure_outside(self.out, self.data)
 
     @property
     def dp(self) -> bool:
@@ -790,11 +813,23 @@ def all_names() -> list[str]:
     return [*schema_fields(), *strategy_option_fields()]
 
 
+# Per settings file read, the line each key stands on (errors name it).
+_KEY_LINES: dict[str, dict[str, int]] = {}
+_KEY = re.compile(r"""^\s*["']?([A-Za-z0-9_-]+)["']?\s*=""")
+
+
+def where(source: str, key: str) -> str:
+    """``source`` with the line ``key`` stands on, when ``source`` is a
+    settings file that holds it (``run.toml:7``)."""
+    line = _KEY_LINES.get(source, {}).get(key.replace("-", "_"))
+    return f"{source}:{line}" if line else source
+
+
 def unknown_key(key: str, source: str) -> ClinfedError:
     names = all_names()
     close = difflib.get_close_matches(key.replace("-", "_"), names, n=1, cutoff=0.6)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return ClinfedError(f"{source}: unknown setting {key!r}{hint}")
+    return ClinfedError(f"{where(source, key)}: unknown setting {key!r}{hint}")
 
 
 def flatten(values: Mapping[str, Any], source: str) -> dict[str, Any]:
@@ -844,11 +879,11 @@ def check_value(f: Field, value: Any, source: str) -> Any:
     int, no float for an int) and bounds; returned normalised."""
     kind, optional = field_type(f)
     flag = "--" + f.name.replace("_", "-")
-    where = flag if source in ("flags", "settings") else f"{source}: {f.name}"
+    named = flag if source in ("flags", "settings") else f"{where(source, f.name)}: {f.name}"
     if value is None:
         if optional:
             return None
-        raise ClinfedError(f"{where}: a value is required")
+        raise ClinfedError(f"{named}: a value is required")
     if kind is bool:
         ok = isinstance(value, bool)
     elif kind is int:
@@ -874,8 +909,8 @@ def check_value(f: Field, value: Any, source: str) -> Any:
             str: "text",
             list: "a list of text",
         }[kind]
-        raise ClinfedError(f"{where}: expected {expected}, got {value!r}")
-    check_bounds(f, value, where)
+        raise ClinfedError(f"{named}: expected {expected}, got {value!r}")
+    check_bounds(f, value, named)
     return value
 
 
@@ -919,7 +954,9 @@ def load_file(path: Path) -> dict[str, Any]:
 
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        # utf-8-sig: a byte-order mark (some Windows editors write one) is
+        # not a setting, as data files accept it too.
+        text = path.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as exc:
         raise ClinfedError(f"{path}: cannot read ({exc.__class__.__name__})") from None
     try:
@@ -927,7 +964,18 @@ def load_file(path: Path) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise ClinfedError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
     except tomllib.TOMLDecodeError as exc:
-        raise ClinfedError(f"{path}: not valid TOML ({exc})") from None
+        # Python 3.11's message ends "(at line L, column C)": the line leads.
+        found = re.search(r"\(at line (\d+), column \d+\)$", str(exc))
+        at = f":{found.group(1)}" if found else ""
+        reason = str(exc)[: found.start()].strip() if found else str(exc)
+        raise ClinfedError(f"{path}{at}: not valid TOML ({reason})") from None
+    if path.suffix != ".json":
+        lines: dict[str, int] = {}
+        for number, raw in enumerate(text.splitlines(), start=1):
+            found = _KEY.match(raw)
+            if found:
+                lines.setdefault(found.group(1).replace("-", "_"), number)
+        _KEY_LINES[str(path)] = lines
     if not isinstance(data, dict):
         raise ClinfedError(f"{path}: expected a table of settings")
     return data

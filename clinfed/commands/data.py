@@ -87,7 +87,7 @@ def data_convert(
     from clinfed.tasks.i2b2.adapter import I2b2Task
     from clinfed.tasks.i2b2.convert import write_documents
 
-    ensure_new_run_folder(out_dir, "converted corpus")
+    ensure_new_run_folder(out_dir, "converted corpus", {"SOURCE": source})
     task = I2b2Task(format=annotation_format, types=types)
     problems = ProblemLog(on_error.value)
     splits = [s for s in ("train", "test") if (source / s).is_dir()]

@@ -18,6 +18,7 @@ from typing import Any
 import click
 import typer
 
+from clinfed.errors import ClinfedError
 from clinfed.settings import (
     PANELS,
     concern_of,
@@ -28,6 +29,7 @@ from clinfed.settings import (
     option_owners,
     schema_fields,
     strategy_option_fields,
+    where,
 )
 
 
@@ -37,6 +39,8 @@ def _option(name: str, f: Field, panel: str, owners: list[str] | None) -> inspec
     help_text = f.metadata.get("help", "")
     if kind is int and "maximum" in f.metadata:
         help_text += f" (at most {f.metadata['maximum']:,})"
+    elif kind is float and "maximum" in f.metadata:
+        help_text += f" (at most {f.metadata['maximum']:g})"
     if owners:
         help_text += f" [{', '.join(owners)}]"
     default = default_of(f)
@@ -126,6 +130,16 @@ def merge(config_file: Path | None, flags: dict[str, Any]) -> dict[str, Any]:
     owners = option_owners()
     chosen = flags.get("strategy")
     if chosen is not None and chosen != values.get("strategy"):
+        if Path(config_file).suffix != ".json":
+            # A settings file the user wrote: an option it gives for another
+            # strategy would silently mean nothing; a run's own config.json
+            # carries its strategy's options, dropped when another is chosen.
+            for key in options:
+                if chosen not in owners.get(key.replace("-", "_"), [chosen]):
+                    raise ClinfedError(
+                        f"{where(str(config_file), key)}: {key} is an option of "
+                        f"{', '.join(owners[key.replace('-', '_')])}, not of --strategy {chosen}"
+                    )
         options = {k: v for k, v in options.items() if chosen in owners.get(k, [])}
         values = {k: v for k, v in values.items() if k not in owners or chosen in owners.get(k, [])}
     values = values | flags

@@ -209,25 +209,30 @@ def train(
         raise typer.Exit(EXIT_STOPPED if summary.get("stopped") else 0)
     if "mb_up" in summary:
         _round_table(out_dir)
-        if summary.get("stopped"):
-            out.print(f"[yellow]{summary['stopped']}[/]")
         if "epsilon" in summary:
             spent = ", ".join(f"{k} {v:.3f}" for k, v in summary["epsilon"].items())
             out.print(f"privacy spent (epsilon at delta {summary['delta']:g}): {spent}")
+        word = "[bold yellow]stopped early[/]" if summary.get("stopped") else "[bold]done[/]"
         out.print(
-            f"[bold]done[/]: held-out f1 {_f1(summary)}; uploaded {summary['mb_up']:.1f} MB, "
+            f"{word}: held-out f1 {_f1(summary)}; uploaded {summary['mb_up']:.1f} MB, "
             f"downloaded {summary['mb_down']:.1f} MB "
             f"({100 * summary['ratio_to_fedavg_up']:.3g}% of "
             f"FedAvg's upload); run folder {out_dir}; {_duration(wall)}"
         )
         if summary.get("stopped"):
+            # Why it stopped is the last thing on the screen.
+            out.print(f"[yellow]{summary['stopped']}[/]")
             raise typer.Exit(EXIT_STOPPED)
     else:
+        word = "[bold yellow]stopped early[/]" if summary.get("stopped") else "[bold]done[/]"
         out.print(
-            f"[bold]done[/]: held-out f1 {summary['f1']:.4f} "
+            f"{word}: held-out f1 {summary['f1']:.4f} "
             f"({summary['tokens_per_s']:.0f} training tokens/s); run folder {out_dir}; "
             f"{_duration(wall)}"
         )
+        if summary.get("stopped"):
+            out.print(f"[yellow]{summary['stopped']}[/]")
+            raise typer.Exit(EXIT_STOPPED)
 
 
 # A run that stopped before its last round (as ``clinfed flower run``).

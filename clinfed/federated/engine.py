@@ -451,7 +451,13 @@ class RoundEngine:
         if trained + refused < self.deployment.min_sites or closed.failure is not None:
             for record in records:
                 self._metrics(record)
-            self._short = closed.failure or f"fewer than {self.deployment.min_sites} sites replied"
+            rejected = sorted({r["rejected"] for r in records if "rejected" in r})
+            why = f" (updates rejected: {'; '.join(rejected)})" if rejected else ""
+            if any("NaN or Inf" in reason for reason in rejected):
+                why += "; training diverged: lower --lr or --head-lr"
+            self._short = (
+                closed.failure or f"fewer than {self.deployment.min_sites} sites replied{why}"
+            )
             self.log(
                 f"round {round_number}: {closed.failure}"
                 if closed.failure is not None

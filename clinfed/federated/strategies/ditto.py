@@ -38,6 +38,7 @@ class DittoOptions:
         0.1,
         "Ditto: weight of lambda/2 ||v - w_global||^2 in a site's personal loss.",
         minimum=0.0,
+        maximum=100.0,
     )
 
 

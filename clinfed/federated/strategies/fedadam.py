@@ -31,7 +31,9 @@ from clinfed.settings import setting
 
 @dataclass
 class FedAdamOptions:
-    server_lr: float = setting(1e-3, "FedAdam: the server's Adam step size.", above=0.0)
+    server_lr: float = setting(
+        1e-3, "FedAdam: the server's Adam step size.", above=0.0, maximum=1.0
+    )
     server_beta1: float = setting(0.9, "FedAdam: first-moment decay.", minimum=0.0, below=1.0)
     server_beta2: float = setting(0.99, "FedAdam: second-moment decay.", minimum=0.0, below=1.0)
     server_tau: float = setting(1e-3, "FedAdam: adaptivity floor added to sqrt(v).", above=0.0)

@@ -14,7 +14,9 @@ from clinfed.settings import setting
 
 @dataclass
 class FedProxOptions:
-    mu: float = setting(0.01, "FedProx: weight of mu/2 ||w - w_global||^2.", minimum=0.0)
+    mu: float = setting(
+        0.01, "FedProx: weight of mu/2 ||w - w_global||^2.", minimum=0.0, maximum=100.0
+    )
 
 
 class FedProx(Strategy):
