@@ -246,12 +246,43 @@ def test_unpaired_and_negative_ids_are_counted_or_refused_never_silent(tmp_path)
     )
     assert summary["summaries_without_codes"] == 1
     assert summary["coded_admissions_without_a_summary"] == 1
-    # A header-only NOTEEVENTS: every coded admission lacks its summary.
+    # A header-only NOTEEVENTS: the site has nothing usable, and says so by
+    # the file's name (it never vanishes from the run).
     make_site(tmp_path / "h", "", codes)
-    summary = Mimic3Task(top_k=0, cache_dir=str(tmp_path / "c2")).summarize(
-        tmp_path / "h", ProblemLog()
-    )
-    assert summary["admissions"] == 0 and summary["coded_admissions_without_a_summary"] == 2
+    (problem,) = _problems(tmp_path / "h", tmp_path)
+    assert problem.startswith(f"{tmp_path / 'h' / 'NOTEEVENTS.csv'}: no discharge summary")
     make_site(tmp_path / "n", NOTES, '"1","7","-100","1","4280"\n')
     (problem,) = _problems(tmp_path / "n", tmp_path)
     assert problem == f"{tmp_path / 'n' / 'DIAGNOSES_ICD.csv'}:2: HADM_ID is negative"
+
+
+@pytest.mark.parametrize("kind", ["folder", "fifo"])
+def test_a_notes_file_that_is_not_a_file_is_an_error_never_a_vanished_site(tmp_path, kind):
+    import os
+
+    site = make_site(tmp_path / "s", NOTES, CODES)
+    (site / "NOTEEVENTS.csv").unlink()
+    if kind == "folder":
+        (site / "NOTEEVENTS.csv").mkdir()
+    else:
+        os.mkfifo(site / "NOTEEVENTS.csv")  # opening it would wait forever
+    problems = _problems(site, tmp_path)
+    assert f"{site / 'NOTEEVENTS.csv'}: not a regular file" in problems[0]
+
+
+@pytest.mark.parametrize(
+    ("notes", "codes", "header", "said"),
+    [
+        (NOTES, CODES, NOTE_HEADER_FULL.replace('"CGID"', '"TEXT"'),
+         "NOTEEVENTS.csv:1: column TEXT"),
+        (NOTES.replace('"","1","erroneous"', '"","ZEBRA","erroneous"'), CODES, NOTE_HEADER_FULL,
+         "NOTEEVENTS.csv:7: ISERROR is not 1, 0 or empty"),
+        (NOTES, CODES + '"4","8","101","2","42X31"\n', NOTE_HEADER_FULL,
+         "DIAGNOSES_ICD.csv:5: ICD9_CODE is not an ICD-9 diagnosis code"),
+    ],
+)  # fmt: skip
+def test_malformed_fields_are_named_by_file_and_line(tmp_path, notes, codes, header, said):
+    site = make_site(tmp_path / "s", notes, codes, header)
+    problems = _problems(site, tmp_path)
+    assert any(said in p for p in problems), problems
+    assert not any("erroneous" in p or "42X31" in p for p in problems)  # never the value

@@ -236,6 +236,14 @@ class Mimic3Task(Task):
     def load(self, data: Path, problems: ProblemLog) -> Corpus:
         sites = site_folders(data)
         parts = [self._read_site(site, folder, problems) for site, folder in sites.items()]
+        for (site, folder), part in zip(sites.items(), parts):
+            if len(part) == 0:
+                # A site never vanishes: a header-only file is an error.
+                problems.add(
+                    find_file(folder, "NOTEEVENTS") or folder,
+                    None,
+                    f"no discharge summary with an admission: site {site} has no usable admissions",
+                )
         problems.raise_if_any()
         for site, counts in sorted(self.unpaired.items()):
             if any(counts.values()):
@@ -299,6 +307,14 @@ class Mimic3Task(Task):
     def summarize(self, data: Path, problems: ProblemLog) -> dict[str, Any]:
         sites = site_folders(data)
         parts = [self._read_site(site, folder, problems) for site, folder in sites.items()]
+        for (site, folder), part in zip(sites.items(), parts):
+            if len(part) == 0:
+                # A site never vanishes: a header-only file is an error.
+                problems.add(
+                    find_file(folder, "NOTEEVENTS") or folder,
+                    None,
+                    f"no discharge summary with an admission: site {site} has no usable admissions",
+                )
         problems.raise_if_any()
         admissions = datasets.concatenate_datasets(parts)
         label_counts = Counter(code for codes in admissions["codes"] for code in codes)

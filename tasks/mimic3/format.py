@@ -20,6 +20,7 @@ import gzip
 import hashlib
 import io
 import os
+import re
 import sys
 import zlib
 from collections import defaultdict
@@ -61,6 +62,16 @@ ADMISSION_FEATURES = datasets.Features(
 csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
 
 
+# ICD-9-CM codes without their dot: diagnoses (3-5 digits, V + 2-4 digits,
+# E + 3-4 digits) and procedures (2-4 digits).
+ICD9 = {
+    "diagnoses": re.compile(r"^(?:\d{3,5}|[Vv]\d{2,4}|[Ee]\d{3,4})$"),
+    "procedures": re.compile(r"^\d{2,4}$"),
+}
+# NOTEEVENTS.ISERROR: 1 marks a note the physician flagged as an error.
+ISERROR_VALUES = ("", "0", "1", "0.0", "1.0")
+
+
 def caml_dot(code: str, kind: str) -> str:
     """Dot an ICD-9 code as CAML does.
 
@@ -79,7 +90,9 @@ def find_file(folder: Path, name: str) -> Path | None:
     """``NAME.csv`` or ``NAME.csv.gz`` in ``folder``, any letter case."""
     wanted = {f"{name}.csv".lower(), f"{name}.csv.gz".lower()}
     for entry in sorted(folder.iterdir()):
-        if entry.is_file() and entry.name.lower() in wanted:
+        # Whatever stands under the name (a folder or a pipe too): the reader
+        # refuses what is not a file, so a site never vanishes unnoticed.
+        if entry.name.lower() in wanted:
             return entry
     return None
 
@@ -119,9 +132,14 @@ def iter_rows(
 ) -> Iterator[tuple[int, dict[str, str]]]:
     """Yield ``(first line of the record, row)`` with lower-cased column names.
 
-    A missing column, an unterminated quote or bytes that are not UTF-8 stop
-    the file (reported with its line); the caller reports bad values.
+    A missing or repeated column, an unterminated quote or bytes that are not
+    UTF-8 stop the file (reported with its line); the caller reports bad
+    values. What is not a regular file (a folder, a pipe: opening one would
+    wait forever) is reported, never opened.
     """
+    if not path.is_file():
+        problems.add(path, None, "not a regular file (a folder, a pipe or a device)")
+        return
     try:
         fh = _open_binary(path)
     except OSError as exc:
@@ -144,6 +162,10 @@ def iter_rows(
             problems.add(path, 1, f"unreadable header ({type(exc).__name__})")
             return
         columns = [name.strip().lower() for name in header]
+        repeated = sorted({name for name in columns if columns.count(name) > 1})
+        if repeated:
+            problems.add(path, 1, f"column {repeated[0].upper()} appears more than once")
+            return
         for name in required:
             if name not in columns:
                 problems.add(path, 1, f"missing column {name.upper()}")
@@ -220,6 +242,10 @@ def read_codes(folder: Path, kind: str, problems: ProblemLog) -> CodeTable:
             hadm = _parse_id(row["hadm_id"], "HADM_ID", path, line, problems)
             subject = _parse_id(row["subject_id"], "SUBJECT_ID", path, line, problems)
             code = row["icd9_code"].strip()
+            if code and not ICD9[source].match(code.replace(".", "")):
+                kind = "diagnosis" if source == "diagnoses" else "procedure"
+                problems.add(path, line, f"ICD9_CODE is not an ICD-9 {kind} code")
+                continue
             if hadm is None or subject is None or not code:
                 continue  # the release has a few rows without a code
             table.codes[hadm].add(caml_dot(code, source))
@@ -234,7 +260,11 @@ def _note_rows(path: str, problems: ProblemLog, stamp: str) -> Iterator[dict]:
     for order, (line, row) in enumerate(iter_rows(Path(path), NOTE_COLUMNS, problems)):
         if row["category"].strip().lower() != DISCHARGE:
             continue
-        if row.get("iserror", "").strip() == "1":
+        flag = row.get("iserror", "").strip()
+        if flag not in ISERROR_VALUES:
+            problems.add(Path(path), line, "ISERROR is not 1, 0 or empty")
+            continue
+        if flag in ("1", "1.0"):
             continue
         hadm = _parse_id(row["hadm_id"], "HADM_ID", Path(path), line, problems)
         subject = _parse_id(row["subject_id"], "SUBJECT_ID", Path(path), line, problems)
