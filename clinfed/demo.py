@@ -193,6 +193,7 @@ def run_demo(
     (a new folder); returns the summary the command prints (also
     ``out/demo.json``)."""
     from clinfed.device import use_threads
+    from clinfed.models import checkpoint_dir
     from clinfed.pipeline import RunConfig, warm_start_model
     from clinfed.reporting.audit import audit
     from clinfed.reporting.report import write_report
@@ -201,18 +202,23 @@ def run_demo(
 
     out = Path(out)
     ensure_new_run_folder(out, "demo folder")
+    # Every setting is checked before anything is written: a refused demo
+    # leaves no partial folder behind, so the same --out works next time.
     if docs < 2:
         raise ClinfedError(f"--docs must be at least 2, not {docs}")
-    started = time.perf_counter()
-    data = out / "data"
-    on_step(f"writing a synthetic corpus: {SITES} hospitals x {docs} notes")
-    generate(data, sites=SITES, docs=docs, seed=SEED)
     if plan not in PLANS:
         raise ClinfedError(f"--plan must be one of {', '.join(PLANS)}, not {plan!r}")
     if public not in PUBLIC:
         raise ClinfedError(f"--public must be one of {', '.join(PUBLIC)}, not {public!r}")
+    checkpoint_dir(model)
     settings = COMMON | PLANS[plan] | PUBLIC[public]
     settings |= {"model": model, "threads": threads, "seed": SEED}
+    checked = settings | ({"rounds": rounds} if rounds is not None else {})
+    RunConfig.of(**checked).validate(check_data=False)
+    started = time.perf_counter()
+    data = out / "data"
+    on_step(f"writing a synthetic corpus: {SITES} hospitals x {docs} notes")
+    generate(data, sites=SITES, docs=docs, seed=SEED)
     if public == "notes":
         on_step(f"writing public notes: the generator at seed {PUBLIC_SEED} (other patients)")
         generate(out / "public", sites=SITES, docs=docs, seed=PUBLIC_SEED)

@@ -75,6 +75,7 @@ class ProblemLog:
     problems: list[Problem] = field(default_factory=list)
     # Set by a reader that really ran (not a cache hit): see rows_to_dataset.
     generated: bool = field(default=False, repr=False, compare=False)
+    _seen: set = field(default_factory=set, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.on_error not in ON_ERROR_CHOICES:
@@ -83,7 +84,12 @@ class ProblemLog:
             )
 
     def add(self, path: Path | str, line: int | None, reason: str) -> None:
-        self.problems.append(Problem(path, line, reason))
+        # Once: readers that look at the same file (format detection, then
+        # reading) must not report one problem several times.
+        key = (str(path), line, reason)
+        if key not in self._seen:
+            self._seen.add(key)
+            self.problems.append(Problem(path, line, reason))
 
     @property
     def skipping(self) -> bool:

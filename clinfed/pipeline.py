@@ -98,6 +98,9 @@ def config_record(config: RunConfig, runner: str) -> dict[str, Any]:
     by ``--config``) and, beside them, how the run was made."""
     from clinfed.provenance import provenance
 
+    if config.data:
+        # Absolute: the file read back from another folder names the same data.
+        config = config.replace(data=str(Path(config.data).resolve()))
     return config.to_dict() | {"clinfed_version": __version__, "runner": runner} | provenance()
 
 
@@ -117,6 +120,14 @@ def _check_resume(config: RunConfig) -> None:
             f"--resume applies to federated strategies (rounds), not {config.strategy}"
         )
     check_metrics(out)
+    check_same_settings(config, out, "--resume of")
+
+
+def check_same_settings(config: RunConfig, out: Path, doing: str) -> None:
+    """Refuse ``config`` (resolved) unless the run in ``out`` was made with the
+    same settings (those ``--resume`` may change aside): ``doing`` names
+    what is refused (``--resume of``, ``sweep --resume: cell``)."""
+    saved_path = Path(out) / "config.json"
     saved = RunConfig.from_values(load_file(saved_path), str(saved_path)).to_dict()
     ours = config.to_dict()
     from clinfed.settings import schema_fields
@@ -130,7 +141,7 @@ def _check_resume(config: RunConfig) -> None:
                     # Allowed (a run moved to another machine resumes), but the
                     # sums run in another order: not bit for bit the same run.
                     logging.getLogger("clinfed").warning(
-                        f"--resume of {out}: {key} was {before!r}, now {value!r}; the "
+                        f"{doing} {out}: {key} was {before!r}, now {value!r}; the "
                         "rounds from here are not bit-identical to an uninterrupted run"
                     )
                 continue
@@ -140,8 +151,7 @@ def _check_resume(config: RunConfig) -> None:
                 same = before == value
             if not same:
                 raise ClinfedError(
-                    f"--resume of {out} with a different config: {key} was {before!r}, "
-                    f"now {value!r}"
+                    f"{doing} {out} with a different config: {key} was {before!r}, now {value!r}"
                 )
 
 

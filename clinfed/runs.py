@@ -31,7 +31,8 @@ def ensure_outside(out: Path | str, data: Path | str, flag: str = "--data") -> N
     out_path, data_path = Path(out).resolve(), Path(data).resolve()
     if out_path == data_path or data_path in out_path.parents:
         raise ClinfedError(
-            f"--out {out} is inside {flag} {data}: choose a folder outside the corpus"
+            f"--out {out} is inside {flag} {data}: choose a folder outside it (what is "
+            "written there would become part of what is read)"
         )
 
 
@@ -45,8 +46,6 @@ def ensure_new_run_folder(
     Refusing, rather than overwriting, means a mistyped ``--out`` can never
     damage an earlier run or a corpus.
     """
-    for flag, folder in (inputs or {}).items():
-        ensure_outside(path, folder, flag)
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ClinfedError(
@@ -56,6 +55,8 @@ def ensure_new_run_folder(
         raise ClinfedError(
             f"{path}: already exists and is not empty; choose a new --out for the {what}"
         )
+    for flag, folder in (inputs or {}).items():
+        ensure_outside(path, folder, flag)
 
 
 def create_run_folder(path: Path | str) -> Path:

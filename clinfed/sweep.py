@@ -30,7 +30,7 @@ import matplotlib
 
 from clinfed.errors import ClinfedError
 from clinfed.federated.strategies import STRATEGIES
-from clinfed.pipeline import RunConfig, run_training
+from clinfed.pipeline import RunConfig, check_same_settings, run_training
 from clinfed.runs import append_jsonl, atomic_write_json, atomic_write_text, read_jsonl
 from clinfed.settings import read_run_config
 
@@ -71,6 +71,10 @@ def run_sweep(
     ``options`` are strategy options; each cell takes those its strategy has.
     """
     options = dict(options or {})
+    if not strategies:
+        raise ClinfedError("--strategies: name at least one federated strategy")
+    if not epsilons:
+        raise ClinfedError("--epsilons: name at least one target epsilon (inf: no DP)")
     for strategy in strategies:
         if strategy not in STRATEGIES or STRATEGIES[strategy].pooled:
             raise ClinfedError(f"--strategies: {strategy!r} is not a federated strategy")
@@ -79,6 +83,8 @@ def run_sweep(
     # Never overwrite: a sweep folder is new, or an earlier sweep's
     # (sweep.json) continued with --resume.
     marker = out / "sweep.json"
+    if base.resume and not marker.is_file():
+        raise ClinfedError(f"{out}: no sweep to resume (no sweep.json); drop --resume to start one")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not out.is_dir() or not marker.is_file():
             raise ClinfedError(f"{out}: exists and is not a sweep folder; choose a new --out")
@@ -92,38 +98,42 @@ def run_sweep(
             marker,
             {"strategies": strategies, "epsilons": [str(e) for e in epsilons], "seeds": seeds},
         )
-    planned = [(s, e, seed) for s in strategies for e in epsilons for seed in range(seeds)]
-    finished = sum((out / cell_name(*cell) / "summary.json").is_file() for cell in planned)
-    report("sweep_start", {"cells": len(planned), "finished": finished})
-    for strategy in strategies:
-        for eps in epsilons:
-            for seed in range(seeds):
-                folder = out / cell_name(strategy, eps, seed)
-                if (folder / "summary.json").is_file():
-                    continue
-                # A started cell continues (or starts over if it died before
-                # its first round); a folder that is not a run is left alone.
-                resume = folder.exists()
-                if resume and not (folder / "config.json").is_file():
-                    raise ClinfedError(
-                        f"{folder}: not a clinfed run folder; the sweep will not touch it"
-                    )
-                config = replace(
-                    base,
-                    out=str(folder),
-                    strategy=strategy,
-                    seed=seed,
-                    target_epsilon=None if math.isinf(eps) else eps,
-                    resume=resume,
-                    strategy_options=options_for(strategy, options),
-                )
-                report("cell_start", {"cell": folder.name})
-                started = time.perf_counter()
-                run_training(config)
-                seconds = round(time.perf_counter() - started, 1)
-                append_jsonl(out / TIMES, {"cell": folder.name, "seconds": seconds})
-                write_table(out, collect(out))
-                report("cell_end", {"cell": folder.name, "seconds": seconds})
+    planned = {
+        cell_name(strategy, eps, seed): replace(
+            base,
+            out=str(out / cell_name(strategy, eps, seed)),
+            strategy=strategy,
+            seed=seed,
+            target_epsilon=None if math.isinf(eps) else eps,
+            resume=False,
+            strategy_options=options_for(strategy, options),
+        )
+        for strategy in strategies
+        for eps in epsilons
+        for seed in range(seeds)
+    }
+    finished = [name for name in planned if (out / name / "summary.json").is_file()]
+    for name in finished:
+        # A finished cell is kept only if it is the cell this sweep asks for
+        # (checked for every cell before any trains).
+        check_same_settings(planned[name].resolved(), out / name, "sweep --resume: cell")
+    report("sweep_start", {"cells": len(planned), "finished": len(finished)})
+    for name, config in planned.items():
+        folder = out / name
+        if name in finished:
+            continue
+        # A started cell continues (or starts over if it died before its
+        # first round); a folder that is not a run is left alone.
+        resume = folder.exists()
+        if resume and not (folder / "config.json").is_file():
+            raise ClinfedError(f"{folder}: not a clinfed run folder; the sweep will not touch it")
+        report("cell_start", {"cell": name})
+        started = time.perf_counter()
+        run_training(replace(config, resume=resume))
+        seconds = round(time.perf_counter() - started, 1)
+        append_jsonl(out / TIMES, {"cell": name, "seconds": seconds})
+        write_table(out, collect(out))
+        report("cell_end", {"cell": name, "seconds": seconds})
     rows = collect(out)
     write_table(out, rows)
     return rows

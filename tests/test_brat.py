@@ -57,7 +57,7 @@ def test_spans_discontinuous_fragments_partial_tokens_and_skipped_kinds(tmp_path
         ("T1\tDisease 15 999\trenal failure\n", "offsets outside the text"),
         ("T1\tDisease 28 15\trenal failure\n", "offsets outside the text"),
         ("T1\tDisease 15 28\tkidney stones\n", "does not match the .txt"),
-        ("T1\tGene 15 28\trenal failure\n", "'Gene' is not in --types"),
+        ("T1\tGene 15 28\trenal failure\n", "entity type on this line is not in --types"),
         ("T1 Disease 15 28 renal failure\n", "malformed text-bound annotation"),
         (b"T1\tDisease 15 28\trenal \xff\n", "not UTF-8"),
     ],

@@ -59,7 +59,7 @@ def test_docstart_sentences_and_every_tag_scheme(tmp_path):
     [
         ("a O\nb X-Disease\n", 2, "not O, B-, I-, E- or S-"),
         ("a O\nb\n", 2, "without a tag"),
-        ("a O\n\nb B-Gene\n", 3, "'Gene' is not in --types"),
+        ("a O\n\nb B-Gene\n", 3, "entity type on this line is not in --types"),
         (b"a O\nb\xff O\n", 2, "not UTF-8"),
     ],
 )
@@ -101,7 +101,7 @@ def test_training_on_real_conll_text_with_a_type_map(tmp_path):
     partial = run_cli("train", "--task", "i2b2", "--data", str(FIXTURE), "--model", "tiny",
                       "--types", "Disease", "--out", str(tmp_path / "partial"))  # fmt: skip
     assert partial.returncode == 2
-    assert re.search(r"\.tsv:\d+: entity type 'Chemical' is not in --types", partial.stderr)
+    assert re.search(r"\.tsv:\d+: the entity type on this line is not in --types", partial.stderr)
     # Without --types the data's own types are the label set.
     own = tmp_path / "own"
     kept = run_cli("train", "--task", "i2b2", "--data", str(FIXTURE), "--model", "tiny",

@@ -135,6 +135,7 @@ def test_each_bad_concept_line_is_reported_with_file_and_line(tmp_path, line, re
     assert str(problem).startswith(f"{tmp_path / 'record-1.con'}:2: ")
     assert reason in str(problem)
     assert SECRET.lower() not in str(problem).lower()
+    assert "diagnosis" not in str(problem)  # a type's value is the note's, never echoed
 
 
 def test_overlapping_concepts_are_reported(tmp_path):

@@ -106,3 +106,64 @@ def test_no_writer_puts_its_output_inside_the_corpus_it_reads(
     result = run_cli(*args)
     assert result.returncode == 2 and "is inside" in result.stderr, result.stderr
     assert sorted(p.relative_to(corpus) for p in corpus.rglob("*")) == before
+
+
+def test_one_problem_is_reported_once_however_many_readers_meet_it():
+    from clinfed.errors import ProblemLog
+
+    problems = ProblemLog()
+    for _ in range(3):  # format detection, then each reader, on one folder
+        problems.add("/data/train/beth", None, "cannot read this folder (Permission denied)")
+    problems.add("/data/train/beth", 3, "another problem")
+    assert [str(p) for p in problems.problems] == [
+        "/data/train/beth: cannot read this folder (Permission denied)",
+        "/data/train/beth:3: another problem",
+    ]
+
+
+def test_a_sweep_resumes_only_the_sweep_it_was(i2b2_corpus, tmp_path):
+    common = (
+        "sweep", "--task", "i2b2", "--data", str(i2b2_corpus), "--model", "tiny",
+        "--strategies", "fedavg", "--epsilons", "inf", "--max-length", "32", "--threads", "1",
+    )  # fmt: skip
+    out = tmp_path / "sweep"
+    assert run_cli(*common, "--rounds", "1", "--out", str(out)).returncode == 0
+    other = run_cli(*common, "--rounds", "2", "--out", str(out), "--resume")
+    assert other.returncode == 2 and "rounds was 1, now 2" in other.stderr
+    missing = run_cli(*common, "--out", str(tmp_path / "nothing"), "--resume")
+    assert missing.returncode == 2 and "no sweep to resume" in missing.stderr
+    assert not (tmp_path / "nothing").exists()
+    empty = run_cli(*common[:8], ",", *common[9:], "--out", str(tmp_path / "empty"))
+    assert empty.returncode == 2 and "at least one" in empty.stderr
+
+
+@pytest.mark.parametrize("flags", [("--plan", "bogus"), ("--model", "nowhere"), ("--rounds", "0")])
+def test_a_refused_demo_leaves_no_folder_behind(tmp_path, flags):
+    result = run_cli("demo", "--out", str(tmp_path / "demo"), "--model", "tiny", *flags)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert not (tmp_path / "demo").exists()
+
+
+def test_resume_of_nothing_says_so(tmp_path):
+    result = run_cli("train", "--resume", "--out", str(tmp_path / "missing"))
+    assert result.returncode == 2 and "no run to resume" in result.stderr
+
+
+def test_a_run_s_config_names_the_data_it_trained_on(i2b2_corpus, tmp_path):
+    import json
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(i2b2_corpus, data)
+    first = tmp_path / "first"
+    result = run_cli(
+        "train", "--task", "i2b2", "--data", "data", "--model", "tiny", "--strategy", "fedavg",
+        "--rounds", "1", "--max-length", "32", "--out", str(first), cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    saved = json.loads((first / "config.json").read_text())
+    assert saved["data"]["data"] == str(data)  # absolute: the same data from any folder
+    note = sorted(data.rglob("*.txt"))[0]
+    note.write_bytes(note.read_bytes() + b"\n")  # the corpus changed since
+    again = run_cli("train", "--config", str(first / "config.json"), "--out", str(tmp_path / "x"))
+    assert again.returncode == 2 and "fingerprint differs" in again.stderr

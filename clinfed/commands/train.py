@@ -179,7 +179,11 @@ def train(
         saved = Path(flags["out"]) / "config.json"
         if saved.is_file():
             config_file = saved
+        else:
+            raise ClinfedError(f"--out {flags['out']}: no run to resume (no config.json there)")
     values = merge(config_file, flags)
+    if config_file is not None and "data" not in flags and values.get("data"):
+        _check_recorded_data(Path(config_file), Path(str(values["data"])))
     if values.get("clients") and "partition" not in values:
         values["partition"] = "iid"  # N synthetic clients: dealt out at random
     config = RunConfig.from_values(values, str(config_file) if config_file else "flags")
@@ -385,6 +389,24 @@ def export_cmd(
         out.print(
             f"[bold]exported[/]: {out_dir} ({record['class']}, {len(record['labels'])} labels); "
             "load it with transformers' AutoModelForTokenClassification.from_pretrained"
+        )
+
+
+def _check_recorded_data(config_file: Path, data: Path) -> None:
+    """A run's config.json read back trains on the data that run trained on:
+    its recorded fingerprint must match the folder it names (a relative path
+    read from another folder, or a corpus changed since, would silently
+    train on other data). Settings files without a fingerprint pass."""
+    from clinfed.provenance import data_fingerprint
+    from clinfed.settings import load_file
+
+    recorded = load_file(config_file).get("data_fingerprint")
+    if not recorded:
+        return
+    if not data.is_dir() or data_fingerprint(data) != recorded:
+        raise ClinfedError(
+            f"{config_file}: its data {data} is not the data that run trained on (the "
+            "fingerprint differs); name the data with --data"
         )
 
 

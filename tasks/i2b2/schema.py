@@ -74,15 +74,17 @@ class TypeNames:
         if self.mapping is not None:
             if name in self.mapping:
                 return self.mapping[name]
-            problems.add(path, line, f"entity type {name!r} is not in --types")
+            # The line, never the value: an annotation file's text is the
+            # note's neighbourhood, and errors reach logs and servers.
+            problems.add(path, line, "the entity type on this line is not in --types")
             return None
         if self.open or name in CONCEPT_TYPES:
             return name
         problems.add(
             path,
             line,
-            f"entity type {name!r} is not one of {', '.join(CONCEPT_TYPES)}; declare it with "
-            f"--types (e.g. {name}=problem, or {name} to keep it)",
+            f"the entity type on this line is not one of {', '.join(CONCEPT_TYPES)}; declare it "
+            "with --types (NAME=problem maps it, NAME keeps it)",
         )
         return None
 
