@@ -83,8 +83,6 @@ def run_sweep(
     # Never overwrite: a sweep folder is new, or an earlier sweep's
     # (sweep.json) continued with --resume.
     marker = out / "sweep.json"
-    if base.resume and not marker.is_file():
-        raise ClinfedError(f"{out}: no sweep to resume (no sweep.json); drop --resume to start one")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not out.is_dir() or not marker.is_file():
             raise ClinfedError(f"{out}: exists and is not a sweep folder; choose a new --out")
@@ -92,6 +90,8 @@ def run_sweep(
             raise ClinfedError(
                 f"{out}: holds a sweep already; --resume continues it, or choose a new --out"
             )
+    elif base.resume:
+        raise ClinfedError(f"{out}: no sweep to resume (no sweep.json); drop --resume to start one")
     out.mkdir(parents=True, exist_ok=True)
     if not marker.is_file():
         atomic_write_json(

@@ -408,7 +408,7 @@ def test_start_up_failures_exit_2_and_leave_nothing(mimic_corpus, i2b2_corpus, t
         (header_only / name).write_text(lines[0] + "\n")
     empty = run_cli("train", "--task", "mimic3", "--model", "tiny", "--data", str(header_only),
                     "--out", str(tmp_path / "run"))  # fmt: skip
-    assert empty.returncode == 2 and "no training admission" in empty.stderr
+    assert empty.returncode == 2 and "NOTEEVENTS.csv: no discharge summary" in empty.stderr
     assert not (tmp_path / "run").exists()
     audit = run_cli("audit", str(tmp_path), "--max-examples", "-5")
     assert audit.returncode == 2 and "Traceback" not in audit.stderr

@@ -233,18 +233,23 @@ class Mimic3Task(Task):
             return datasets.Dataset.from_dict(columns | {"codes": [], "split": [], "site": []})
         return admissions.map(annotate, batched=True)
 
-    def load(self, data: Path, problems: ProblemLog) -> Corpus:
-        sites = site_folders(data)
+    def _read_sites(self, sites: dict[str, Path], problems: ProblemLog) -> list[datasets.Dataset]:
+        """Every site's admissions; a site with none usable (a header-only
+        notes file) is an error naming its file, never a site that vanishes."""
         parts = [self._read_site(site, folder, problems) for site, folder in sites.items()]
         for (site, folder), part in zip(sites.items(), parts):
             if len(part) == 0:
-                # A site never vanishes: a header-only file is an error.
                 problems.add(
                     find_file(folder, "NOTEEVENTS") or folder,
                     None,
                     f"no discharge summary with an admission: site {site} has no usable admissions",
                 )
         problems.raise_if_any()
+        return parts
+
+    def load(self, data: Path, problems: ProblemLog) -> Corpus:
+        sites = site_folders(data)
+        parts = self._read_sites(sites, problems)
         for site, counts in sorted(self.unpaired.items()):
             if any(counts.values()):
                 log.warning(
@@ -306,16 +311,7 @@ class Mimic3Task(Task):
 
     def summarize(self, data: Path, problems: ProblemLog) -> dict[str, Any]:
         sites = site_folders(data)
-        parts = [self._read_site(site, folder, problems) for site, folder in sites.items()]
-        for (site, folder), part in zip(sites.items(), parts):
-            if len(part) == 0:
-                # A site never vanishes: a header-only file is an error.
-                problems.add(
-                    find_file(folder, "NOTEEVENTS") or folder,
-                    None,
-                    f"no discharge summary with an admission: site {site} has no usable admissions",
-                )
-        problems.raise_if_any()
+        parts = self._read_sites(sites, problems)
         admissions = datasets.concatenate_datasets(parts)
         label_counts = Counter(code for codes in admissions["codes"] for code in codes)
         return {
