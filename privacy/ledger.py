@@ -412,15 +412,7 @@ class Ledger:
                 return False
             attempt = secrets.token_hex(8)
             self.record(ONCE_ROUND, [mechanism], attempt)
-            release = {
-                "client": self.client,
-                "run": self.run,
-                "round": ONCE_ROUND,
-                "attempt": attempt,
-                "released": True,
-            }
-            append_jsonl(self.path, release)
-            self.released.add((self.run, ONCE_ROUND, attempt))
+            self._append_release(ONCE_ROUND, attempt)
             self._seal()
             return True
 
@@ -450,17 +442,21 @@ class Ledger:
             for attempt, _, _ in held:
                 if attempt not in pending:
                     continue
-                line = {
-                    "client": self.client,
-                    "run": self.run,
-                    "round": round_number,
-                    "attempt": attempt,
-                    "released": True,
-                }
-                append_jsonl(self.path, line)
-                self.released.add((self.run, round_number, attempt))
+                self._append_release(round_number, attempt)
             self._seal()
             self._drop_claims(round_number, remove=True)
+
+    def _append_release(self, round_number: int, attempt: str) -> None:
+        """Append (fsynced) the release line of one attempt (under the lock)."""
+        line = {
+            "client": self.client,
+            "run": self.run,
+            "round": round_number,
+            "attempt": attempt,
+            "released": True,
+        }
+        append_jsonl(self.path, line)
+        self.released.add((self.run, round_number, attempt))
 
     def _run_history(self) -> list[Mechanism]:
         return [_mechanism(line) for line in self.lines if line.get("run") == self.run]
