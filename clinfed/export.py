@@ -13,7 +13,11 @@ Anyone can then load it with::
 
 The export is checked before it is written: the transformers model must give
 the same logits as clinfed's on a probe input. ``clinfed-export.json``
-records the clinfed, torch and transformers versions.
+records the clinfed, torch and transformers versions, and ``README.md`` is a
+Hugging Face model card: task, labels, the starting model and public text,
+the federation, and the privacy guarantee in plain words (epsilon, delta,
+unit, relation, per site) from the run's verified ledgers, so the guarantee
+travels with the weights.
 
 Not exported, said plainly: a MIMIC-III model's label-wise attention head
 and a pfeddc model's prompts are not transformers classes. Load those with
@@ -81,6 +85,9 @@ def export_run(run: Path, out: Path) -> dict[str, Any]:
             f"{type(exported).__name__} ({(missing + unexpected)[0]})"
         )
     _check_same_logits(model, exported, tokenizer)
+    from clinfed.reporting.report import build
+
+    card = model_card(build(run), labels)  # verified before anything is written
     create_run_folder(out)
     exported.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
@@ -97,7 +104,75 @@ def export_run(run: Path, out: Path) -> dict[str, Any]:
         },
     }
     atomic_write_json(out / "clinfed-export.json", record)
+    card.save(out / "README.md")
     return record
+
+
+def model_card(content: dict[str, Any], labels: list[str]) -> Any:
+    """A Hugging Face model card from a run's report content (what the
+    report states, no more): the guarantee in words, per site."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    data = ModelCardData(
+        library_name="transformers",
+        pipeline_tag="token-classification",
+        tags=["clinical", "federated-learning", "clinfed"]
+        + (["differential-privacy"] if content["differential_privacy"] else []),
+    )
+    header = dict(content["header"])
+    lines = [
+        f"# {content['task']} model trained with clinfed",
+        "",
+        f"Task: {header.get('Task', content['task'])}. Labels: {', '.join(labels)}.",
+        "",
+        "## How it was trained",
+        "",
+        f"- Starting model: {header.get('Model', '-')}; {header.get('Starting model', '-')}.",
+        f"- Strategy: {content['strategy']}"
+        + (f"; {header['Sites']} sites" if "Sites" in header else "")
+        + (f"; rounds: {header['Rounds']}" if "Rounds" in header else "")
+        + ".",
+        f"- Held-out F1 at the end of training: {_fmt(content['final_f1'])}.",
+        "",
+        "## Privacy guarantee",
+        "",
+    ]
+    if content["pooled"]:
+        lines.append("None: the training data was pooled in one place, without DP.")
+    elif not content["differential_privacy"]:
+        lines.append(
+            "None: the sites trained without differential privacy; the weights can reveal "
+            "their training notes."
+        )
+    else:
+        if content.get("not_private"):
+            lines += [f"**NOT PRIVATE.** {content['not_private']}.", ""]
+        lines += [
+            f"Each site trained under DP-SGD. The unit of privacy is {content['unit']}; "
+            f"neighbouring datasets differ in one unit ({content['relation']}). For any one "
+            "unit, anything computed from these weights is almost as likely whether or not "
+            "that unit was in its site's data: by a factor of at most e^epsilon, except with "
+            f"probability delta = {content['delta']:g}.",
+            "",
+            "| site | epsilon (PLD) | delta |",
+            "|---|---|---|",
+        ]
+        lines += [
+            f"| {row['site']} | {row['epsilon']:.3f} | {row['delta']:g} |"
+            for row in content["sites"]
+        ]
+        lines += [
+            "",
+            "Held-out notes used for evaluation are outside epsilon (exact counts, declared "
+            "and capped). A note or patient with k units is protected by group privacy only; "
+            "the run's privacy report gives k and that bound.",
+        ]
+    lines += ["", f"Run folder: `{content['run']}` (its report: `report/report.html`)."]
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n")
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4f}" if isinstance(value, float) else "-"
 
 
 @torch.no_grad()

@@ -337,18 +337,15 @@ class PrivacyPolicy:
                 "released count at the same moment; nothing left the site: try again"
             )
 
-    def charge_count(self, site: str) -> None:
-        """Under add/remove at a node: keep the released count and charge it
-        on the dataset's ledger once, before any reply can carry it (a
-        refused or evaluate-only reply carries it as much as a trained one)."""
+    def charge_count(self, site: str) -> bool:
+        """Under add/remove: keep the released count and charge it on the
+        dataset's ledger once (round 0), before any reply or record can carry
+        it (a refused or evaluate-only reply carries it as much as a trained
+        one). False when the budget does not afford it (nothing charged)."""
         if self.relation != "add-remove":
-            return
+            return True
         self.keep_count(site)
-        if not self.ledger(site).charge_once(count_mechanism()):
-            raise PrivacyError(
-                f"{site}: the site's privacy budget does not afford releasing its unit count: "
-                "refused"
-            )
+        return self.ledger(site).charge_once(count_mechanism())
 
     def planned_epsilon(self, site: str) -> float:
         """Epsilon of the site's planned run (count, if released, included)."""

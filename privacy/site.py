@@ -45,12 +45,13 @@ class SitePrivacy:
         self, round_number: int, update: Update
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         ledger = self.ledger
+        # Under add/remove the released count is kept and charged once, the
+        # same way at a node and in process, before anything carries it.
+        counted = self.policy.charge_count(self.site)
         mechanisms = self.policy.round_mechanisms(self.site, round_number)
-        # Under add/remove the released count is kept before its charge.
-        self.policy.keep_count(self.site)
         # Write-ahead: checked and charged (under the ledger's lock) before
         # anything is computed for release.
-        if ledger.charge(round_number, mechanisms) is None:
+        if not counted or ledger.charge(round_number, mechanisms) is None:
             return {}, {
                 "round": round_number,
                 "client": self.site,

@@ -146,6 +146,8 @@ def test_train_centralized_mimic3_and_no_note_text_in_any_file(mimic_corpus, tmp
         "mimic3",
         "--data",
         str(mimic_corpus),
+        "--strategy",
+        "centralized",
         "--model",
         "tiny",
         "--epochs",
@@ -732,3 +734,16 @@ def test_the_strategies_command_the_help_cites_lists_every_strategy():
     from clinfed.settings import schema_fields
 
     assert "clinfed strategies" in schema_fields()["strategy"].metadata["help"]
+
+
+def test_version_answers_without_importing_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from clinfed.commands import main; main(['--version']); "
+        "print('torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    first, loaded = done.stdout.strip().splitlines()
+    assert first.startswith("clinfed ") and "torch" in first and loaded == "False"

@@ -105,8 +105,8 @@ def test_training_on_real_conll_text_with_a_type_map(tmp_path):
     # Without --types the data's own types are the label set.
     own = tmp_path / "own"
     kept = run_cli("train", "--task", "i2b2", "--data", str(FIXTURE), "--model", "tiny",
-                   "--rounds", "1", "--max-length", "32", "--threads", "1",
-                   "--out", str(own))  # fmt: skip
+                   "--strategy", "centralized", "--rounds", "1", "--max-length", "32",
+                   "--threads", "1", "--out", str(own))  # fmt: skip
     assert kept.returncode == 0, kept.stderr
     labels = json.loads((own / "labels.json").read_text())
     assert labels["labels"] == ["O", "B-Chemical", "I-Chemical", "B-Disease", "I-Disease"]

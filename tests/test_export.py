@@ -51,3 +51,26 @@ def test_a_label_attention_model_is_not_exported_and_says_how_to_load_it(mimic_c
     refused = run_cli("export", str(run), "--out", str(tmp_path / "hf"))
     assert refused.returncode == 2 and "load_saved_model" in refused.stderr
     assert not (tmp_path / "hf").exists()
+
+
+def test_the_exported_model_carries_its_privacy_guarantee_as_a_model_card(i2b2_corpus, tmp_path):
+    from huggingface_hub import ModelCard
+
+    run = tmp_path / "run"
+    trained = run_cli("train", "--task", "i2b2", "--model", "tiny", "--adapter", "bias",
+                      "--rounds", "1", "--max-length", "32", "--threads", "1",
+                      "--target-epsilon", "8", "--data", str(i2b2_corpus),
+                      "--out", str(run))  # fmt: skip
+    assert trained.returncode == 0, trained.stderr
+    # --target-epsilon alone: federated, under add/remove (the measured default).
+    config = json.loads((run / "config.json").read_text())
+    assert config["federation"]["strategy"] == "fedavg"
+    assert config["privacy"]["neighbours"] == "add-remove"
+    exported = run_cli("export", str(run), "--out", str(tmp_path / "hf"))
+    assert exported.returncode == 0, exported.stderr
+    card = ModelCard.load(tmp_path / "hf" / "README.md")
+    assert "differential-privacy" in card.data.tags
+    summary = json.loads((run / "summary.json").read_text())
+    for site, epsilon in summary["epsilon"].items():
+        assert f"| {site} | {epsilon:.3f} |" in card.text
+    assert "add-remove" in card.text and "outside epsilon" in card.text

@@ -273,7 +273,8 @@ def test_flower_over_tls_matches_the_simulator(tmp_path):
         at_site = _node_ledger(tmp_path / "deploy" / "state", site)
         simulated_ledger = tmp_path / "sim" / "privacy" / f"{site}.jsonl"
         ours_ledger, sim_ledger = _epsilons(at_site), _epsilons(simulated_ledger)
-        assert [r for r, _ in ours_ledger] == [r for r, _ in sim_ledger] == [1, 2]
+        # Round 0: the noisy count (add/remove), charged once before round 1.
+        assert [r for r, _ in ours_ledger] == [r for r, _ in sim_ledger] == [0, 1, 2]
         assert [e for _, e in ours_ledger] == pytest.approx([e for _, e in sim_ledger], rel=1e-12)
         reported = read_jsonl(run / "privacy" / f"{site}.jsonl")
         assert all(line["reported_by_site"] for line in reported)
@@ -404,7 +405,10 @@ def test_a_node_refuses_rounds_past_its_own_budget_whatever_the_server_asks(i2b2
         upload, record = site.runner.train_round(1, {})
         assert upload == {} and record["refused"] == "privacy budget"
         assert record["epsilon_if_trained"] > 0.5
-        assert not list((tmp_path / "state").rglob("*.jsonl"))  # nothing charged
+        # Nothing trained, nothing charged but the noisy count every reply carries.
+        (ledger,) = (tmp_path / "state" / "ledger").glob("beth-*.jsonl")
+        charged = {x["mechanism"] for x in read_jsonl(ledger) if "mechanism" in x}
+        assert charged == {"unit-count"}
     finally:
         site.close()
 
@@ -440,7 +444,7 @@ def test_every_run_at_a_node_charges_one_ledger_per_dataset(i2b2_corpus, tmp_pat
     record = _train_and_release(second, 1)
     assert record["refused"] == "privacy budget" and record["epsilon"] == 0.0
     (ledger,) = (tmp_path / "state" / "ledger").glob("beth-*.jsonl")
-    charges = [line for line in read_jsonl(ledger) if "mechanism" in line]
+    charges = [line for line in read_jsonl(ledger) if line.get("mechanism") == "dp-sgd"]
     assert [line["run"] for line in charges] == ["run-a"]
     # Other data (a note changed) is another dataset, with a ledger of its own.
     other = tmp_path / "other"

@@ -153,7 +153,10 @@ def test_a_site_weighs_its_update_by_units_whatever_the_window(
     for max_length in (8, 64):
         out = tmp_path / f"run-{max_length}"
         # The bias plan keeps the runs short; the weight is the same for any plan.
-        tiny_run(out, max_length=max_length, target_epsilon=target_epsilon, adapter="bias")
+        tiny_run(
+            out, max_length=max_length, target_epsilon=target_epsilon, adapter="bias",
+            neighbours="replace-one",  # the exact count is the weight released
+        )  # fmt: skip
         records = [r for r in read_jsonl(out / "metrics.jsonl") if "bytes_up" in r]
         released[max_length] = {r["client"]: r["examples"] for r in records}
     # Windows of 8 tokens cut many sentences into several rows; the weight
@@ -270,7 +273,12 @@ def test_a_site_trains_nothing_the_server_did_not_name_by_digest(i2b2_corpus, tm
         message = Message("train", 1, {}, full=False, evaluate=False, base=0, expect=None)
         reply = site.runner.handle(message)
         assert reply.record is None and reply.upload == {}
-        assert not list((tmp_path / "state").rglob("beth-*.jsonl"))  # nothing charged
+        # Nothing trained, nothing charged (under add/remove the noisy count
+        # is charged once, on the node's first message: every reply carries it).
+        (ledger,) = (tmp_path / "state" / "ledger").glob("beth-*.jsonl")
+        assert {x.get("mechanism") for x in read_jsonl(ledger) if "mechanism" in x} == {
+            "unit-count"
+        }
     finally:
         site.close()
 
@@ -322,7 +330,7 @@ def test_the_charge_is_on_disk_before_any_batch_is_drawn(i2b2_corpus, tmp_path, 
 
     def draw(self):
         (ledger,) = (tmp_path / "state" / "ledger").glob("beth-*.jsonl")
-        seen.append(sum(1 for line in read_jsonl(ledger) if line.get("state") == "charged"))
+        seen.append(sum(1 for line in read_jsonl(ledger) if line.get("mechanism") == "dp-sgd"))
         return original(self)
 
     monkeypatch.setattr(PoissonSampler, "draw", draw)
@@ -357,7 +365,8 @@ def test_in_process_sites_release_before_the_round_is_written(tmp_path, monkeypa
         lines = read_jsonl(out / "sites" / site / "privacy" / f"{site}.jsonl")
         charged = {(x["round"], x["attempt"]) for x in lines if x.get("state") == "charged"}
         released = {(x["round"], x["attempt"]) for x in lines if x.get("released")}
-        assert charged == released and len(charged) == 2
+        # Two rounds, and round 0: the noisy count, charged and released once.
+        assert charged == released and sorted(r for r, _ in charged) == [0, 1, 2]
 
 
 @pytest.mark.parametrize("target_epsilon", [None, 8.0])
@@ -548,7 +557,7 @@ def test_a_dp_run_killed_at_any_stage_resumes_charging_each_round_once(
     summary = json.loads((out / "summary.json").read_text())
     for site in ("beth", "partners", "site3"):
         lines = read_jsonl(out / "sites" / site / "privacy" / f"{site}.jsonl")
-        assert [x["round"] for x in lines if x.get("state") == "charged"] == [1, 2, 3]
+        assert [x["round"] for x in lines if x.get("mechanism") == "dp-sgd"] == [1, 2, 3]
     assert summary["epsilon"] == whole["epsilon"]
 
     def rounds(run):
@@ -588,7 +597,7 @@ def test_a_node_answers_a_replayed_round_with_the_same_bytes_and_no_charge(i2b2_
     assert payload.encode(first.upload) == payload.encode(again.upload) and first.upload
     assert again.record == first.record
     (ledger,) = (tmp_path / "state" / "ledger").glob("beth-*.jsonl")
-    charges = [x for x in read_jsonl(ledger) if x.get("state") == "charged"]
+    charges = [x for x in read_jsonl(ledger) if x.get("mechanism") == "dp-sgd"]
     assert [x["round"] for x in charges] == [1]
     kept = list((tmp_path / "state" / "run").glob("released.r*.safetensors"))
     assert kept and all(p.stat().st_mode & 0o777 == 0o600 for p in kept)
@@ -663,8 +672,9 @@ def test_a_node_killed_around_its_charge_charges_the_round_once(i2b2_corpus, tmp
         site.close()
     (ledger,) = (tmp_path / "state" / "ledger").glob("beth-*.jsonl")
     lines = read_jsonl(ledger)
-    assert [x["round"] for x in lines if x.get("state") == "charged"] == [1]
-    assert [x["round"] for x in lines if x.get("released")] == [1]
+    assert [x["round"] for x in lines if x.get("mechanism") == "dp-sgd"] == [1]
+    # (round 0: the noisy count, charged and released once before round 1)
+    assert [x["round"] for x in lines if x.get("released")] == [0, 1]
 
 
 def test_an_in_process_site_caps_delta_as_a_node_does(tmp_path, tiny_run):

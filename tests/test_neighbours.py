@@ -24,7 +24,7 @@ def test_add_remove_releases_one_noisy_count_and_costs_less_at_equal_noise(tiny_
     # The bias plan: what is released and charged does not depend on what
     # trains, and it keeps the two runs short.
     private = {"noise_multiplier": 1.0, "rounds": 2, "reproducible_noise": True, "adapter": "bias"}
-    before = tiny_run(out=tmp_path / "replace", **private)
+    before = tiny_run(out=tmp_path / "replace", neighbours="replace-one", **private)
     after = tiny_run(out=tmp_path / "add", neighbours="add-remove", **private)
     # The same noise on every step costs less epsilon at every site.
     assert set(after["epsilon"]) == set(before["epsilon"])
@@ -38,7 +38,7 @@ def test_add_remove_releases_one_noisy_count_and_costs_less_at_equal_noise(tiny_
         charges = _charges(run, site)
         assert {line["relation"] for line in charges} == {"add-remove"}
         counts = [line for line in charges if line["mechanism"] == COUNT_MECHANISM]
-        assert [line["round"] for line in counts] == [1]  # released once, with round 1
+        assert [line["round"] for line in counts] == [0]  # released once, before round 1
         released = kept_count(count_path(run / "sites" / site / "privacy" / f"{site}.jsonl"))
         # What the site sent as its weight is the released count, never the exact one.
         assert {r["examples"] for r in records if r["client"] == site} == {released}
@@ -95,7 +95,7 @@ def test_the_sampling_rate_derives_from_the_released_count():
 def test_a_ledger_charged_under_one_relation_refuses_the_other(tiny_run, tiny_config, tmp_path):
     from clinfed.privacy.policy import PrivacyPolicy
 
-    tiny_run(out=tmp_path / "run", noise_multiplier=1.0)
+    tiny_run(out=tmp_path / "run", noise_multiplier=1.0, neighbours="replace-one")
     folder = tmp_path / "run" / "sites" / "beth" / "privacy"
     policy = PrivacyPolicy.build(
         folder, {"beth": 120}, None, 1, 1, 1e-5, None, 1.0, relation="add-remove"

@@ -30,7 +30,7 @@ def test_unset_settings_take_the_task_defaults(tmp_path):
         ({"head_lr": 0.0}, r"--head-lr must be in \(0, 1\]"),
         ({"lr": float("inf")}, "--lr must be a finite number"),
         ({"data": "/no/such/folder"}, "not a folder"),
-        ({"secure_aggregation": True}, "centralized sends no updates"),
+        ({"secure_aggregation": True, "strategy": "centralized"}, "centralized sends no updates"),
         ({"secure_aggregation": True, "strategy": "local"}, "local sends no updates"),
         (
             {"secure_aggregation": True, "strategy": "fedavg", "audit_holdout": 0.2},

@@ -81,9 +81,13 @@ def test_a_private_run_takes_the_recipes_epochs_and_schedule_unless_given(
         return [line["steps"] for line in read_jsonl(run / "privacy" / "beth.jsonl")
                 if line.get("mechanism") == "dp-sgd"]  # fmt: skip
 
-    tiny_run(out=tmp_path / "recipe", noise_multiplier=5.0, batch_size=8)
+    # replace-one: both runs' steps derive from the same exact count.
+    tiny_run(out=tmp_path / "recipe", noise_multiplier=5.0, batch_size=8, neighbours="replace-one")
     assert schedules == [DP_LR_DECAY] * 3  # each site trains on the recipe's schedule
-    tiny_run(out=tmp_path / "given", noise_multiplier=5.0, batch_size=8, local_epochs=1)
+    tiny_run(
+        out=tmp_path / "given", noise_multiplier=5.0, batch_size=8, local_epochs=1,
+        neighbours="replace-one",
+    )  # fmt: skip
     recorded = json.loads((tmp_path / "recipe" / "config.json").read_text())
     assert recorded["training"]["local_epochs"] == DP_LOCAL_EPOCHS == 3
     assert recorded["training"]["lr_decay"] == DP_LR_DECAY == "none"  # constant under DP

@@ -35,7 +35,8 @@ def _train(corpus: Path, out: Path, *extra: str):
     return run_cli(
         "train", "--task", "i2b2", "--data", str(corpus), "--model", "tiny", "--strategy",
         "fedavg", "--rounds", "1", "--max-length", "32", "--threads", "1",
-        "--target-epsilon", "8", "--device", "cpu", "--out", str(out), *extra,
+        "--target-epsilon", "8", "--device", "cpu", "--neighbours", "replace-one",
+        "--out", str(out), *extra,
     )  # fmt: skip
 
 

@@ -10,18 +10,26 @@ from __future__ import annotations
 
 import sys
 
-import click
-import typer
 
-from clinfed.commands import data, demo, flower, privacy, train  # noqa: F401  (registration)
-from clinfed.commands.common import MAX_PROBLEMS_SHOWN, app, err
-from clinfed.errors import EXIT_USAGE, USER_ERRORS, ClinfedError, DataError, worded
-from clinfed.quiet import quiet_libraries
-from clinfed.scratch import private_scratch
+def _version_only(argv: list[str] | None) -> bool:
+    """``clinfed --version`` answers from the installed packages' metadata,
+    before the command groups (and torch with them) are imported."""
+    args = sys.argv[1:] if argv is None else argv
+    if args != ["--version"]:
+        return False
+    from clinfed.provenance import versions
+
+    found = versions()
+    libraries = ", ".join(f"{k} {found[k]}" for k in ("torch", "opacus", "flwr", "python"))
+    print(f"clinfed {found['clinfed']} ({libraries})")
+    return True
 
 
 # ----------------------------------------------------------------- main
 def _report_error(exc: Exception) -> None:
+    from clinfed.commands.common import MAX_PROBLEMS_SHOWN, err
+    from clinfed.errors import DataError, worded
+
     lines = (
         [str(p) for p in exc.problems] if isinstance(exc, DataError) else worded(exc).splitlines()
     )
@@ -33,6 +41,17 @@ def _report_error(exc: Exception) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit status."""
+    if _version_only(argv):
+        return 0
+    import click
+    import typer
+
+    from clinfed.commands import data, demo, flower, privacy, train  # noqa: F401  (registration)
+    from clinfed.commands.common import app, err
+    from clinfed.errors import EXIT_USAGE, USER_ERRORS, ClinfedError
+    from clinfed.quiet import quiet_libraries
+    from clinfed.scratch import private_scratch
+
     quiet_libraries()
     command = typer.main.get_command(app)
     try:

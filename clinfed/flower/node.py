@@ -511,7 +511,11 @@ class NodeSite:
                     privacy.ledger.mark_unprotected("reproducible noise (not private)")
                 # Every reply from here on (a refusal too) may carry the
                 # count or something derived from it: charged first, once.
-                policy.charge_count(name)
+                if not policy.charge_count(name):
+                    raise ClinfedError(
+                        f"{name}: this site's privacy budget does not afford releasing its "
+                        "unit count: refused"
+                    )
                 # Under add/remove the cap derives from the released count.
                 check_delta_cap(config.delta, policy.sizes[name], node.max_delta)
             elif not config.dp and units:
