@@ -70,8 +70,9 @@ def test_help_on_every_command():
         result = run_cli(*args, "--help")
         assert result.returncode == 0, result.stderr
         assert "Usage" in result.stdout
-    # Settings are grouped by concern, and the installed script runs.
-    shown = run_installed("train", "--help")
+    # Settings are grouped by concern (every one under --help-all), and the
+    # installed script runs.
+    shown = run_installed("train", "--help-all")
     assert shown.returncode == 0, shown.stderr
     for panel in (
         "Task and data",
@@ -662,12 +663,17 @@ def test_report_refuses_a_ledger_it_cannot_verify(i2b2_corpus, tmp_path):
     assert run_cli("report", str(out)).returncode == 0
     copy = out / "privacy" / "beth.jsonl"
     whole = copy.read_bytes()
-    copy.write_bytes(whole.split(b"\n", 1)[0] + b"\n")  # only round 1 kept
+
+    def up_to_round_one(data: bytes) -> bytes:
+        lines = data.splitlines(keepends=True)
+        return b"".join(x for x in lines if json.loads(x)["round"] <= 1)
+
+    copy.write_bytes(up_to_round_one(whole))  # only round 1 kept (and round 0's count)
     refused = run_cli("report", str(out))
     assert refused.returncode == 2 and f"{copy}: no charge for round 2" in refused.stderr
     copy.write_bytes(whole)
     own = out / "sites" / "beth" / "privacy" / "beth.jsonl"
-    own.write_bytes(own.read_bytes().split(b"\n", 1)[0] + b"\n")
+    own.write_bytes(up_to_round_one(own.read_bytes()))
     refused = run_cli("report", str(out))
     assert refused.returncode == 2 and str(own) in refused.stderr
 
@@ -747,3 +753,18 @@ def test_version_answers_without_importing_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     first, loaded = done.stdout.strip().splitlines()
     assert first.startswith("clinfed ") and "torch" in first and loaded == "False"
+
+
+def test_train_help_shows_the_essentials_and_help_all_every_flag_uncut():
+    short = run_installed("train", "--help", env={"COLUMNS": "80"})
+    assert short.returncode == 0
+    for flag in ("--data", "--task", "--model", "--strategy", "--target-epsilon", "--rounds",
+                 "--out", "--help-all"):  # fmt: skip
+        assert flag in short.stdout
+    assert "--lr " not in short.stdout and "--gazetteer" not in short.stdout
+    full = run_installed("train", "--help-all", env={"COLUMNS": "80"})
+    assert full.returncode == 0 and "--lr " in full.stdout and "--gazetteer" in full.stdout
+    assert "…" not in full.stdout  # no flag name (nor anything else) cut at 80 columns
+    warm = run_installed("warm-start", "--help", env={"COLUMNS": "80"})
+    assert "--public-data" in warm.stdout and "--strategy" not in warm.stdout
+    assert "--rounds" not in warm.stdout

@@ -32,8 +32,48 @@ from clinfed.settings import (
     where,
 )
 
+# What a newcomer needs to train: shown first by --help; every other setting
+# under --help-all (and each is a key of --config all the same).
+ESSENTIAL = (
+    "task", "data", "model", "strategy", "target_epsilon", "rounds", "out", "resume", "threads",
+)  # fmt: skip
 
-def _option(name: str, f: Field, panel: str, owners: list[str] | None) -> inspect.Parameter:
+# What clinfed warm-start reads: its --help shows these and nothing of train's.
+WARM_START = (
+    "task", "data", "model", "out", "public_data", "public_types", "public_epochs",
+    "public_examples", "public_lr", "types", "format", "max_length", "on_error", "gazetteer",
+    "gazetteer_marks", "seed", "threads", "device", "codes", "top_k", "max_chunks", "labels",
+)  # fmt: skip
+
+
+def _help_all(ctx: typer.Context, value: bool) -> None:
+    """``--help-all``: the command's help with every setting shown."""
+    if not value or ctx.resilient_parsing:
+        return
+    for param in ctx.command.params:
+        param.hidden = False
+    typer.echo(ctx.get_help())
+    raise typer.Exit()
+
+
+HELP_ALL = inspect.Parameter(
+    "help_all",
+    inspect.Parameter.KEYWORD_ONLY,
+    default=typer.Option(
+        False,
+        "--help-all",
+        callback=_help_all,
+        is_eager=True,
+        expose_value=False,
+        help="Show every setting, grouped by concern (--help shows the essentials).",
+    ),
+    annotation=bool,
+)
+
+
+def _option(
+    name: str, f: Field, panel: str, owners: list[str] | None, hidden: bool = False
+) -> inspect.Parameter:
     kind, _ = field_type(f)
     flag = "--" + name.replace("_", "-")
     help_text = f.metadata.get("help", "")
@@ -50,16 +90,32 @@ def _option(name: str, f: Field, panel: str, owners: list[str] | None) -> inspec
         annotation: Any = Path | None
         extra = {"exists": True, "dir_okay": False}
     elif kind is bool:
+        # One flag a setting, never a --x/--no-x pair: it names the change
+        # from the default (and fits 80 columns in --help).
         annotation = bool | None
-        flag = f"{flag}/--no-{name.replace('_', '-')}"
+        if default_of(f):
+            flag = f"--no-{name.replace('_', '-')}"
+            extra = {"flag_value": False}
+            show = None
     else:
         annotation = kind | None
         choices = f.metadata.get("choices")
+        # Short metavars leave the flag names their full width at 80 columns
+        # (a choice's values go to the end of its help).
+        extra["metavar"] = {int: "N", float: "X"}.get(kind, "TEXT")
+        if choices is not None:
+            help_text += f" (one of: {', '.join(map(str, choices))})"
         if choices is not None:
             extra["click_type"] = click.Choice([str(c) for c in choices])
             annotation = str | None
     option = typer.Option(
-        None, flag, help=help_text, rich_help_panel=panel, show_default=show or False, **extra
+        None,
+        flag,
+        help=help_text,
+        rich_help_panel=panel,
+        show_default=show or False,
+        hidden=hidden,
+        **extra,
     )
     return inspect.Parameter(
         name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation
@@ -67,23 +123,38 @@ def _option(name: str, f: Field, panel: str, owners: list[str] | None) -> inspec
 
 
 def settings_parameters(
-    exclude: Iterable[str] = (), simulator: bool = True
+    exclude: Iterable[str] = (),
+    simulator: bool = True,
+    shown: Iterable[str] | None = None,
+    only: Iterable[str] | None = None,
 ) -> list[inspect.Parameter]:
     """One keyword parameter per setting (``simulator=False``: leave out the
-    settings that have no Flower form)."""
+    settings that have no Flower form). ``shown``: the settings ``--help``
+    lists, the rest hidden until ``--help-all`` (which is added); ``only``:
+    the command takes these settings alone."""
     skip = set(exclude)
+    keep = set(only) if only is not None else None
+    visible = set(shown) if shown is not None else None
     params = []
+
+    def wanted(name: str) -> bool:
+        return name not in skip and (keep is None or name in keep)
+
+    def hidden(name: str) -> bool:
+        return visible is not None and name not in visible
+
     for name, f in schema_fields().items():
-        if name in skip or f.metadata.get("flag_only") and name in skip:
+        if not wanted(name):
             continue
         if not simulator and f.metadata.get("simulator_only"):
             continue
-        params.append(_option(name, f, PANELS[concern_of(name)], None))
+        params.append(_option(name, f, PANELS[concern_of(name)], None, hidden(name)))
     owners = option_owners()
     for name, f in strategy_option_fields().items():
-        if name not in skip:
-            params.append(_option(name, f, PANELS["strategy_options"], owners[name]))
-    return params
+        if wanted(name):
+            panel = PANELS["strategy_options"]
+            params.append(_option(name, f, panel, owners[name], hidden(name)))
+    return params + ([HELP_ALL] if visible is not None else [])
 
 
 def with_parameters(
@@ -109,7 +180,7 @@ def given(values: Mapping[str, Any]) -> dict[str, Any]:
 
     found = {}
     for key, value in values.items():
-        if value is None:
+        if value is None or key == HELP_ALL.name:  # --help-all is not a setting
             continue
         if key == "labels":
             value = read_labels(Path(value))

@@ -30,7 +30,12 @@ from clinfed.commands.common import (
     out,
     progress_disabled,
 )
-from clinfed.commands.options import settings_parameters, with_parameters
+from clinfed.commands.options import (
+    ESSENTIAL,
+    WARM_START,
+    settings_parameters,
+    with_parameters,
+)
 from clinfed.errors import ClinfedError
 
 
@@ -329,7 +334,9 @@ def sweep_cmd(
 
 with_parameters(
     sweep_cmd,
-    settings_parameters(exclude=("out", "resume", "strategy", "target_epsilon", "seed")),
+    settings_parameters(
+        exclude=("out", "resume", "strategy", "target_epsilon", "seed"), shown=ESSENTIAL
+    ),
 )
 app.command("sweep")(sweep_cmd)
 
@@ -410,7 +417,7 @@ def _check_recorded_data(config_file: Path, data: Path) -> None:
         )
 
 
-with_parameters(train, settings_parameters())
+with_parameters(train, settings_parameters(shown=ESSENTIAL))
 app.command("train")(train)
 
 
@@ -455,7 +462,7 @@ def warm_start_cmd(
     )
 
 
-with_parameters(warm_start_cmd, settings_parameters(exclude=("resume",)))
+with_parameters(warm_start_cmd, settings_parameters(exclude=("resume",), only=WARM_START))
 app.command("warm-start")(warm_start_cmd)
 
 
