@@ -8,7 +8,7 @@ import typer
 from rich.progress import Progress
 
 from clinfed.commands.common import JSON, _print_json, app, err, log, out, progress_disabled
-from clinfed.commands.train import _columns, _duration, _ProgressReporter
+from clinfed.commands.train import PROGRESS, _columns, _duration, _ProgressReporter
 
 
 @app.command("demo")
@@ -39,7 +39,7 @@ def demo(
     from clinfed.demo import PLAN, run_demo
 
     with Progress(
-        *_columns(), console=err, transient=True, disable=progress_disabled()
+        *_columns(), **PROGRESS, console=err, transient=True, disable=progress_disabled()
     ) as progress:
         reporter = _ProgressReporter(progress, 1, rounds or PLAN["rounds"])
         summary = run_demo(

@@ -98,9 +98,9 @@ def privacy_clip_norm(
     from rich.progress import Progress
 
     from clinfed.clip_norm import clip_norm_from_public
-    from clinfed.commands.train import _columns
+    from clinfed.commands.train import PROGRESS, _columns
 
-    with Progress(*_columns(), console=err, disable=progress_disabled()) as progress:
+    with Progress(*_columns(), **PROGRESS, console=err, disable=progress_disabled()) as progress:
 
         def bar(label: str, total: int):
             task = progress.add_task(label, total=total)

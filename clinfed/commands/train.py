@@ -119,6 +119,11 @@ def _f1(record: dict) -> str:
     return f"{record['f1']:.4f}" if "f1" in record else "none (no site evaluated)"
 
 
+# A round takes minutes: the ETA averages over the whole run (rich's default
+# window of 30 s holds no finished round, so it would show no estimate).
+PROGRESS = {"speed_estimate_period": 24 * 3600.0}
+
+
 def _columns() -> list:
     return [
         TextColumn("{task.description}"),
@@ -205,7 +210,7 @@ def train(
     started = time.perf_counter()
     try:
         with Progress(
-            *_columns(), console=err, transient=True, disable=progress_disabled()
+            *_columns(), **PROGRESS, console=err, transient=True, disable=progress_disabled()
         ) as progress:
             reporter = _ProgressReporter(progress, config.epochs, config.rounds)
             summary = run_training(config, reporter)
@@ -310,7 +315,7 @@ def sweep_cmd(
             raise ClinfedError(f"--{required} is required (a flag or a key of --config)")
     names = [s.strip() for s in strategies.split(",") if s.strip()]
 
-    with Progress(*_columns(), console=err, disable=progress_disabled()) as progress:
+    with Progress(*_columns(), **PROGRESS, console=err, disable=progress_disabled()) as progress:
         cells: Any = None
 
         def show(event: str, info: dict[str, Any]) -> None:
