@@ -75,3 +75,25 @@ def use_threads(*choices: int | None) -> int:
     count = next((c for c in choices if c), None) or os.cpu_count() or 1
     torch.set_num_threads(count)
     return count
+
+
+# Share of the device's free memory a DP pass may fill with per-unit
+# gradients; the rest holds the model, the optimizer and the activations.
+PASS_MEMORY_SHARE = 0.5
+
+
+def pass_units_for(model: nn.Module, free_bytes: int | None = None) -> int:
+    """How many privacy units one DP pass may hold on ``model``'s device:
+    0 (no cap) on the CPU; on CUDA, as many per-unit gradients of the
+    trainable numbers (fp32) as fit in :data:`PASS_MEMORY_SHARE` of the free
+    memory (``free_bytes``: measured when not given), at least 1. The step,
+    and so the privacy, is the same whatever the cap."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    parameter = next(model.parameters(), None)
+    if parameter is None or trainable == 0:
+        return 0
+    if free_bytes is None:
+        if parameter.device.type != "cuda":
+            return 0
+        free_bytes, _ = torch.cuda.mem_get_info(parameter.device)
+    return max(1, int(free_bytes * PASS_MEMORY_SHARE // (4 * trainable)))

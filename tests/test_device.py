@@ -111,3 +111,16 @@ def test_the_digest_of_the_same_weights_is_the_same_on_every_device():
     cpu_digest = payload.digest(model.state_dict())
     model.to("cuda")
     assert payload.digest(model.state_dict()) == cpu_digest
+
+
+def test_a_dp_pass_holds_what_half_the_free_memory_fits():
+    from torch import nn
+
+    from clinfed.device import pass_units_for
+
+    model = nn.Linear(1000, 1000)  # 1,001,000 trainable numbers: 4 MB a unit
+    assert pass_units_for(model) == 0  # on the CPU: no cap
+    assert pass_units_for(model, free_bytes=8 * 4_004_000) == 4  # half of 8 units' worth
+    assert pass_units_for(model, free_bytes=10) == 1  # never below one unit
+    model.weight.requires_grad_(False)  # only the bias trains: 1,000 numbers
+    assert pass_units_for(model, free_bytes=8 * 4_004_000) == 4004

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from clinfed.device import pass_units_for
 from clinfed.federated.plan import Plan
 from clinfed.privacy.dpsgd import DPSettings, make_private
 from clinfed.privacy.optimizers import mean_noise_std
@@ -323,7 +324,8 @@ def client_update(work: LocalWork, objective: Any = None) -> ClientResult:
             one_row_per_example=work.task.head == "token",
             extra_grad=_extra_grad(model, objective, work.public_gradient),
             subspace=work.subspace,
-            max_pass_units=settings.dp_pass_units,
+            # Not given: sized from the device's free memory (0 on the CPU).
+            max_pass_units=settings.dp_pass_units or pass_units_for(model),
         )
         # Each pass over the Poisson steps draws a fresh epoch of batches.
         epochs = [steps] * settings.epochs
