@@ -53,7 +53,6 @@ from torch import nn
 from clinfed.errors import ClinfedError
 from clinfed.models import gazetteer_of
 
-ADAPTERS = ("none", "lora", "bias", "head", "labels")
 # Head layers every label shares: --adapter labels keeps them at the start.
 SHARED_HEAD_LAYERS = ("head.project.",)
 # A low-rank update starting at zero moves the model slowly at the encoder's

@@ -216,6 +216,3 @@ def _bracket(planned: Callable[[float], float], target: float, delta: float, rou
             )
     return high
 
-
-def is_finite(value: float) -> bool:
-    return not (math.isinf(value) or math.isnan(value))

@@ -61,7 +61,6 @@ WEIGHTS = "secure/weights"
 # Fixed point: 24 fractional bits (float32 keeps 24 bits of mantissa).
 FRACTION_BITS = 24
 SCALE = float(1 << FRACTION_BITS)
-STAGES = ("share", "mask", "unmask")
 _CHUNK = 1 << 20  # mask elements generated at a time
 
 
