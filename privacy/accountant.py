@@ -215,4 +215,3 @@ def _bracket(planned: Callable[[float], float], target: float, delta: float, rou
                 "costs that do not depend on the DP-SGD noise already exceed it"
             )
     return high
-
