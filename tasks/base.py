@@ -301,6 +301,17 @@ class Task(ABC):
         project's own synthetic generator, fixed seed): SAFL's free layer
         choice profiles on these, so no private example shapes it."""
 
+    def distant_labels(
+        self, documents: Any, gazetteer: Any, run_types: tuple[str, ...]
+    ) -> dict[str, int]:
+        """Label the public ``documents`` in place where one of the
+        ``gazetteer``'s lists (a mark per list) names words their gold leaves
+        unlabelled (distant supervision for the warm start): each list's
+        names take the type the list is named for, mapped as the text's own
+        types are, where that is one of ``run_types``. Returns the spans
+        labelled per run type. A task without spans to label refuses."""
+        raise ClinfedError(f"task {self.name}: public text takes no labels from name lists")
+
     # ---------------------------------------------------- privacy units
     # What one DP unit is at each level, in words (the report states it).
     units: ClassVar[dict[str, str]] = {"example": "one training example"}

@@ -253,7 +253,7 @@ def test_a_list_the_tokenizer_or_encoder_cannot_mark_is_refused(tmp_path):
 def test_train_with_a_gazetteer_records_it_keeps_it_and_reports_it(i2b2_corpus, tmp_path):
     lists = _lists(tmp_path / "lists")
     out = tmp_path / "run"
-    done = _train(i2b2_corpus, lists, out)
+    done = _train(i2b2_corpus, lists, out, "--gazetteer-marks", "one")
     assert done.returncode == 0, done.stderr
     digest = Gazetteer.read(lists).sha256
     config = json.loads((out / "config.json").read_text())
@@ -342,6 +342,59 @@ def test_a_flower_node_marks_the_names_of_the_model_folder_it_pins(
     pinned = {"model": str(start), "model_sha256": data_fingerprint(start)}
     site = _node_site(i2b2_corpus, tmp_path, pinned, model=str(start), target_epsilon=8.0)
     held = site.runner.model
-    assert gazetteer_of(held).sha256 == Gazetteer.read(tmp_path / "lists").sha256
+    assert gazetteer_of(held).sha256 == Gazetteer.read(tmp_path / "lists", per_list=True).sha256
     ids = _ids(load_tokenizer("tiny"), WORDS)
     assert held._inputs(ids, torch.ones_like(ids))["token_type_ids"].sum() > 0
+
+
+def test_a_folder_of_lists_gets_a_mark_per_list_unless_one_is_asked_for(i2b2_corpus, tmp_path):
+    lists = _lists(tmp_path / "lists")
+    done = _train(i2b2_corpus, lists, tmp_path / "run")
+    assert done.returncode == 0, done.stderr
+    recorded = json.loads((tmp_path / "run" / "config.json").read_text())["gazetteer_list"]
+    assert recorded["lists"] == ["Chemical", "Disease"]
+    assert recorded["sha256"] == Gazetteer.read(lists, per_list=True).sha256
+
+
+def test_a_warm_start_labels_the_public_text_s_unlabelled_names_from_the_lists(
+    i2b2_corpus, tmp_path
+):
+    # The public text annotates Disease alone: its chemicals are O until the
+    # Chemical list labels them (as treatment, through --public-types).
+    public = tmp_path / "public"
+    public.mkdir()
+    rows = ["Cisplatin\tO", "caused\tO", "acute\tB-Disease", "renal\tI-Disease",
+            "failure\tI-Disease", "and\tO", "fever\tO", ""]  # fmt: skip
+    (public / "train.tsv").write_text("\n".join(rows * 10) + "\n")
+    start = tmp_path / "start"
+    made = run_cli(
+        "warm-start", "--task", "i2b2", "--model", "tiny", "--max-length", "32",
+        "--threads", "1", "--device", "cpu", "--out", str(start), "--public-data", str(public),
+        "--public-types", "Disease=problem,Chemical=treatment",
+        "--gazetteer", str(_lists(tmp_path / "lists")),
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    record = json.loads((start / "model.json").read_text())["public_start"]
+    # Ten cisplatins and ten fevers (a Disease name the gold left O); the
+    # listed "acute renal failure" is gold already and is not labelled twice.
+    assert record["labels_from_lists"] == {"treatment": 10, "problem": 10}
+    assert record["types"] == ["problem", "treatment"]
+
+
+def test_distant_labels_never_touch_a_gold_span_and_take_the_longest_name():
+    from clinfed.tasks.i2b2.adapter import I2b2Task
+    from clinfed.tasks.i2b2.format import Concept, Document
+
+    gazetteer = Gazetteer.of_lists([("Chemical", ["cisplatin"]), ("Disease", ["renal failure"])])
+    gold = Concept((1, 2), (1, 4), "problem", "acute renal failure")
+    words = ["cisplatin", "and", "acute", "renal", "failure", "renal", "failure"]
+    document = Document("d", "(public)", [words], [gold])
+    task = I2b2Task(types="Chemical=treatment,Disease=problem")
+    found = task.distant_labels([document], gazetteer, ("problem", "treatment"))
+    assert found == {"treatment": 1, "problem": 1}
+    spans = [(c.start, c.end, c.type) for c in document.concepts]
+    assert spans == [((1, 0), (1, 0), "treatment"), ((1, 2), (1, 4), "problem"),
+                     ((1, 5), (1, 6), "problem")]  # fmt: skip
+    # A list whose type the run lacks labels nothing.
+    other = Document("e", "(public)", [["cisplatin"]], [])
+    assert task.distant_labels([other], gazetteer, ("problem",)) == {}

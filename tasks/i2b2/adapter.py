@@ -38,7 +38,7 @@ from clinfed.tasks.i2b2.bio import (
 )
 from clinfed.tasks.i2b2.brat import read_brat
 from clinfed.tasks.i2b2.conll import conll_files, read_conll
-from clinfed.tasks.i2b2.format import Document, read_corpus, write_con
+from clinfed.tasks.i2b2.format import Concept, Document, read_corpus, write_con
 from clinfed.tasks.i2b2.metrics import prf, score_concepts
 from clinfed.tasks.i2b2.options import BASELINES, I2b2Options
 from clinfed.tasks.i2b2.schema import (
@@ -362,6 +362,38 @@ class I2b2Task(Task):
     def read_documents(self, folder: Path, problems: ProblemLog) -> list[Document]:
         """All documents of one folder (for ``evaluate`` and ``predict``)."""
         return self._read(folder, problems)
+
+    def distant_labels(
+        self, documents: list[Document], gazetteer: Any, run_types: tuple[str, ...]
+    ) -> dict[str, int]:
+        from clinfed.terminology import distant_spans
+
+        # A list is named as a type of the text (mapped as --types maps the
+        # text's own) or as a run type; a list of no run type labels nothing.
+        mapped = {kind: (self.types or {}).get(kind, kind) for kind in gazetteer.kinds}
+        types = {kind: run for kind, run in mapped.items() if run in run_types}
+        found: Counter = Counter()
+        for document in documents:
+            taken: dict[int, set[int]] = defaultdict(set)
+            for concept in document.concepts:
+                (first_line, first), (last_line, last) = concept.start, concept.end
+                for number in range(first_line, last_line + 1):
+                    width = len(document.lines[number - 1])
+                    low = first if number == first_line else 0
+                    high = last if number == last_line else width - 1
+                    taken[number].update(range(low, high + 1))
+            for number, words in enumerate(document.lines, start=1):
+                mask = [i in taken[number] for i in range(len(words))]
+                for first, size, kind in distant_spans(words, mask, gazetteer):
+                    if kind in types:
+                        end = first + size - 1
+                        text = " ".join(w.lower() for w in words[first : end + 1])
+                        document.concepts.append(
+                            Concept((number, first), (number, end), types[kind], text)
+                        )
+                        found[types[kind]] += 1
+            document.concepts.sort(key=lambda c: (c.start, c.end))
+        return dict(found)
 
     def summarize(self, data: Path, problems: ProblemLog) -> dict[str, Any]:
         docs = self._read(Path(data), problems)
