@@ -614,6 +614,8 @@ def privacy_policy(
     ``ledger_paths``: ledgers that outlive the run (a node's, one per
     dataset; default ``folder/<site>.jsonl``); a released count is kept
     beside its ledger."""
+    from clinfed.privacy.recipe import steps_per_epoch
+
     target = config.target_epsilon
     unit = config.privacy_unit
     ledger_paths = dict(ledger_paths or {})
@@ -643,6 +645,7 @@ def privacy_policy(
         reference_batch=task.defaults["batch_size"],
         memo=memo,
         relation=config.neighbours,
+        steps_per_epoch=steps_per_epoch(config.adapter),
     )
     policy.ledger_paths = ledger_paths
     policy.unit, policy.unit_text = unit, task.units[unit]

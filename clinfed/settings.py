@@ -751,7 +751,11 @@ class RunConfig(
         from clinfed.tasks import TASKS
 
         strategy = STRATEGIES[self.strategy]
-        defaults = dict(TASKS[self.task].defaults) | dict(strategy.training_defaults)
+        defaults = dict(TASKS[self.task].defaults)
+        if self.dp and self.adapter == "none":
+            # Every weight under DP trains at the task's measured private rates.
+            defaults |= TASKS[self.task].dp_rates
+        defaults |= dict(strategy.training_defaults)
         if self.adapter != "none":
             from clinfed.adapters import TRAINING_DEFAULTS
 
@@ -761,9 +765,9 @@ class RunConfig(
             # (clinfed.privacy.recipe) unless --batch-size is given.
             defaults.pop("batch_size", None)
         if self.local_epochs is None:
-            from clinfed.privacy.recipe import DP_LOCAL_EPOCHS
+            from clinfed.privacy.recipe import dp_local_epochs
 
-            defaults["local_epochs"] = DP_LOCAL_EPOCHS if self.dp else 1
+            defaults["local_epochs"] = dp_local_epochs(self.adapter) if self.dp else 1
         if self.lr_decay is None:
             from clinfed.privacy.recipe import DP_LR_DECAY
 

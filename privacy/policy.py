@@ -30,7 +30,7 @@ from clinfed.privacy.durable import atomic_write_json
 from clinfed.privacy.errors import PrivacyError, SettingError
 from clinfed.privacy.ledger import Ledger
 from clinfed.privacy.randomness import NOT_PRIVATE
-from clinfed.privacy.recipe import dp_batch_size, lr_scale
+from clinfed.privacy.recipe import STEPS_PER_EPOCH, dp_batch_size, lr_scale
 
 UNIT = "one training example (an i2b2 sentence, its windows folded; a MIMIC-III admission)"
 RELATION_REASONS = {
@@ -204,6 +204,7 @@ class PrivacyPolicy:
         reference_batch: int | None = None,
         memo: Path | None = None,
         relation: str = RELATION,
+        steps_per_epoch: int = STEPS_PER_EPOCH,
     ) -> PrivacyPolicy:
         """Calibrate (or take) each site's noise for the planned rounds.
 
@@ -213,14 +214,15 @@ class PrivacyPolicy:
 
         ``batch_size`` ``None`` derives each site's batch from its size and
         scales its rates from ``reference_batch`` (the task's batch), as
-        :mod:`clinfed.privacy.recipe` says. ``memo``: a JSON file of noise
+        :mod:`clinfed.privacy.recipe` says (``steps_per_epoch``: the plan's).
+        ``memo``: a JSON file of noise
         multipliers calibrated before (a Flower node calibrates for every
         message, and a calibration takes seconds); a remembered value is
         used only after checking it still meets the target.
         """
         check_settings(target_epsilon, delta, noise_multiplier, max_grad_norm, clipping)
         if batch_size is None:
-            batch_sizes = {site: dp_batch_size(n) for site, n in sizes.items()}
+            batch_sizes = {site: dp_batch_size(n, steps_per_epoch) for site, n in sizes.items()}
             reference = reference_batch or min(batch_sizes.values(), default=1)
             lr_scales = {site: lr_scale(b, reference) for site, b in batch_sizes.items()}
         else:

@@ -9,19 +9,28 @@ differentially private learners"; Yu et al. 2021, "Differentially private
 fine-tuning of language models"). Each step's fixed cost (noise for every
 trainable parameter) is also spread over more examples.
 
+Which parameters train is the run's plan (``--adapter``); the default is
+every weight, which measured best wherever it was tried: on BC5CDR (1,520
+sentences a site, a public warm start with name marks) +2.3 F1 over the
+bias terms at epsilon 8 and +0.3 at 1, and level with them (0.957 both,
+ahead in round 1, 0.955 against 0.946) on the README's first run (~230
+sentences a site, epsilon 8), for three times the wall time on 2 CPU cores.
+
 Without ``--batch-size``, a site under DP therefore takes
 
-* an expected Poisson batch of ``units / STEPS_PER_EPOCH`` privacy units,
-  at least ``MIN_BATCH`` and at most ``MAX_BATCH`` (never more than the
-  site holds): a few large steps per local epoch, enough that AdamW moves
-  in every round;
+* an expected Poisson batch of ``units / steps`` privacy units, at least
+  ``MIN_BATCH`` and at most ``MAX_BATCH`` (never more than the site holds),
+  where ``steps`` is 2 when every weight trains and 16 for an adapter
+  plan: a few large steps per local epoch, enough that AdamW moves in
+  every round;
 * its rates (``--lr``, ``--head-lr``) scaled by ``sqrt(batch / task batch)``,
   the square-root rule for Adam (Malladi et al. 2022, "On the SDEs and
   scaling rules for adaptive gradient algorithms"), so a rate given for the
   task's non-private batch means the same at the site's batch.
 
-Without ``--local-epochs``, a private run takes ``DP_LOCAL_EPOCHS`` (3)
-passes over each site's data per round (without DP: 1), and without
+Without ``--local-epochs``, a private run takes 6 passes over each site's
+data per round when every weight trains and ``DP_LOCAL_EPOCHS`` (3) for an
+adapter plan (without DP: 1), and without
 ``--lr-decay`` its rates stay constant (``DP_LR_DECAY``, as without DP).
 Measured on synthetic and public text only (docs/results.md, "Private
 models"): three local epochs beat one by 10.7 F1 points at 3,300 sentences
@@ -64,11 +73,31 @@ DP_LOCAL_EPOCHS = 3
 DP_LR_DECAY = "none"
 MIN_BATCH = 64
 MAX_BATCH = 1024
+# Every weight under DP (``--adapter none``) takes fewer, larger steps and
+# more passes: a batch of half a site's units, 6 local epochs (BC5CDR, 1,520
+# sentences a site, epsilon 8: batch 760 beat 190, 380 and 1,520, and 6
+# epochs beat 3 and 12; docs/results.md). Its rates are the task's
+# ``Task.dp_rates``, given at the task's batch and scaled by the same rule.
+WHOLE_MODEL_STEPS_PER_EPOCH = 2
+WHOLE_MODEL_LOCAL_EPOCHS = 6
 
 
-def dp_batch_size(units: int) -> int:
-    """The expected Poisson batch of a site with ``units`` privacy units."""
-    derived = min(MAX_BATCH, max(MIN_BATCH, units // STEPS_PER_EPOCH))
+def steps_per_epoch(adapter: str) -> int:
+    """Expected Poisson steps per local epoch under DP for a plan that trains
+    ``adapter``'s parameters (``none``: every weight)."""
+    return WHOLE_MODEL_STEPS_PER_EPOCH if adapter == "none" else STEPS_PER_EPOCH
+
+
+def dp_local_epochs(adapter: str) -> int:
+    """Local epochs a round under DP for a plan that trains ``adapter``'s
+    parameters (``none``: every weight)."""
+    return WHOLE_MODEL_LOCAL_EPOCHS if adapter == "none" else DP_LOCAL_EPOCHS
+
+
+def dp_batch_size(units: int, steps: int = STEPS_PER_EPOCH) -> int:
+    """The expected Poisson batch of a site with ``units`` privacy units that
+    takes about ``steps`` steps a local epoch."""
+    derived = min(MAX_BATCH, max(MIN_BATCH, units // steps))
     return max(1, min(units, derived))
 
 

@@ -158,6 +158,9 @@ class Task(ABC):
     # Local-training defaults for settings the user leaves unset
     # (max_length, batch_size, lr, head_lr).
     defaults: ClassVar[dict[str, Any]] = {}
+    # Rates (at ``defaults["batch_size"]``, scaled to a site's batch by
+    # clinfed.privacy.recipe) for every weight under DP, where measured.
+    dp_rates: ClassVar[dict[str, float]] = {}
     # Whether the label set may be fixed up front (``labels`` setting); a
     # task whose labels otherwise come from the data needs one on Flower,
     # where no server sees the data.

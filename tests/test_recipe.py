@@ -10,7 +10,15 @@ import math
 import pytest
 
 import clinfed.federated.client as client
-from clinfed.privacy.recipe import MAX_BATCH, MIN_BATCH, dp_batch_size, lr_scale
+from clinfed.privacy.recipe import (
+    MAX_BATCH,
+    MIN_BATCH,
+    WHOLE_MODEL_LOCAL_EPOCHS,
+    dp_batch_size,
+    dp_local_epochs,
+    lr_scale,
+    steps_per_epoch,
+)
 from clinfed.tasks.i2b2.adapter import I2b2Task
 
 
@@ -20,6 +28,10 @@ def test_the_batch_grows_with_the_site_and_stays_in_bounds():
     assert dp_batch_size(3200) == 200
     assert dp_batch_size(10**7) == MAX_BATCH
     assert lr_scale(64, 16) == 2.0
+    # Every weight under DP: half the site a step, six passes (BC5CDR's best).
+    assert steps_per_epoch("none") == 2 and dp_batch_size(1520, steps_per_epoch("none")) == 760
+    assert dp_local_epochs("none") == 6 and dp_local_epochs("bias") == 3
+    assert steps_per_epoch("bias") == steps_per_epoch("lora") == 16
 
 
 @pytest.fixture
@@ -36,15 +48,18 @@ def trained(monkeypatch):
     return seen
 
 
-def test_a_private_site_trains_and_accounts_at_its_derived_batch(tmp_path, trained, tiny_run):
-    tiny_run(noise_multiplier=5.0)
-    base = I2b2Task.defaults
+@pytest.mark.parametrize("adapter", ["none", "bias"])
+def test_a_private_site_trains_and_accounts_at_its_derived_batch(
+    tmp_path, trained, tiny_run, adapter
+):
+    tiny_run(noise_multiplier=5.0, adapter=adapter, local_epochs=1)
+    base = I2b2Task.defaults | (I2b2Task.dp_rates if adapter == "none" else {"lr": 1e-3})
     policy = json.loads((tmp_path / "run" / "privacy" / "policy.json").read_text())
     assert len(trained) == len(policy["sites"]) == 3
     expected = []
     for described in policy["sites"].values():
         units = described["examples"]
-        batch = dp_batch_size(units)
+        batch = dp_batch_size(units, steps_per_epoch(adapter))
         scale = math.sqrt(batch / base["batch_size"])
         assert (described["batch_size"], described["lr_scale"]) == (batch, pytest.approx(scale))
         assert described["sample_rate"] == pytest.approx(batch / units)
@@ -65,7 +80,7 @@ def test_a_given_batch_size_is_used_as_is(tmp_path, trained, tiny_run):
 def test_a_private_run_takes_the_recipes_epochs_and_schedule_unless_given(
     tmp_path, tiny_run, monkeypatch
 ):
-    from clinfed.privacy.recipe import DP_LOCAL_EPOCHS, DP_LR_DECAY
+    from clinfed.privacy.recipe import DP_LR_DECAY
     from clinfed.runs import read_jsonl
 
     schedules = []
@@ -82,20 +97,49 @@ def test_a_private_run_takes_the_recipes_epochs_and_schedule_unless_given(
                 if line.get("mechanism") == "dp-sgd"]  # fmt: skip
 
     # replace-one: both runs' steps derive from the same exact count.
-    tiny_run(out=tmp_path / "recipe", noise_multiplier=5.0, batch_size=8, neighbours="replace-one")
+    tiny_run(
+        out=tmp_path / "recipe", noise_multiplier=5.0, batch_size=8, neighbours="replace-one",
+        local_epochs=None,
+    )  # fmt: skip
     assert schedules == [DP_LR_DECAY] * 3  # each site trains on the recipe's schedule
     tiny_run(
         out=tmp_path / "given", noise_multiplier=5.0, batch_size=8, local_epochs=1,
         neighbours="replace-one",
     )  # fmt: skip
     recorded = json.loads((tmp_path / "recipe" / "config.json").read_text())
-    assert recorded["training"]["local_epochs"] == DP_LOCAL_EPOCHS == 3
+    # Every weight under DP (the default plan): six passes.
+    assert recorded["training"]["local_epochs"] == WHOLE_MODEL_LOCAL_EPOCHS == 6
     assert recorded["training"]["lr_decay"] == DP_LR_DECAY == "none"  # constant under DP
-    # Accounted (and trained) for three passes: three times the steps of one.
-    assert steps(tmp_path / "recipe") == [3 * s for s in steps(tmp_path / "given")]
-    plain = tiny_run(out=tmp_path / "plain")
+    # Accounted (and trained) for six passes: six times the steps of one.
+    assert steps(tmp_path / "recipe") == [6 * s for s in steps(tmp_path / "given")]
+    plain = tiny_run(out=tmp_path / "plain", local_epochs=None)
     assert plain["f1"] is not None
     assert (
         json.loads((tmp_path / "plain" / "config.json").read_text())["training"]["local_epochs"]
         == 1
     )
+
+
+def test_only_a_target_epsilon_gives_the_measured_private_plan(i2b2_corpus, tmp_path):
+    """What a hospital gets from ``clinfed train --target-epsilon 8``: federated,
+    add/remove, every weight at half a site's units a step, six passes, the
+    task's private rates."""
+    from .test_cli import run_cli
+
+    out = tmp_path / "run"
+    done = run_cli(
+        "train", "--data", str(i2b2_corpus), "--model", "tiny", "--target-epsilon", "8",
+        "--rounds", "1", "--max-length", "32", "--threads", "1", "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert config["federation"]["strategy"] == "fedavg"
+    assert config["privacy"]["neighbours"] == "add-remove"
+    assert config["model"]["adapter"] == "none"
+    assert config["training"]["local_epochs"] == 6
+    assert config["training"]["lr"] == I2b2Task.dp_rates["lr"]
+    assert config["training"]["head_lr"] == I2b2Task.dp_rates["head_lr"]
+    policy = json.loads((out / "privacy" / "policy.json").read_text())
+    assert policy["relation"] == "add-remove"
+    for site in policy["sites"].values():
+        assert site["batch_size"] == dp_batch_size(site["examples"], 2)
