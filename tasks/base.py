@@ -315,6 +315,22 @@ class Task(ABC):
         labelled per run type. A task without spans to label refuses."""
         raise ClinfedError(f"task {self.name}: public text takes no labels from name lists")
 
+    def public_units(self, folder: Path, public_types: Any, problems: ProblemLog) -> list[Any]:
+        """The privacy units of annotated public text, to deal out to the
+        sites of a forecast (``clinfed privacy plan``). A task without a
+        forecast refuses."""
+        raise ClinfedError(f"task {self.name}: no F1 forecast on public text yet")
+
+    def write_public_sites(self, sites: dict[str, list[Any]], test: list[Any], out: Path) -> None:
+        """Write :meth:`public_units` dealt out to ``sites`` (and ``test``)
+        as a corpus under ``out`` that :meth:`forecast_settings` reads."""
+        raise ClinfedError(f"task {self.name}: no F1 forecast on public text yet")
+
+    def forecast_settings(self) -> dict[str, Any]:
+        """The settings that read :meth:`write_public_sites`'s corpus with
+        this task's labels."""
+        raise ClinfedError(f"task {self.name}: no F1 forecast on public text yet")
+
     # ---------------------------------------------------- privacy units
     # What one DP unit is at each level, in words (the report states it).
     units: ClassVar[dict[str, str]] = {"example": "one training example"}

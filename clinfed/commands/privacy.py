@@ -17,6 +17,7 @@ from clinfed.commands.common import (
     out,
     progress_disabled,
 )
+from clinfed.commands.options import settings_parameters, with_parameters
 
 privacy_app = typer.Typer(
     help="The privacy accountant as a calculator (the Poisson-subsampled Gaussian, replace-one), "
@@ -189,3 +190,78 @@ def audit_cmd(
         )
     for site, attack in result["site_updates"].items():
         out.print(f"{site}'s last update: {attack['loss_threshold']['reading']}")
+
+
+def plan_cmd(
+    units: str = typer.Option(
+        ...,
+        "--units",
+        help="Each site's privacy units, comma-separated (declared, or a run's released "
+        "counts): 1520,1520,1400.",
+    ),
+    epsilons: str = typer.Option("1,4,8", "--epsilons", help="Budgets to plan, comma-separated."),
+    forecast_dir: Path = typer.Option(
+        None,
+        "--forecast",
+        metavar="DIR",
+        help="Also forecast F1: run the plan on --public-data dealt into sites of these sizes, "
+        "at each budget and without DP, in this new folder (as long as the runs take).",
+    ),
+    config_file: Path = typer.Option(
+        None, "--config", help="The run's settings (TOML or a run's config.json)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
+    **settings,
+) -> None:
+    """What each budget buys before any is spent: each site's batch, noise
+    and epsilon by round, from its size alone; with --forecast, F1 at each
+    budget measured on public text in sites of the same sizes."""
+    from clinfed.commands.options import given, merge
+    from clinfed.errors import ClinfedError
+    from clinfed.forecast import forecast, noise_plan, parse_units
+    from clinfed.settings import RunConfig
+    from clinfed.sweep import parse_epsilons
+
+    values = merge(config_file, given(settings))
+    values |= {"out": str(forecast_dir or "plan"), "data": values.get("data") or "(none)"}
+    config = RunConfig.from_values(values, str(config_file) if config_file else "flags")
+    sizes, budgets = parse_units(units), parse_epsilons(epsilons)
+    rows = noise_plan(config, sizes, budgets)
+    result: dict = {"plan": rows}
+    if forecast_dir is not None:
+        if forecast_dir.exists():
+            raise ClinfedError(f"--forecast {forecast_dir}: already exists; name a new folder")
+        result["forecast"] = forecast(config, sizes, budgets, forecast_dir)
+    if as_json:
+        _print_json(result)
+        return
+    out.print("[bold]the plan[/] (from the sites' sizes alone; no data read):")
+    for row in rows:
+        by_round = ", ".join(f"{e:.2f}" for e in row["epsilon_by_round"])
+        out.print(
+            f"  epsilon {row['target_epsilon']:g}, {row['site']} ({row['units']:,} units): "
+            f"batch {row['batch_size']}, {row['steps_per_round']} steps a round, noise "
+            f"multiplier {row['noise_multiplier']:.3f} ({row['noise_on_mean_step']:.4f} on the "
+            f"mean step); epsilon after each round {by_round}",
+            soft_wrap=True,
+        )
+    if forecast_dir is not None:
+        made = result["forecast"]
+        out.print(f"forecast on {made['test_units']:,} held-out public units:")
+        for budget, f1 in made["f1"].items():
+            cost = made["cost_points"].get(budget)
+            spent = "no DP" if budget == "inf" else f"epsilon {budget}"
+            shown = "-" if f1 is None else f"{f1:.3f}"
+            out.print(
+                f"  {spent}: F1 {shown}" + ("" if cost is None else f", DP costs {cost:.1f} points")
+            )
+
+
+with_parameters(
+    plan_cmd,
+    settings_parameters(
+        exclude=("out", "resume", "target_epsilon", "data", "noise_multiplier"),
+        shown=("task", "model", "strategy", "rounds", "adapter", "public_data", "public_types"),
+    ),
+)
+privacy_app.command("plan")(plan_cmd)

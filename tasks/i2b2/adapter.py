@@ -398,6 +398,20 @@ class I2b2Task(Task):
             document.concepts.sort(key=lambda c: (c.start, c.end))
         return dict(found)
 
+    def public_units(self, folder: Path, public_types: Any, problems: ProblemLog) -> list:
+        from clinfed.tasks.i2b2.units import read_units
+
+        reader = I2b2Task(format="auto", types=public_types)
+        return read_units(reader, folder, problems)
+
+    def write_public_sites(self, sites: dict[str, list], test: list, out: Path) -> None:
+        from clinfed.tasks.i2b2.units import write_units
+
+        write_units(sites, test, out)
+
+    def forecast_settings(self) -> dict[str, Any]:
+        return {"format": "conll", "types": ",".join(self.entity_types)}
+
     def summarize(self, data: Path, problems: ProblemLog) -> dict[str, Any]:
         docs = self._read(Path(data), problems)
         if any(d.annotated for d in docs):  # an annotated corpus: the rule train applies
