@@ -27,7 +27,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +67,6 @@ from clinfed.models import (
 from clinfed.privacy.count import count_path
 from clinfed.privacy.policy import PrivacyPolicy
 from clinfed.privacy.site import SitePrivacy
-from clinfed.privacy.subspace import GradientSubspace
 from clinfed.runs import (
     append_jsonl,
     atomic_write_json,
@@ -163,14 +162,8 @@ class _Prepared:
     model: nn.Module
     out: Path
     cache_dir: str
-    # Under --dp-subspace: where the sites' DP noise goes (public), by the
-    # model a round starts from.
-    subspace: Callable[[nn.Module], GradientSubspace] | None = None
     # Under --public-check: the server's judge of each round's model (public).
     check: PublicCheck | None = None
-    # Under --dp-public-mix: adds the public text's gradient to a site's
-    # private step (public, no privacy spent).
-    public_mix: Callable[[nn.Module], None] | None = None
 
 
 def _finish(
@@ -210,6 +203,9 @@ def run_training(config: RunConfig, report: Reporter = _quiet) -> dict[str, Any]
         The final evaluation record (also in ``RUN/summary.json``).
     """
     config.validate()
+    # The warm start is a public phase without DP: it takes the rates a run
+    # without DP would, not the private rounds' (clinfed.privacy.recipe).
+    public_phase = replace(config, target_epsilon=None, noise_multiplier=None).resolved()
     config = config.resolved()
     # One process per run folder, claimed before anything is read.
     with claimed_run_folder(config.out, config.resume):
@@ -219,12 +215,12 @@ def run_training(config: RunConfig, report: Reporter = _quiet) -> dict[str, Any]
 
         reporter = Tracked(report, config.report_to, Path(config.out), asdict(config))
         try:
-            return _train(config, reporter)
+            return _train(config, reporter, public_phase)
         finally:
             reporter.close()
 
 
-def _train(config: RunConfig, report: Reporter) -> dict[str, Any]:
+def _train(config: RunConfig, report: Reporter, public_phase: RunConfig) -> dict[str, Any]:
     strategy_cls = STRATEGIES[config.strategy]
     use_threads(config.threads)
     device = resolve_device(config.device)  # a device this machine lacks: exit 2 now
@@ -250,31 +246,10 @@ def _train(config: RunConfig, report: Reporter) -> dict[str, Any]:
             # the no-DP reference given the same flag, start from this model.
             from clinfed.warmstart import warm_start
 
-            public = warm_start(config, task, model, tokenizer, cache_dir, problems, report)
+            public = warm_start(public_phase, task, model, tokenizer, cache_dir, problems, report)
             public = after_saved_start(public, config.model)
         else:
             public = saved_public_start(config.model)
-        subspace = subspace_record = None
-        if config.dp and config.dp_subspace:
-            # Where DP-SGD's noise goes (clinfed.privacy.subspace): found on
-            # public text at the starting model, so it costs no privacy.
-            from clinfed.warmstart import PublicSubspaces, public_subspace
-
-            first, subspace_record = public_subspace(
-                config, task, model, tokenizer, cache_dir, problems, report
-            )
-            subspace = PublicSubspaces(
-                config, task, tokenizer, cache_dir, problems, model, first, report
-            )
-            subspace_record["refresh"] = config.dp_subspace_refresh
-            subspace_record["refresh_epochs"] = config.dp_subspace_refresh_epochs
-        mix = mix_record = None
-        if config.dp and config.dp_public_mix:
-            # The public text's gradient in every private step
-            # (clinfed.warmstart.PublicMix): post-processing, no privacy spent.
-            from clinfed.warmstart import public_mix
-
-            mix, mix_record = public_mix(config, task, model, tokenizer, cache_dir, problems)
         check = check_record = None
         if config.public_check:
             # The server's judge of each round (clinfed.federated.public_check),
@@ -284,9 +259,7 @@ def _train(config: RunConfig, report: Reporter) -> dict[str, Any]:
             check, check_record = public_check(config, task, model, tokenizer, cache_dir, problems)
         train = task.encode(corpus.train, tokenizer, config.max_length, cache_dir)
         test = task.encode(corpus.test, tokenizer, config.max_length, cache_dir)
-        prep = _Prepared(
-            task, corpus, tokenizer, model, Path(config.out), cache_dir, subspace, check, mix
-        )
+        prep = _Prepared(task, corpus, tokenizer, model, Path(config.out), cache_dir, check)
         if strategy_cls.pooled:
             out = create_run_folder(config.out)
             _write_start(out, config, task, corpus, "pooled", public, gazetteer=gazetteer_of(model))
@@ -322,9 +295,7 @@ def _train(config: RunConfig, report: Reporter) -> dict[str, Any]:
                 corpus,
                 "in-process",
                 public,
-                subspace_record,
                 check_record,
-                mix_record,
                 gazetteer_of(model),
             )
             if holdout:
@@ -401,9 +372,7 @@ def _write_start(
     corpus: Corpus,
     runner: str,
     public=None,
-    subspace=None,
     check=None,
-    mix=None,
     gazetteer: Gazetteer | None = None,
 ) -> None:
     from clinfed.provenance import data_fingerprint
@@ -413,12 +382,8 @@ def _write_start(
         record["gazetteer_list"] = gazetteer.describe()
     if public is not None:
         record["public_start"] = public
-    if subspace is not None:
-        record["public_subspace"] = subspace
     if check is not None:
         record["public_check_text"] = check
-    if mix is not None:
-        record["public_mix"] = mix
     if config.data and Path(config.data).is_dir():
         # Which data the run read, without naming a note: SHA-256 over its files.
         record["data_fingerprint"] = data_fingerprint(Path(config.data))
@@ -556,7 +521,8 @@ def warm_start_model(config: RunConfig, report: Reporter = _quiet) -> dict[str, 
     from clinfed.settings import PUBLIC_INPUTS, flag
     from clinfed.warmstart import warm_start
 
-    config = config.resolved()
+    # A public phase without DP: the rates of a run without DP.
+    config = replace(config, target_epsilon=None, noise_multiplier=None).resolved()
     if not config.public_data:
         raise ClinfedError("clinfed warm-start needs --public-data")
     out = Path(config.out)
@@ -780,8 +746,6 @@ def _federated(
             initial_state=initial,
             report=report,
             audit_dir=prep.out / AUDIT_UPDATES if config.audit_holdout else None,
-            subspace=prep.subspace,
-            public_mix=prep.public_mix,
         )
         for client, idx in sorted(clients.items())
     }

@@ -213,7 +213,8 @@ def test_the_audit_measures_from_the_warm_started_model(i2b2_corpus, tmp_path):
 
         task = make_task(config, cache)
         task.labels = list(meta["labels"])
-        initial = starting_model(config, task, tokenizer, cache)
+        recorded = json.loads((run / "config.json").read_text())["public_start"]
+        initial = starting_model(config, task, tokenizer, cache, recorded)
     state = json.loads((run / "state.json").read_text())
     started = state["digests"]["0"]
     assert payload.digest(initial.state_dict()) == started

@@ -130,17 +130,25 @@ def reading(result: dict[str, float]) -> str:
     )
 
 
-def starting_model(config: RunConfig, task: Any, tokenizer: Any, cache: str) -> Any:
+def starting_model(
+    config: RunConfig, task: Any, tokenizer: Any, cache: str, public_start: dict | None = None
+) -> Any:
     """The weights the run started from: the seeded model (or the saved one
     ``--model`` names), trained again on the run's public text when it
-    warm-started inline (``--public-data``: the same seed, the same steps),
-    so the attack measures what the private rounds changed."""
+    warm-started inline (``--public-data``: the same seed, the same steps,
+    the rates ``public_start`` recorded, as the run's ``config.json`` has
+    it), so the attack measures what the private rounds changed."""
+    from dataclasses import replace
+
     from clinfed.pipeline import make_model
 
     initial = make_model(config, task)
     if config.public_data:
         from clinfed.warmstart import warm_start
 
+        recorded = public_start or {}
+        if recorded.get("head_lr") is not None:
+            config = replace(config, head_lr=recorded["head_lr"])
         warm_start(config, task, initial, tokenizer, cache, ProblemLog(config.on_error))
     return initial
 
@@ -218,7 +226,8 @@ def audit(run: Path, max_examples: int = 400, seed: int = 0) -> dict[str, Any]:
         corpus = task.load(Path(config.data), ProblemLog(config.on_error))
         task.labels = list(meta["labels"])
         examples = task.encode(corpus.train, tokenizer, meta["max_length"], cache)
-        initial = starting_model(config, task, tokenizer, cache)
+        public_start = json.loads(config_path.read_text()).get("public_start")
+        initial = starting_model(config, task, tokenizer, cache, public_start)
         start = _start_check(run, initial)
         if any(i >= len(examples) for m, n in sites.values() for i in m + n):
             raise ClinfedError(f"{holdout_path}: rows beyond the data's; was the data changed?")
