@@ -14,9 +14,8 @@ once to ``benchmarks/results/demo-corpus``.
 ``PUBLIC`` may also be the folder ``clinfed demo --out`` wrote: the run then
 repeats that demo's run (its plan, its ``data/``, its 10% audit holdout)
 from its starting model (``start/``) with no warm start, which is how the
-demo's private rounds are drawn again with fresh secret noise; a
-``"dp_subspace"`` override finds the subspace on the demo's ``public/``
-notes, or on ``"_subspace_public"``. Prints one JSON line: F1 by
+demo's private rounds are drawn again with fresh secret noise. Prints one
+JSON line: F1 by
 round, final F1, epsilon per site. One thread per run, so two runs share 2
 cores; each run takes 1.5 to 5 minutes on MiniLM.
 """
@@ -68,9 +67,6 @@ def _repeat_demo(out: Path, dp: bool, demo: Path, extra: dict) -> dict:
     settings |= {"model": str(demo / "start"), "threads": 1, "seed": SEED}
     if not dp:
         settings.pop("target_epsilon")
-    subspace_public = extra.pop("_subspace_public", str(demo / "public"))
-    if extra.get("dp_subspace"):
-        settings |= {"public_data": subspace_public, "public_epochs": 0}
     settings |= extra
     return _run(out, dp, str(demo), extra, demo / "data", settings)
 

@@ -136,8 +136,10 @@ def main() -> None:
                         }[mode]
                         generator = np.random.default_rng(repeat)
                         randomness = secret() if dp is not None else None
-                        work = LocalWork(model, task, examples, plan, settings, generator, dp)
-                        work.randomness = randomness
+                        work = LocalWork(
+                            model, task, examples, plan, settings, generator, dp,
+                            randomness=randomness,
+                        )  # fmt: skip
                         result = client_update(work)
                         tokens = sum(s.tokens for s in result.stats)
                         timings[mode].append(result.seconds / tokens)

@@ -50,7 +50,7 @@ def _child(message: Path, node: str) -> None:
     imported = time.perf_counter()
     proto = RecordDict()
     proto.ParseFromString(message.read_bytes())
-    reply = client._answer(recorddict_from_proto(proto), json.loads(node))
+    reply = client.answer(recorddict_from_proto(proto), json.loads(node))
     recorddict_to_proto(reply).SerializeToString()
     answered = time.perf_counter()
     print(json.dumps({"imports_s": imported - started, "answer_s": answered - imported}))

@@ -18,9 +18,9 @@ holds for any clip norm fixed before training; public text spends no
 privacy. The figures depend on how close the public text is to the
 model: text the start was trained on has small gradients (it is fitted),
 so measure on public documents the start has not seen
-(``docs/results.md``, "the clip norm").
+(``benchmarks/results/NOTEBOOK.md``, "the clip norm").
 
-What it moved (``docs/results.md``, "the clip norm from public text"):
+What it moved (``benchmarks/results/NOTEBOOK.md``, "the clip norm from public text"):
 on ICD coding's head, public admissions of the sites' kind put the 75th
 percentile at 0.43, and a clip norm of 0.4 gained 2.4 F1 points at
 epsilon 8 over the default 1.0; on BC5CDR's bias terms from a start

@@ -6,7 +6,7 @@ target epsilon a privacy officer would accept; each site keeps a ledger;
 the run is audited (membership inference) and reported. The same run
 without DP is the reference its F1 is compared with.
 
-The recipe (:data:`PLAN`) was chosen by measurement (docs/results.md, "The demo"
+The recipe (:data:`PLAN`) was chosen by measurement (benchmarks/results/NOTEBOOK.md, "The demo"
 and "Private models"): a public warm start (on public notes of the same
 kind, :data:`PUBLIC`), then bias terms and the head only, under add/remove
 accounting, against SAFL + FedFrozen and LoRA.
@@ -34,7 +34,7 @@ COMMON: dict[str, Any] = {
     # start): at 1e-3 the private F1 fell round over round, at 1e-2 it rose.
     # From the public notes' start the head comes trained and 1e-3 measured
     # the same (two draws each, within a few spans); from PubMed the head
-    # still has to learn `test`, so 1e-2 stays. docs/results.md, "The demo".
+    # still has to learn `test`, so 1e-2 stays. benchmarks/results/NOTEBOOK.md, "The demo".
     "head_lr": 1e-2,
     # Public warm start (clinfed.warmstart): before round 1 the starting
     # model trains on 2,000 sentences of public annotated text (PUBLIC). No
@@ -60,7 +60,7 @@ PLANS: dict[str, dict[str, Any]] = {
     # FedAvg of the encoder's bias terms and the head only (BitFit), three
     # local epochs. After the warm start, the best private model measured on
     # the demo's corpus (0.593 against 0.487 for SAFL + FedFrozen at epsilon
-    # 8, replace-one; docs/results.md "Private models").
+    # 8, replace-one; benchmarks/results/NOTEBOOK.md, "Private models").
     "bias": {"strategy": "fedavg", "adapter": "bias", "local_epochs": 3},
 }
 DEFAULT_PLAN = "bias"
@@ -71,7 +71,7 @@ DEFAULT_PLAN = "bias"
 # (the start alone 0.925). pubmed: the PubMed abstracts shipped in
 # clinfed/public (BC5CDR, NCBI disease; CC BY 4.0), diseases as problems and
 # chemicals as treatments, text unlike the notes and no test spans: private
-# F1 0.620 against 0.797 (docs/results.md, "The demo").
+# F1 0.620 against 0.797 (benchmarks/results/NOTEBOOK.md, "The demo").
 PUBLIC: dict[str, dict[str, Any]] = {
     "notes": {"public_types": None},
     "pubmed": {
@@ -88,7 +88,7 @@ PUBLIC_SEED = 7
 # chance (--public-check, clinfed.federated.public_check): after round 1 the
 # noise outweighs what is left to learn. Not falling in twelve of twelve draws
 # of the private run; three of eleven without the check, twelve of fourteen
-# with F1 alone on one hospital's notes (docs/results.md, "The demo").
+# with F1 alone on one hospital's notes (benchmarks/results/NOTEBOOK.md, "The demo").
 CHECK_SEED = 8
 PLAN = COMMON | PLANS[DEFAULT_PLAN]
 SITES, DOCS, SEED = 3, 30, 0
@@ -109,7 +109,7 @@ def _train_beside(config: Any, results: Any) -> None:
         results.send(("failed", error))
 
 
-def _private_and_reference(
+def private_and_reference(
     private: Any,
     reference: Any,
     threads: int,
@@ -246,7 +246,7 @@ def run_demo(
     reference_settings = {k: v for k, v in settings.items() if k not in ("target_epsilon",)}
     private_config = RunConfig.of(data=str(data), out=str(private_dir), **settings)
     reference_config = RunConfig.of(data=str(data), out=str(reference_dir), **reference_settings)
-    private, reference = _private_and_reference(
+    private, reference = private_and_reference(
         private_config, reference_config, threads, on_step, on_event
     )
     # The side-by-side runs left this process on half the threads.

@@ -8,7 +8,7 @@ an input the encoder already has (its second segment's embedding), with no
 new parameter. Under DP it turns evidence about each name, which needs a
 handful of sentences that hold it and drowns in the noise, into one
 direction that every sentence with a listed name shares
-(``docs/results.md``, "Public terminologies").
+(``benchmarks/results/NOTEBOOK.md``, "Public terminologies").
 
 Privacy: a unit's marks are computed from that unit's own tokens and the
 public lists alone, so no other unit shapes its gradient (DESIGN.md

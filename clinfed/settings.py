@@ -156,9 +156,8 @@ class ModelSettings:
     )
     public_epochs: int = setting(
         1,
-        "Passes over the public text before round 1 (0: none; the text then only spans "
-        "--dp-subspace, e.g. on a --model already warm-started).",
-        minimum=0,
+        "Passes over the public text before round 1.",
+        minimum=1,
         maximum=100,
     )
     public_lr: float | None = setting(
@@ -217,12 +216,6 @@ class TrainingSettings:
         maximum=1.0,
     )
     weight_decay: float = setting(0.01, "AdamW weight decay.", minimum=0.0, maximum=1.0)
-    optimizer: str = setting(
-        "adamw",
-        "Under DP: adamw; adambc, Adam with the noise's variance taken out of its second "
-        "moment (DP-AdamBC); sgd, SGD with momentum 0.9 at Adam-equivalent rates.",
-        choices=("adamw", "adambc", "sgd"),
-    )
     lr_decay: str | None = setting(
         None,
         "Federated runs: none keeps the rates; linear takes them to zero over the run's "
@@ -230,14 +223,6 @@ class TrainingSettings:
         "cooldown keeps them until the last round, then takes them to zero over its steps. "
         "Default: none, under DP too (the recipe's, measured).",
         choices=("none", "linear", "cooldown"),
-    )
-    ema_decay: float = setting(
-        0.0,
-        "Federated runs: above 0, each site sends an exponential moving average of its "
-        "round's iterates at this decay (e.g. 0.9) instead of the last one; under DP it is "
-        "post-processing and costs no privacy. 0: the last iterate.",
-        minimum=0.0,
-        below=1.0,
     )
     lr_warmup: float = setting(
         0.1,
@@ -350,69 +335,6 @@ class PrivacySettings:
         below=1.0,
         simulator_only=True,
     )
-    dp_subspace: int = setting(
-        0,
-        "Under DP with an adapter: noise each step in the top-K directions of per-example "
-        "gradients on the public text (--public-data) at the starting model, the head kept "
-        "whole: K + head numbers noised instead of every trainable one, at the same noise "
-        "multiplier and accounting. 0: off.",
-        minimum=0,
-        maximum=4_096,
-        simulator_only=True,
-    )
-    dp_subspace_examples: int = setting(
-        1_024,
-        "Under --dp-subspace: public examples whose per-example gradients the subspace is "
-        "found from (at most; drawn with the run's seed). Their gradients are held in memory "
-        "at once: examples x trainable numbers at most 500 million.",
-        minimum=1,
-        maximum=65_536,
-        simulator_only=True,
-    )
-    dp_subspace_refresh: bool = setting(
-        False,
-        "Under --dp-subspace: find the subspace again at each round's global model (a DP "
-        "release, so no privacy is spent), on the same public text, instead of once at the "
-        "start.",
-        simulator_only=True,
-    )
-    dp_subspace_refresh_epochs: int = setting(
-        0,
-        "Under --dp-subspace: also find the subspace again at each site's local model every "
-        "N local epochs within a round, on the same public text (the local model follows "
-        "from the site's own noised steps, so no privacy is spent; each costs one pass over "
-        "--dp-subspace-examples public examples). 0: off.",
-        minimum=0,
-        maximum=100,
-        simulator_only=True,
-    )
-    dp_residual: float = setting(
-        0.0,
-        "Under --dp-subspace: also step on this share of the noised gradient outside the "
-        "public subspace (0: the subspace alone; 1: plain DP-SGD). Post-processing of the "
-        "same Gaussian release: the accounting does not change.",
-        minimum=0.0,
-        maximum=1.0,
-        simulator_only=True,
-    )
-    dp_public_mix: float = setting(
-        0.0,
-        "Under DP with --public-data: add this weight times the gradient of the public "
-        "text's loss, at the site's current local model, to each private step (public "
-        "data-assisted DP-SGD). The public term is noise-free post-processing: the "
-        "accounting does not change. 0: off.",
-        minimum=0.0,
-        maximum=100.0,
-        simulator_only=True,
-    )
-    dp_public_batch: int = setting(
-        32,
-        "Under --dp-public-mix: public examples in each step's public batch (drawn with the "
-        "run's seed: public text, public order).",
-        minimum=1,
-        maximum=4_096,
-        simulator_only=True,
-    )
     reproducible_noise: bool = setting(
         False,
         "Derive DP noise and sampling from the public seed instead of OS entropy (tests and "
@@ -504,9 +426,7 @@ def flag(name: str) -> str:
 # Keys a run's config.json carries beside the settings (ignored on reading).
 METADATA_KEYS = {
     "public_start",
-    "public_subspace",
     "public_check_text",
-    "public_mix",
     "gazetteer_list",
     "clinfed_version",
     "runner",
@@ -641,57 +561,6 @@ class RunConfig(
                 "clipping must be exact (fp32), or the clipping bound the accounting assumes "
                 "does not hold"
             )
-        if self.dp_subspace:
-            if not self.dp:
-                raise ClinfedError(
-                    "--dp-subspace needs DP (--target-epsilon or --noise-multiplier): it "
-                    "decides where DP-SGD's noise goes"
-                )
-            if not self.public_data:
-                raise ClinfedError(
-                    "--dp-subspace needs --public-data: the subspace is found on public text "
-                    "(add --public-epochs 0 to keep a warm-started --model as it is)"
-                )
-            if self.adapter == "none":
-                raise ClinfedError(
-                    "--dp-subspace needs an adapter (--adapter bias, head or lora): a whole "
-                    "encoder has too many numbers to find their subspace"
-                )
-        if self.dp_subspace_refresh and not self.dp_subspace:
-            raise ClinfedError(
-                "--dp-subspace-refresh finds the public subspace again each round: it needs "
-                "--dp-subspace"
-            )
-        if self.dp_subspace_refresh_epochs and not self.dp_subspace:
-            raise ClinfedError(
-                "--dp-subspace-refresh-epochs finds the public subspace again within a "
-                "round: it needs --dp-subspace"
-            )
-        if self.dp_residual and not self.dp_subspace:
-            raise ClinfedError(
-                "--dp-residual is the share kept outside the public subspace: it needs "
-                "--dp-subspace"
-            )
-        if self.dp_public_mix:
-            if not self.dp:
-                raise ClinfedError(
-                    "--dp-public-mix needs DP (--target-epsilon or --noise-multiplier): "
-                    "without DP, train on the public text with --public-data"
-                )
-            if not self.public_data:
-                raise ClinfedError(
-                    "--dp-public-mix needs --public-data: its gradient is taken on public "
-                    "text (add --public-epochs 0 to keep a warm-started --model as it is)"
-                )
-        if (
-            self.public_epochs == 0
-            and self.public_data
-            and not (self.dp_subspace or self.dp_public_mix)
-        ):
-            raise ClinfedError(
-                "--public-epochs 0 leaves --public-data unused: give --dp-subspace or "
-                "--dp-public-mix, or at least one epoch"
-            )
         if self.public_check:
             if strategy.pooled or not strategy.shares_model:
                 raise ClinfedError(
@@ -700,11 +569,6 @@ class RunConfig(
                 )
             if check_data and not Path(self.public_check).is_dir():
                 raise ClinfedError(f"--public-check {self.public_check}: not a folder")
-        if self.optimizer != "adamw" and not self.dp:
-            raise ClinfedError(
-                f"--optimizer {self.optimizer} needs DP (--target-epsilon or "
-                "--noise-multiplier): it is derived from the noise's scale"
-            )
         if (
             self.dp
             and self.target_epsilon is not None

@@ -1,7 +1,7 @@
 """Public name lists built from terminologies: ``clinfed data names``.
 
 Drug and disease names from public terminologies help a private model in two
-ways, both measured on BC5CDR (docs/results.md, "Public terminologies"):
+ways, both measured on BC5CDR (benchmarks/results/NOTEBOOK.md, "Public terminologies"):
 as marks on the input (``--gazetteer``: +3.0 F1 at epsilon 8, a mark per
 list +0.8 more) and as distant labels on public text before the warm start
 (the words a list names tagged where the public text's gold says ``O``:

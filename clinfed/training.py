@@ -79,12 +79,8 @@ def make_optimizer(
     lr: float,
     weight_decay: float,
     head_lr: float | None = None,
-    kind: str = "adamw",
-    noise: float | None = None,
 ) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters (or, under DP, ``kind``
-    ``adambc`` or ``sgd`` for a step with noise of std ``noise`` per
-    coordinate: :mod:`clinfed.privacy.optimizers`).
+    """AdamW over the trainable parameters.
 
     The task head starts from random weights while the encoder is
     pretrained, so the head gets its own, larger rate (``head_lr``, default
@@ -99,12 +95,6 @@ def make_optimizer(
     body = [p for n, p in model.named_parameters() if p.requires_grad and not n.startswith("head.")]
     groups = [{"params": body, "lr": lr}, {"params": head, "lr": head_lr or 10 * lr}]
     groups = [g for g in groups if g["params"]]
-    if kind != "adamw":
-        if noise is None:
-            raise ValueError(f"optimizer {kind!r} needs the noise's scale (a DP run)")
-        from clinfed.privacy.optimizers import private_optimizer
-
-        return private_optimizer(kind, groups, weight_decay, noise)
     try:
         return torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, fused=True)
     except (RuntimeError, TypeError):  # pragma: no cover - older torch, other devices

@@ -40,10 +40,9 @@ from torch import nn
 
 from clinfed.privacy.accountants import Mechanism
 from clinfed.privacy.clipping import CLIPPERS, CLIPPINGS, choose_clipping
-from clinfed.privacy.noise import add_noise, noise_only_step, noise_std
+from clinfed.privacy.noise import add_noise, noise_only_step
 from clinfed.privacy.randomness import SiteRandomness
 from clinfed.privacy.sampler import PoissonSampler, sample_rate, steps_per_epoch
-from clinfed.privacy.subspace import GradientSubspace
 
 __all__ = [
     "CLIPPINGS",
@@ -214,7 +213,6 @@ class PrivateStep:
         expected_batch: int,
         noise: torch.Generator,
         extra_grad: Callable[[], None] | None = None,
-        subspace: GradientSubspace | None = None,
     ):
         self.mode, self.dp, self.expected_batch = mode, dp, expected_batch
         self.noise = noise
@@ -224,10 +222,6 @@ class PrivateStep:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         self.names = [n for n, _ in named]
-        self.subspace = None
-        if subspace is not None:
-            subspace.check(self.names)
-            self.subspace = (self.names, subspace)
         self.clipper = CLIPPERS[mode](model, dp.max_grad_norm)
         self.dp_optimizer = None
         if self.clipper.optimizer_class is not None:
@@ -250,53 +244,6 @@ class PrivateStep:
                 generator=noise,
                 secure_mode=True,
             )
-
-        if self.subspace is not None and self.dp_optimizer is not None:
-            # Opacus noises each tensor's clipped sum in its add_noise: here
-            # the sums go to the subspace instead, from the same generator.
-            self.dp_optimizer.add_noise = self._noise_in_subspace
-
-    def use_subspace(self, subspace: GradientSubspace) -> None:
-        """Noise the steps from now on in ``subspace`` (same rank, so the
-        optimizer's noise scale holds). A function of public text and of
-        models the noised steps made, it changes nothing the accounting
-        covers."""
-        if self.subspace is None:
-            # Opacus's noise was left in place when the round began.
-            raise ValueError("a step that began without a subspace cannot take one")
-        subspace.check(self.names)
-        if subspace.rank != self.subspace[1].rank:
-            raise ValueError(
-                f"a subspace of rank {subspace.rank} cannot replace one of rank "
-                f"{self.subspace[1].rank} within a round"
-            )
-        self.subspace = (self.names, subspace)
-
-    def _noise_in_subspace(self) -> None:
-        """Opacus's ``add_noise`` with the noise in the public subspace."""
-        from opacus.optimizers.optimizer import (
-            _check_processed_flag,
-            _generate_noise,
-            _mark_as_processed,
-        )
-
-        names, space = self.subspace
-        optimizer = self.dp_optimizer
-        name_of = {id(p): n for n, p in zip(names, self.params, strict=True)}
-        for p in optimizer.params:
-            _check_processed_flag(p.summed_grad)
-        sums = {name_of[id(p)]: p.summed_grad for p in optimizer.params}
-        device = optimizer.params[0].summed_grad.device
-        std = noise_std(self.dp.noise_multiplier, self.dp.max_grad_norm)
-
-        def draw(n: int) -> torch.Tensor:
-            reference = torch.empty(n, device=device)
-            return _generate_noise(std, reference, optimizer.generator, optimizer.secure_mode)
-
-        noisy = space.noisy_gradients(sums, draw)
-        for p in optimizer.params:
-            p.grad = noisy[name_of[id(p)]].view_as(p)
-            _mark_as_processed(p.summed_grad)
 
     def zero_grad(self) -> None:
         if self.dp_optimizer is None:
@@ -323,7 +270,6 @@ class PrivateStep:
                     self.dp.max_grad_norm,
                     self.expected_batch,
                     self.noise,
-                    self.subspace,
                 )
             self.ready = last
             return
@@ -355,7 +301,6 @@ class PrivateStep:
             self.dp.max_grad_norm,
             self.expected_batch,
             self.noise,
-            self.subspace,
         )
 
     def detach(self) -> None:
@@ -374,7 +319,6 @@ def make_private(
     one_row_per_example: bool = True,
     extra_grad: Callable[[], None] | None = None,
     microbatch_overhead: int = MICROBATCH_OVERHEAD_TOKENS,
-    subspace: GradientSubspace | None = None,
     max_pass_units: int = 0,
 ) -> tuple[PoissonSteps, PrivateStep]:
     """DP-SGD's steps and update for the parameters trainable now, in place
@@ -401,10 +345,6 @@ def make_private(
     microbatch_overhead
         Per-pass cost in tokens used to cut each sampled batch into
         length-grouped passes (see :func:`microbatches`); the step is the same.
-    subspace
-        A public gradient subspace (:mod:`clinfed.privacy.subspace`): each
-        step's clipped sum is noised there instead of coordinate by
-        coordinate, at the same noise multiplier (the same accounting).
     max_pass_units
         At most this many units in one pass (0: no cap), to fit the
         accelerator's memory; the step is the same.
@@ -423,7 +363,5 @@ def make_private(
     # warns on every backward hook; the per-example gradients are still right
     # (tests/test_privacy.py checks them against one-example backward passes).
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
-    update = PrivateStep(
-        model, optimizer, mode, dp, batch_size, randomness.noise, extra_grad, subspace
-    )
+    update = PrivateStep(model, optimizer, mode, dp, batch_size, randomness.noise, extra_grad)
     return steps, update

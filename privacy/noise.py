@@ -15,8 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
-from clinfed.privacy.subspace import GradientSubspace
-
 # Noise is drawn in chunks of this many values, each from its own generator
 # seeded by the site's, so the chunks can be drawn on every core at once
 # (torch draws from one generator on one core). Fixed, not per core: the
@@ -36,13 +34,12 @@ def noise_only_step(
     max_grad_norm: float,
     expected_batch: int,
     generator: torch.Generator,
-    subspace: tuple[list[str], GradientSubspace] | None = None,
 ) -> None:
     """A step of noise alone, from the site's generator. Skipping an empty
     batch would reveal that it was empty, which depends on membership."""
     for p in params:
         p.grad = None
-    add_noise(params, noise_multiplier, max_grad_norm, expected_batch, generator, subspace)
+    add_noise(params, noise_multiplier, max_grad_norm, expected_batch, generator)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -53,7 +50,6 @@ def add_noise(
     max_grad_norm: float,
     expected_batch: int,
     generator: torch.Generator,
-    subspace: tuple[list[str], GradientSubspace] | None = None,
 ) -> None:
     """Noise each parameter's summed clipped gradient in ``.grad`` and turn
     it into the step's mean.
@@ -61,23 +57,11 @@ def add_noise(
     The noise for every parameter is drawn in one call into one flat buffer
     (one pass of the generator instead of one per tensor), with Opacus's
     own secure sampler (four Gaussians per value, the defence against
-    floating-point attacks it enables with ``secure_mode``).
-
-    ``subspace``: the parameters' names and a public
-    :class:`~clinfed.privacy.subspace.GradientSubspace`; the sums are then
-    released projected onto it, noised there (same noise multiplier and
-    clipping norm: the same accounting), and mapped back."""
+    floating-point attacks it enables with ``secure_mode``)."""
     for p in params:  # every trainable parameter is released, so every one is noised
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     std = noise_std(noise_multiplier, max_grad_norm)
-    if subspace is not None:
-        names, space = subspace
-        sums = {n: p.grad for n, p in zip(names, params, strict=True)}
-        noisy = space.noisy_gradients(sums, lambda n: secure_gaussian(std, n, generator))
-        for name, p in zip(names, params, strict=True):
-            p.grad = noisy[name].div_(expected_batch)
-        return
     sizes = [p.numel() for p in params]
     noise = secure_gaussian(std, sum(sizes), generator)
     # Drawn on the CPU whatever the device: the same noise from the same

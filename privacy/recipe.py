@@ -32,11 +32,11 @@ Without ``--local-epochs``, a private run takes 6 passes over each site's
 data per round when every weight trains and ``DP_LOCAL_EPOCHS`` (3) for an
 adapter plan (without DP: 1), and without
 ``--lr-decay`` its rates stay constant (``DP_LR_DECAY``, as without DP).
-Measured on synthetic and public text only (docs/results.md, "Private
+Measured on synthetic and public text only (benchmarks/results/NOTEBOOK.md, "Private
 models"): three local epochs beat one by 10.7 F1 points at 3,300 sentences
 a site (epsilon 8, bias terms), five beat three by 1 point at 600
 sentences for 1.5 times the time, and at the same epsilon 6 rounds moved
-nothing against 3. The schedule (docs/results.md, "The rate schedule";
+nothing against 3. The schedule (benchmarks/results/NOTEBOOK.md, "The rate schedule";
 epsilon 8, bias terms, add/remove, the demo's corpus): from a PubMed
 start, far from the notes, constant rates end at 0.641 on the mean of two
 draws, a cooldown over the last round at 0.622 and rates falling linearly

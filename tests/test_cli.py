@@ -544,7 +544,7 @@ def test_the_demo_can_start_from_the_shipped_pubmed_text(tmp_path):
 def test_the_demo_s_reference_run_fails_in_its_process_as_the_caller_s_clear_error(
     i2b2_corpus, tmp_path
 ):
-    from clinfed.demo import _private_and_reference
+    from clinfed.demo import private_and_reference
     from clinfed.errors import ClinfedError
     from clinfed.settings import RunConfig
 
@@ -557,7 +557,7 @@ def test_the_demo_s_reference_run_fails_in_its_process_as_the_caller_s_clear_err
     reference = RunConfig.of(data=str(missing), out=str(tmp_path / "no-dp"), **common)
     steps = []
     with pytest.raises(ClinfedError, match="no-such-corpus"):
-        _private_and_reference(private, reference, 2, steps.append, lambda event, info: None)
+        private_and_reference(private, reference, 2, steps.append, lambda event, info: None)
     assert any("beside it" in step for step in steps)  # two cores: side by side
     assert (tmp_path / "private" / "summary.json").is_file()  # the private run still ended
 

@@ -129,11 +129,9 @@ def test_flower_run_settings_refuse_what_belongs_to_the_simulator(tmp_path):
     # A warm start on Flower is a saved model every node loads and pins.
     with pytest.raises(ClinfedError, match="public_data: on Flower, train the starting model"):
         flower_run_config({"task": "i2b2", "strategy": "fedavg", "public_data": "p"}, tmp_path)
-    with pytest.raises(ClinfedError, match="dp_subspace: not on Flower yet"):
-        flower_run_config({"task": "i2b2", "strategy": "fedavg", "dp_subspace": 8}, tmp_path)
-    # Each node would need the public text and the same public draws.
-    with pytest.raises(ClinfedError, match="dp_public_mix: not a Flower setting"):
-        flower_run_config({"task": "i2b2", "strategy": "fedavg", "dp_public_mix": 1.0}, tmp_path)
+    # Members set aside for an audit are a simulator's: a node audits nothing.
+    with pytest.raises(ClinfedError, match="audit_holdout: not a Flower setting"):
+        flower_run_config({"task": "i2b2", "strategy": "fedavg", "audit_holdout": 0.1}, tmp_path)
     # The server judges each round on public text from a folder where it runs.
     config = flower_run_config(
         {"task": "i2b2", "strategy": "fedavg", "public_check": "p"}, tmp_path

@@ -55,7 +55,7 @@ def _exact_units(i2b2_corpus, tmp_path) -> int:
         ("public_data", "{data}"),
         ("data", "{data}"),
         ("cache_dir", "{data}/cache"),
-        ("dp_public_mix", 1.0),
+        ("audit_holdout", 0.1),
         ("types", "{data}/types.toml"),
         ("public_types", "{data}/types.toml"),
     ],
@@ -67,10 +67,7 @@ def test_a_node_refuses_every_setting_that_names_a_path_without_looking_at_it(
     raw = _run(tmp_path, target_epsilon=8.0)
     if isinstance(value, str):
         value = value.format(data=i2b2_corpus)
-    if setting == "dp_public_mix":
-        raw = raw.replace(dp_public_mix=value, public_data=None)
-    else:
-        raw = raw.replace(**{setting: value})
+    raw = raw.replace(**{setting: value})
     with pytest.raises(ClinfedError) as refused:
         NodeSite(raw, _node(i2b2_corpus, tmp_path), "run")
     said = str(refused.value)

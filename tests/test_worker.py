@@ -140,8 +140,8 @@ def test_the_worker_serves_its_clientapps_only_is_replaced_and_ends_with_its_sup
         assert json.loads((folder / "address.json").read_text()) == address  # the same worker
         # The same answers as a message handled in the ClientApp itself.
         here = values | {"state": str(tmp_path / "here"), "worker": False}
-        assert _same(first, _upload(client._answer(_records(config, 1), here)))
-        assert _same(_upload(second), _upload(client._answer(_records(config, 2), here)))
+        assert _same(first, _upload(client.answer(_records(config, 1), here)))
+        assert _same(_upload(second), _upload(client.answer(_records(config, 2), here)))
         assert not (tmp_path / "here" / worker.FOLDER).exists()
         # Only the node's user can read the token; without it, no answer.
         assert stat.S_IMODE(folder.stat().st_mode) == 0o700
@@ -173,7 +173,7 @@ def test_the_worker_serves_its_clientapps_only_is_replaced_and_ends_with_its_sup
         # A worker killed outright is replaced by the next message.
         os.kill(address["pid"], signal.SIGKILL)
         third = _upload(worker.ask(values, _records(config, 3), parent=supernode.pid))
-        assert _same(third, _upload(client._answer(_records(config, 3), here)))
+        assert _same(third, _upload(client.answer(_records(config, 3), here)))
         replaced = json.loads((folder / "address.json").read_text())
         assert replaced["pid"] != address["pid"]
         address = replaced

@@ -100,12 +100,6 @@ class _ProgressReporter:
                 f"round {info['round']} {info['client']}: refused, epsilon would reach "
                 f"{info['epsilon_if_trained']:.3f} (spent {info['epsilon']:.3f})"
             )
-        elif event == "public_subspace_found":
-            log.info(
-                f"public subspace found again at the {info['at']}: {info['rank']} directions "
-                f"holding {info['public_gradient_share']:.1%} of the public gradients "
-                f"({info['seconds']:.0f} s)"
-            )
         elif event == "stopped":
             log.warning(info["reason"])
         elif event == "round_end":

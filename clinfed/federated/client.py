@@ -20,9 +20,7 @@ from torch import nn
 from clinfed.device import pass_units_for
 from clinfed.federated.plan import Plan
 from clinfed.privacy.dpsgd import DPSettings, make_private
-from clinfed.privacy.optimizers import mean_noise_std
 from clinfed.privacy.randomness import SiteRandomness
-from clinfed.privacy.subspace import GradientSubspace
 from clinfed.tasks.base import Task
 from clinfed.training import EpochStats, PlainUpdate, make_optimizer, plain_steps, run_epoch
 
@@ -45,14 +43,6 @@ class LocalSettings:
     # :func:`decay_rates`); ``none`` keeps them.
     lr_decay: str = "none"
     rounds: int = 1
-    # Under DP: adamw, adambc or sgd (clinfed.privacy.optimizers).
-    optimizer: str = "adamw"
-    # > 0: the site sends an exponential moving average of its local
-    # iterates at this decay instead of the last one (IterateAverage).
-    ema_decay: float = 0.0
-    # > 0: under DP with a public subspace, find it again at the local model
-    # every this many local epochs (LocalWork.find_subspace).
-    subspace_refresh_epochs: int = 0
 
 
 @dataclass
@@ -78,16 +68,6 @@ class LocalWork:
     # expected over the whole local training). Local display only.
     on_step: Callable[[int, int], None] | None = None
     round_number: int = 1
-    # Under DP: a public gradient subspace the step's noise goes in
-    # (clinfed.privacy.subspace); None noises every trainable number.
-    subspace: GradientSubspace | None = None
-    # The public subspace at a given model (public text only), for
-    # LocalSettings.subspace_refresh_epochs; None keeps ``subspace``.
-    find_subspace: Callable[[nn.Module], GradientSubspace] | None = None
-    # Under DP: adds the public text's gradient at the local model to the
-    # model's ``.grad`` after each private step's noise
-    # (clinfed.warmstart.PublicMix); None adds nothing.
-    public_gradient: Callable[[nn.Module], None] | None = None
 
 
 @dataclass
@@ -193,7 +173,7 @@ def decay_rates(
 
     Under DP-SGD each step's noise is fixed while the model nears a
     minimum: smaller late steps average the noise over more of them
-    instead of letting it move the model at full rate (docs/results.md,
+    instead of letting it move the model at full rate (benchmarks/results/NOTEBOOK.md,
     "Levers")."""
     if settings.lr_decay == "none" or steps == 0:
         return
@@ -212,66 +192,6 @@ def decay_rates(
 
     set_rates()
     optimizer.register_step_post_hook(after_step)
-
-
-class IterateAverage:
-    """An exponential moving average of the trainable parameters over one
-    round's optimizer steps, loaded into the model when the round ends.
-
-    Step ``t`` (from 1) mixes in the new iterate at weight ``1 - d_t`` with
-    ``d_t = min(decay, (1 + t) / (10 + t))``: the warm-up keeps the average
-    from leaning on the round's first, least trained iterates. Under DP-SGD
-    every iterate is already released-grade (noised), so their average is
-    post-processing and costs no privacy; it averages the independent noise
-    of the last steps instead of keeping the last step's at full weight
-    (De et al. 2022, "Unlocking high-accuracy differentially private image
-    classification through scale", section 3).
-    """
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, decay: float) -> None:
-        if not 0.0 < decay < 1.0:
-            raise ValueError(f"iterate averaging needs a decay in (0, 1), not {decay!r}")
-        self.decay = decay
-        self.steps = 0
-        self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        self.average = {n: p.detach().clone() for n, p in self.params.items()}
-        optimizer.register_step_post_hook(self._after_step)
-
-    @torch.no_grad()
-    def _after_step(self, *_: Any) -> None:
-        self.steps += 1
-        d = min(self.decay, (1 + self.steps) / (10 + self.steps))
-        for name, param in self.params.items():
-            self.average[name].mul_(d).add_(param.detach(), alpha=1 - d)
-
-    @torch.no_grad()
-    def load(self) -> None:
-        """Replace the model's trainable parameters with their average."""
-        if self.steps == 0:
-            return
-        for name, param in self.params.items():
-            param.copy_(self.average[name])
-
-
-def _extra_grad(
-    model: nn.Module, objective: Any, public_gradient: Callable[[nn.Module], None] | None
-) -> Callable[[], None] | None:
-    """What a private step adds after its noise: the strategy's
-    data-independent term (FedProx's proximal gradient) and the public
-    text's gradient at the local model, each costing no privacy."""
-    parts = []
-    if objective is not None:
-        parts.append(objective.grad)
-    if public_gradient is not None:
-        parts.append(lambda: public_gradient(model))
-    if not parts:
-        return None
-
-    def add() -> None:
-        for part in parts:
-            part()
-
-    return add
 
 
 def client_update(work: LocalWork, objective: Any = None) -> ClientResult:
@@ -295,17 +215,7 @@ def client_update(work: LocalWork, objective: Any = None) -> ClientResult:
     dp = work.dp
     scale = dp.lr_scale if dp is not None else 1.0
     head_lr = settings.head_lr * scale if settings.head_lr is not None else None
-    noise = None
-    if dp is not None:
-        expected = dp.batch_size or settings.batch_size
-        noise = mean_noise_std(dp.noise_multiplier, dp.max_grad_norm, expected)
-        if work.subspace is not None:
-            # In the public subspace each number carries far less noise.
-            shapes = {n: p.shape for n, p in model.named_parameters() if p.requires_grad}
-            noise *= work.subspace.coordinate_noise(shapes)
-    optimizer = make_optimizer(
-        model, settings.lr * scale, settings.weight_decay, head_lr, settings.optimizer, noise
-    )
+    optimizer = make_optimizer(model, settings.lr * scale, settings.weight_decay, head_lr)
     unit = dp.unit if dp is not None else "example"
     units = work.task.unit_rows(work.dataset, unit)
     if dp is not None:
@@ -322,8 +232,9 @@ def client_update(work: LocalWork, objective: Any = None) -> ClientResult:
             dp.batch_size or settings.batch_size,
             work.randomness,
             one_row_per_example=work.task.head == "token",
-            extra_grad=_extra_grad(model, objective, work.public_gradient),
-            subspace=work.subspace,
+            # What a private step adds after its noise: the strategy's
+            # data-independent term (FedProx's proximal gradient), no privacy.
+            extra_grad=objective.grad if objective is not None else None,
             # Not given: sized from the device's free memory (0 on the CPU).
             max_pass_units=settings.dp_pass_units or pass_units_for(model),
         )
@@ -346,26 +257,16 @@ def client_update(work: LocalWork, objective: Any = None) -> ClientResult:
         total = len(work.dataset) * settings.epochs
     planned_steps = len(steps) if dp is not None else _plain_steps(work.dataset, settings)
     decay_rates(optimizer, settings, work.round_number, planned_steps * settings.epochs)
-    averaging = IterateAverage(model, optimizer, settings.ema_decay) if settings.ema_decay else None
-    every = settings.subspace_refresh_epochs if dp is not None and work.subspace else 0
     try:
         progress = _progress(work.on_step, total)
         stats = []
-        for epoch, steps_of_epoch in enumerate(epochs, start=1):
+        for steps_of_epoch in epochs:
             stats.append(
                 run_epoch(model, work.task, work.dataset, steps_of_epoch, update, progress)
             )
-            if every and epoch % every == 0 and epoch < settings.epochs and work.find_subspace:
-                # The private steps leave the public directions within a
-                # round: the basis at the local model holds more of the next
-                # ones. That model follows from this site's own noised steps,
-                # so finding it spends no privacy.
-                update.use_subspace(work.find_subspace(model))
     finally:
         if dp is not None:
             update.detach()
-    if averaging is not None:
-        averaging.load()
     clipping = update.mode if dp is not None else None
     upload = {n: p.detach().clone() for n, p in model.named_parameters() if n in work.plan.uploaded}
     # The aggregation weight: under add/remove the site's released noisy

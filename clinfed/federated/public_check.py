@@ -9,7 +9,7 @@ whatever they hold.
 Under DP, once a model is close to what its sites' data can teach, the
 noise on each averaged step dwarfs the signal left, and a round moves the
 model by a random step: measured on the demo, private F1 after round 1 went
-up or down by up to six spans a round (docs/results.md, "The demo"). The
+up or down by up to six spans a round (benchmarks/results/NOTEBOOK.md, "The demo"). The
 server can see such a step coming without any site's data: it scores the
 proposed global model on public text of the same kind and keeps the last
 one unless the proposal is better there.

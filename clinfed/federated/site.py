@@ -53,7 +53,6 @@ from clinfed.federated.state import load_tensors, save_tensors
 from clinfed.federated.strategies import Strategy
 from clinfed.privacy.randomness import reproducible, secret
 from clinfed.privacy.site import SitePrivacy
-from clinfed.privacy.subspace import GradientSubspace
 from clinfed.runs import atomic_write_bytes, atomic_write_json
 from clinfed.tasks.base import Task
 from clinfed.training import predict
@@ -123,8 +122,6 @@ class SiteRunner:
         meter_path: Path | None = None,
         max_evaluations: int | None = None,
         run_name: str = "",
-        subspace: Callable[[nn.Module], GradientSubspace] | None = None,
-        public_mix: Callable[[nn.Module], None] | None = None,
     ):
         self.name, self.task, self.model, self.strategy = name, task, model, strategy
         self.initial_state = initial_state
@@ -137,13 +134,6 @@ class SiteRunner:
         # The evaluation meter: per run by default; a node's is per dataset.
         self.meter_path = Path(meter_path) if meter_path else self.state_dir / "evaluations.json"
         self.max_evaluations, self.run_name = max_evaluations, run_name
-        # Under DP: the public gradient subspace the noise goes in, as a
-        # function of the model the round starts from (or None); its
-        # ``at_local_model``, where it has one, finds it within a round.
-        self.subspace = subspace
-        # Under DP: adds the public text's gradient to each private step
-        # (clinfed.warmstart.PublicMix), or None.
-        self.public_mix = public_mix
         # An auditing run keeps each site's latest update as the server saw
         # it (the global model it received with the upload overlaid).
         self.audit_dir = audit_dir
@@ -512,13 +502,6 @@ class SiteRunner:
                     "site_step", {"client": self.name, "done": done, "total": total}
                 ),
                 round_number=round_number,
-                subspace=(
-                    self.subspace(self.model)
-                    if dp is not None and self.subspace is not None
-                    else None
-                ),
-                find_subspace=getattr(self.subspace, "at_local_model", None),
-                public_gradient=self.public_mix if dp is not None else None,
             )
             result = self.strategy.local_update(work)
             bytes_up = len(payload.encode(result.upload)) if plan.uploaded else 0
@@ -616,9 +599,6 @@ def build_site_runner(
         dp_pass_units=config.dp_pass_units,
         lr_decay=config.lr_decay,
         rounds=config.rounds,
-        optimizer=config.optimizer,
-        ema_decay=config.ema_decay,
-        subspace_refresh_epochs=config.dp_subspace_refresh_epochs,
     )
     return SiteRunner(
         name,

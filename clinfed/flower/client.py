@@ -43,7 +43,7 @@ def redact_paths(error: object) -> str:
 
 def _handle(msg: Message, context: Context) -> Message:
     try:
-        content = _answer(msg.content, dict(context.node_config))
+        content = answer(msg.content, dict(context.node_config))
     except USER_ERRORS as exc:
         # The site's own policy or data said no: the reason, on one line,
         # in the node's log and in the reply the server logs.
@@ -59,7 +59,10 @@ def _handle(msg: Message, context: Context) -> Message:
     return Message(content, reply_to=msg)
 
 
-def _answer(content: RecordDict, node_values: Mapping[str, Any]) -> RecordDict:
+def answer(content: RecordDict, node_values: Mapping[str, Any]) -> RecordDict:
+    """The reply records to one message's ``content`` at a node with
+    ``node_values`` (its node config): from the node's long-lived worker,
+    or handled here where the worker is off or unavailable."""
     if str(node_values.get("worker", True)).lower() not in ("false", "0"):
         try:
             return worker.ask(node_values, content)

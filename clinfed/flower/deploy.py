@@ -210,12 +210,6 @@ def flower_run_config(settings: dict[str, Any], out: Path, resume: bool = False)
                 "--model and in every node's config (model and model-sha256, which pins it "
                 "and its list)"
             )
-        if key == "dp_subspace":
-            raise ClinfedError(
-                f"{name}: not on Flower yet: the public subspace is found and handed to the "
-                "sites in one process; every node would have to find the same one from the "
-                "same public text and pin it"
-            )
         if key in fields and fields[key].metadata.get("simulator_only"):
             raise ClinfedError(
                 f"{name}: not a Flower setting (each SuperNode is a site with its own data)"

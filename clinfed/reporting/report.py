@@ -333,17 +333,6 @@ def _header(run: Path, run_data: dict[str, Any], raw: dict[str, Any]) -> list[tu
         rows.append(("Secure aggregation", "on" if config.get("secure_aggregation") else "off"))
         if raw.get("public_check_text"):
             rows.append(("Public check", _public_check(raw["public_check_text"], records)))
-        if raw.get("public_mix"):
-            mix = raw["public_mix"]
-            rows.append(
-                (
-                    "Public text in each private step",
-                    f"each DP-SGD step also descended the loss on public text "
-                    f"{Path(mix['folder']).name} ({mix['examples']:,} examples, "
-                    f"{mix['batch']} a step) at weight {mix['weight']:g}, without noise: "
-                    "no site's data, no privacy spent",
-                )
-            )
     rows.append(("Versions (at training)", versions if recorded else "not recorded"))
     rows.append(("Command", f"`{raw['command']}`" if raw.get("command") else "not recorded"))
     if fingerprint:

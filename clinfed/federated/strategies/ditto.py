@@ -29,7 +29,7 @@ from torch import nn
 from clinfed.federated.client import ClientResult, LocalWork, client_update
 from clinfed.federated.plan import Plan, full_plan
 from clinfed.federated.strategies.base import Strategy, proximal, swapped
-from clinfed.settings import setting
+from clinfed.schema import setting
 
 
 @dataclass

@@ -26,7 +26,7 @@ import torch
 
 from clinfed.federated.plan import Plan, full_plan
 from clinfed.federated.strategies.base import Strategy
-from clinfed.settings import setting
+from clinfed.schema import setting
 
 
 @dataclass

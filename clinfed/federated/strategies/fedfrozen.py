@@ -25,7 +25,7 @@ from clinfed.blocks import block_of
 from clinfed.errors import ClinfedError
 from clinfed.federated.plan import Plan
 from clinfed.federated.strategies.base import Strategy
-from clinfed.settings import setting
+from clinfed.schema import setting
 
 
 def is_query_key(name: str) -> bool:

@@ -9,7 +9,7 @@ from torch import nn
 
 from clinfed.federated.plan import Plan, full_plan
 from clinfed.federated.strategies.base import Objective, Strategy, proximal
-from clinfed.settings import setting
+from clinfed.schema import setting
 
 
 @dataclass

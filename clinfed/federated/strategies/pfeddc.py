@@ -34,7 +34,7 @@ from clinfed.errors import ClinfedError
 from clinfed.federated.plan import Plan, names_in
 from clinfed.federated.strategies.base import Strategy
 from clinfed.prompts import FUSIONS
-from clinfed.settings import setting
+from clinfed.schema import setting
 
 
 @dataclass

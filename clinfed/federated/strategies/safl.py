@@ -48,7 +48,7 @@ from clinfed.federated.strategies.fedfrozen import (
     FedFrozenOptions,
 )
 from clinfed.privacy.accountant import Mechanism
-from clinfed.settings import setting
+from clinfed.schema import setting
 from clinfed.tasks.base import Task
 
 SELECTIONS = ("global", "public", "private")
