@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from clinfed.errors import ClinfedError, ProblemLog
-from clinfed.privacy.accountant import epsilon
+from clinfed.privacy.accountants import epsilon
 from clinfed.privacy.policy import COUNT_MECHANISM, PrivacyPolicy
 from clinfed.privacy.recipe import steps_per_epoch
 from clinfed.settings import RunConfig

@@ -6,7 +6,7 @@ Privacy unit: one training example (an i2b2 sentence window, a MIMIC-III
 admission). See ``ARCHITECTURE.md`` and ``../shared/DESIGN.md`` section 4.
 """
 
-from clinfed.privacy.accountant import ACCOUNTANT, Mechanism, calibrate_noise, epsilon
+from clinfed.privacy.accountants import ACCOUNTANT, Mechanism, calibrate_noise, epsilon
 from clinfed.privacy.ledger import Ledger
 
 __all__ = ["ACCOUNTANT", "Ledger", "Mechanism", "calibrate_noise", "epsilon"]

@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clinfed.privacy.accountant import (
+from clinfed.privacy.accountants import (
     MIN_NOISE_MULTIPLIER,
     RELATION,
     Mechanism,
+    budget_accountant,
     calibrate_noise,
     epsilon,
 )
-from clinfed.privacy.accountants import budget_accountant
 from clinfed.privacy.count import COUNT_MECHANISM, count_mechanism, count_path, keep_count
 from clinfed.privacy.dpsgd import CLIPPINGS, DPSettings, round_mechanism
 from clinfed.privacy.durable import atomic_write_json

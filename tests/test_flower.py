@@ -32,7 +32,7 @@ from clinfed.flower.deploy import (
 from clinfed.flower.node import NodeConfig, NodeSite
 from clinfed.flower.records import PACKED, _records, message_records, read_message, read_reply
 from clinfed.pipeline import RunConfig, run_training
-from clinfed.privacy.accountant import Mechanism, epsilon
+from clinfed.privacy.accountants import Mechanism, epsilon
 from clinfed.runs import read_jsonl
 from clinfed.tasks.i2b2.synth import generate
 from clinfed.tasks.mimic3.adapter import Mimic3Task

@@ -17,8 +17,7 @@ from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.federated.engine import MAX_UNITS, Reply, check_record
 from clinfed.models import load_tokenizer
 from clinfed.pipeline import RunConfig
-from clinfed.privacy.accountant import Mechanism
-from clinfed.privacy.accountants import ACCOUNTANTS
+from clinfed.privacy.accountants import ACCOUNTANTS, Mechanism
 from clinfed.runs import read_jsonl
 from clinfed.tasks.i2b2.adapter import I2b2Task
 

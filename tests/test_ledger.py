@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from clinfed.privacy.accountant import Mechanism
+from clinfed.privacy.accountants import Mechanism
 from clinfed.privacy.errors import PrivacyError
 from clinfed.privacy.ledger import Ledger
 
@@ -24,7 +24,7 @@ def charge_and_die(path, run: str, round_number: int) -> float:
     """Charge ROUND for ``round_number`` in another process that then ends
     without releasing (a site killed mid-round); the epsilon it charged."""
     code = (
-        "import sys; from clinfed.privacy.accountant import Mechanism; "
+        "import sys; from clinfed.privacy.accountants import Mechanism; "
         "from clinfed.privacy.ledger import Ledger; "
         "l = Ledger(sys.argv[1], 'beth', 1e-5, run=sys.argv[2]); "
         "print(l.charge(int(sys.argv[3]), [Mechanism('dp-sgd', 1.0, 0.05, 20)]))"

@@ -79,7 +79,7 @@ def test_a_node_remembers_its_calibration_and_checks_it(tmp_path, monkeypatch):
     import json
 
     import clinfed.privacy.policy as policy_module
-    from clinfed.privacy.accountant import epsilon
+    from clinfed.privacy.accountants import epsilon
     from clinfed.privacy.policy import PrivacyPolicy
 
     calls = []

@@ -20,8 +20,13 @@ from clinfed.federated.plan import Plan
 from clinfed.federated.strategies.pfeddc import PFedDC
 from clinfed.models import add_prompts, build_model, load_tokenizer
 from clinfed.pipeline import RunConfig, run_training
-from clinfed.privacy.accountant import Mechanism, calibrate_noise, epsilon, reference_epsilon
-from clinfed.privacy.accountants import BUDGET
+from clinfed.privacy.accountants import (
+    BUDGET,
+    Mechanism,
+    calibrate_noise,
+    epsilon,
+    reference_epsilon,
+)
 from clinfed.privacy.accountants.pld import PLDAccountant as PLD
 from clinfed.privacy.accountants.rdp import RDPAccountant
 from clinfed.privacy.dpsgd import (
@@ -126,7 +131,7 @@ def test_calibration_lands_in_the_window_under_every_accountant(
 
 def test_noise_below_the_floor_is_neither_searched_nor_accepted(tiny_config):
     from clinfed.errors import ClinfedError
-    from clinfed.privacy.accountant import MIN_NOISE_MULTIPLIER
+    from clinfed.privacy.accountants import MIN_NOISE_MULTIPLIER
 
     tried = []
 

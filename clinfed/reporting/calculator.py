@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from clinfed.errors import ClinfedError
-from clinfed.privacy.accountant import (
+from clinfed.privacy.accountants import (
     ACCOUNTANT,
     MIN_NOISE_MULTIPLIER,
     REFERENCE_ACCOUNTANT,

@@ -20,13 +20,13 @@ import matplotlib
 
 from clinfed.errors import ClinfedError
 from clinfed.federated.strategies import STRATEGIES
-from clinfed.privacy.accountant import (
+from clinfed.privacy.accountants import (
     ACCOUNTANT,
     RELATION,
     Mechanism,
+    reference_accountant,
     reference_epsilon,
 )
-from clinfed.privacy.accountants import reference_accountant
 from clinfed.privacy.policy import PATIENT_CAVEAT, UNIT, group_bound
 from clinfed.reporting.verify import load_run, read_json, verify_run
 from clinfed.runs import atomic_write_json, atomic_write_text

@@ -43,7 +43,7 @@ from torch import nn
 from clinfed.errors import ClinfedError
 from clinfed.federated.aggregation import Aggregator
 from clinfed.federated.plan import Plan
-from clinfed.privacy.accountant import Mechanism
+from clinfed.privacy.accountants import Mechanism
 
 
 @dataclass

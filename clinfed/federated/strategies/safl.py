@@ -47,7 +47,7 @@ from clinfed.federated.strategies.fedfrozen import (
     FedFrozen,
     FedFrozenOptions,
 )
-from clinfed.privacy.accountant import Mechanism
+from clinfed.privacy.accountants import Mechanism
 from clinfed.schema import setting
 from clinfed.tasks.base import Task
 
