@@ -48,6 +48,7 @@ from clinfed.adapters import (
 )
 from clinfed.device import resolve_device, use_threads
 from clinfed.errors import ClinfedError, ProblemLog
+from clinfed.events import Reporter, silent
 from clinfed.federated.engine import RoundEngine
 from clinfed.federated.inprocess import InProcessTransport
 from clinfed.federated.partition import partition
@@ -82,14 +83,9 @@ from clinfed.training import linear_schedule, make_optimizer, predict, train_epo
 
 __all__ = ["RunConfig", "run_training", "make_model", "make_task", "make_strategy"]
 
-Reporter = Callable[[str, dict[str, Any]], None]
 # What an auditing run keeps for ``clinfed audit`` (clinfed.reporting.audit).
 AUDIT_HOLDOUT = Path("audit") / "holdout.json"
 AUDIT_UPDATES = Path("audit") / "updates"
-
-
-def _quiet(event: str, info: dict[str, Any]) -> None:
-    del event, info
 
 
 def config_record(config: RunConfig, runner: str) -> dict[str, Any]:
@@ -184,7 +180,7 @@ def _finish(
     return summary
 
 
-def run_training(config: RunConfig, report: Reporter = _quiet) -> dict[str, Any]:
+def run_training(config: RunConfig, report: Reporter = silent) -> dict[str, Any]:
     """Train, evaluate and write the run folder.
 
     Parameters
@@ -509,7 +505,7 @@ def saved_public_start(spec: str) -> dict[str, Any] | None:
     return None if start is None else dict(start, model=str(folder.resolve()))
 
 
-def warm_start_model(config: RunConfig, report: Reporter = _quiet) -> dict[str, Any]:
+def warm_start_model(config: RunConfig, report: Reporter = silent) -> dict[str, Any]:
     """``clinfed warm-start``: train the run's starting model on its public
     text (``config.public_data``) and save it to ``config.out``, for any
     number of runs to start from (``--model``) without paying for the warm

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import importlib.util
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from clinfed.errors import ClinfedError
-
-Reporter = Callable[[str, dict[str, Any]], None]
+from clinfed.events import Reporter
 
 
 class Tracker(ABC):

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from clinfed.errors import ClinfedError
+from clinfed.events import Reporter, silent
 from clinfed.federated import payload, state
 from clinfed.federated.messages import Message, Reply, Transport
 from clinfed.federated.public_check import PublicCheck
@@ -141,13 +142,6 @@ def sample_sites(names: list[str], fraction: float, rng: np.random.Generator) ->
     return [n for i, n in enumerate(names) if i in chosen]
 
 
-Reporter = Callable[[str, dict[str, Any]], None]
-
-
-def _quiet(event: str, info: dict[str, Any]) -> None:
-    del event, info
-
-
 class RoundEngine:
     """Runs the rounds of one federated run into a run folder.
 
@@ -181,7 +175,7 @@ class RoundEngine:
         fraction: float = 1.0,
         seed: int = 0,
         deployment: Deployment | None = None,
-        report: Reporter = _quiet,
+        report: Reporter = silent,
         log: Callable[[str], None] = lambda line: None,
         full_bytes: int | None = None,
         summation: Summation | None = None,

@@ -34,7 +34,6 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +46,7 @@ from torch import nn
 from clinfed.adapters import shared_names, shared_state
 from clinfed.blocks import block_of, num_layers, parameter_blocks
 from clinfed.errors import ClinfedError
+from clinfed.events import Reporter, silent
 from clinfed.federated import payload, secure
 from clinfed.federated.client import LocalSettings, LocalWork, site_generator
 from clinfed.federated.state import load_tensors, save_tensors
@@ -63,12 +63,6 @@ COPY = re.compile(r"^copy\.r(\d{4,})\.safetensors$")
 RELEASED = re.compile(r"^released\.r(\d{4,})\.safetensors$")
 PERSONAL = "personal/"
 KEPT_COPIES = 2
-
-Reporter = Callable[[str, dict[str, Any]], None]
-
-
-def _quiet(event: str, info: dict[str, Any]) -> None:
-    del event, info
 
 
 class SiteRunner:
@@ -116,7 +110,7 @@ class SiteRunner:
         privacy: SitePrivacy | None = None,
         eval_batch_size: int = 64,
         predictions_dir: Path | None = None,
-        report: Reporter = _quiet,
+        report: Reporter = silent,
         planned_rounds: int | None = None,
         audit_dir: Path | None = None,
         meter_path: Path | None = None,
