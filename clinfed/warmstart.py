@@ -29,12 +29,8 @@ from torch import nn
 from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.federated.public_check import PublicCheck, Scored, micro_f1
 from clinfed.models import gazetteer_of
-from clinfed.tasks import get_task
 from clinfed.tasks.base import Task
 from clinfed.training import make_optimizer, predict, train_epoch
-
-# The site name public documents carry while they are encoded.
-PUBLIC_SITE = "(public)"
 
 
 def read_public(
@@ -57,38 +53,10 @@ def read_public(
     name, mapped by ``--public-types`` as the text's own types are."""
     if not folder.is_dir():
         raise ClinfedError(f"{flag} {folder}: not a folder")
-    if task.head == "multilabel":  # ICD coding: admissions with their codes
-        if config.public_types:
-            raise ClinfedError(
-                f"--public-types maps entity types; task {task.name} reads ICD-9 codes, "
-                "which keep their names"
-            )
-        records, codes = task.public_admissions(folder, flag, problems)
-        records = records.map(lambda _: {"site": PUBLIC_SITE}, input_columns="site")
-        return records, task.encode(records, tokenizer, config.max_length, cache_dir), codes, {}
-    if task.head != "token":
-        raise ClinfedError(f"{flag}: task {task.name} reads no public text")
-    reader = get_task(config.task, types=config.public_types, format="auto", cache_dir=cache_dir)
-    corpus = reader.load(folder, problems)
-    documents = [d for d in (*corpus.train, *corpus.test) if d.concepts or d.annotated]
-    labelled: dict[str, int] = {}
-    if name_lists is not None:
-        labelled = reader.distant_labels(documents, name_lists, task.entity_types)
-    annotated = sorted({c.type for d in documents for c in d.concepts})
-    unknown = [t for t in annotated if t not in task.entity_types]
-    if unknown:
-        raise ClinfedError(
-            f"{flag} {folder}: type {unknown[0]} is not one of the run's "
-            f"({', '.join(task.entity_types)}); map it with --public-types"
-        )
-    for document in documents:
-        document.site = PUBLIC_SITE
-    task.site_types[PUBLIC_SITE] = set(annotated)
-    try:
-        examples = task.encode(documents, tokenizer, config.max_length, cache_dir)
-    finally:
-        del task.site_types[PUBLIC_SITE]
-    return documents, examples, annotated, labelled
+    return task.read_public(
+        folder, flag, config.public_types, tokenizer, config.max_length, cache_dir, problems,
+        name_lists,
+    )  # fmt: skip
 
 
 def public_examples(

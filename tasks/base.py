@@ -128,6 +128,10 @@ def rows_to_dataset(
     return dataset
 
 
+# The site name public documents carry while they are encoded.
+PUBLIC_SITE = "(public)"
+
+
 @dataclass
 class Corpus:
     """Records of one task, split. ``train``/``test`` are task-specific
@@ -303,6 +307,23 @@ class Task(ABC):
         """Encoded examples of a small public corpus of this task (the
         project's own synthetic generator, fixed seed): SAFL's free layer
         choice profiles on these, so no private example shapes it."""
+
+    def read_public(
+        self,
+        folder: Path,
+        flag: str,
+        public_types: Any,
+        tokenizer: Any,
+        max_length: int,
+        cache_dir: str,
+        problems: ProblemLog,
+        name_lists: Any = None,
+    ) -> tuple[Any, Any, list[str], dict[str, int]]:
+        """Public annotated text in ``folder`` (named by ``flag``) for a warm
+        start or the server's check: its records, encoded with this task's
+        labels, the labels it annotates, and the spans name lists labelled
+        (:meth:`distant_labels`). A task without public text refuses."""
+        raise ClinfedError(f"{flag}: task {self.name} reads no public text")
 
     def distant_labels(
         self, documents: Any, gazetteer: Any, run_types: tuple[str, ...]

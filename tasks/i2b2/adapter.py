@@ -23,6 +23,7 @@ from torch.nn import functional as F
 from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.models import special_tokens
 from clinfed.tasks.base import (
+    PUBLIC_SITE,
     SPLIT_KEY,
     Corpus,
     ScoreTable,
@@ -365,6 +366,42 @@ class I2b2Task(Task):
     def read_documents(self, folder: Path, problems: ProblemLog) -> list[Document]:
         """All documents of one folder (for ``evaluate`` and ``predict``)."""
         return self._read(folder, problems)
+
+    def read_public(
+        self,
+        folder: Path,
+        flag: str,
+        public_types: Any,
+        tokenizer: Any,
+        max_length: int,
+        cache_dir: str,
+        problems: ProblemLog,
+        name_lists: Any = None,
+    ) -> tuple[list[Document], Any, list[str], dict[str, int]]:
+        # The public text's own type names, mapped onto the run's.
+        reader = I2b2Task(format="auto", types=public_types)
+        corpus = reader.load(folder, problems)
+        documents = [d for d in (*corpus.train, *corpus.test) if d.concepts or d.annotated]
+        labelled: dict[str, int] = {}
+        if name_lists is not None:
+            labelled = reader.distant_labels(documents, name_lists, self.entity_types)
+        annotated = sorted({c.type for d in documents for c in d.concepts})
+        unknown = [t for t in annotated if t not in self.entity_types]
+        if unknown:
+            raise ClinfedError(
+                f"{flag} {folder}: type {unknown[0]} is not one of the run's "
+                f"({', '.join(self.entity_types)}); map it with --public-types"
+            )
+        for document in documents:
+            document.site = PUBLIC_SITE
+        # Under partial labels an O of the public text says nothing against a
+        # run type it never annotates.
+        self.site_types[PUBLIC_SITE] = set(annotated)
+        try:
+            examples = self.encode(documents, tokenizer, max_length, cache_dir)
+        finally:
+            del self.site_types[PUBLIC_SITE]
+        return documents, examples, annotated, labelled
 
     def distant_labels(
         self, documents: list[Document], gazetteer: Any, run_types: tuple[str, ...]

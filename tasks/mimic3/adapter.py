@@ -33,7 +33,14 @@ from torch.nn import functional as F
 from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.models import special_tokens
 from clinfed.runs import atomic_write_text
-from clinfed.tasks.base import SPLIT_KEY, Corpus, ScoreTable, Task, tokenizing_fingerprint
+from clinfed.tasks.base import (
+    PUBLIC_SITE,
+    SPLIT_KEY,
+    Corpus,
+    ScoreTable,
+    Task,
+    tokenizing_fingerprint,
+)
 from clinfed.tasks.mimic3.format import (
     find_file,
     patient_split,
@@ -290,6 +297,27 @@ class Mimic3Task(Task):
         parts = [self._read_site(s, f, problems) for s, f in site_folders(folder).items()]
         problems.raise_if_any()
         return datasets.concatenate_datasets(parts)
+
+    def read_public(
+        self,
+        folder: Path,
+        flag: str,
+        public_types: Any,
+        tokenizer: Any,
+        max_length: int,
+        cache_dir: str,
+        problems: ProblemLog,
+        name_lists: Any = None,
+    ) -> tuple[datasets.Dataset, Any, list[str], dict[str, int]]:
+        if public_types:
+            raise ClinfedError(
+                f"--public-types maps entity types; task {self.name} reads ICD-9 codes, "
+                "which keep their names"
+            )
+        del name_lists  # they mark the input; an admission's codes take no span labels
+        records, codes = self.public_admissions(folder, flag, problems)
+        records = records.map(lambda _: {"site": PUBLIC_SITE}, input_columns="site")
+        return records, self.encode(records, tokenizer, max_length, cache_dir), codes, {}
 
     def public_admissions(
         self, folder: Path, flag: str, problems: ProblemLog
