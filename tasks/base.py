@@ -308,6 +308,22 @@ class Task(ABC):
         project's own synthetic generator, fixed seed): SAFL's free layer
         choice profiles on these, so no private example shapes it."""
 
+    def at_node(self, split_key: str, annotated_types: Any) -> None:
+        """What a Flower node declares of its own data, over the server's
+        settings: the key its held-out split is drawn with, and the types it
+        annotates (``None``: not declared; a task whose labels need no
+        declaration ignores it)."""
+        del annotated_types
+        self.split_key = split_key
+
+    def loaded_state(self) -> dict[str, Any]:
+        """What :meth:`load` set from the data, JSON-ready (a node caches it
+        with the encoded data and :meth:`restore_loaded_state` puts it back)."""
+        return {"labels": list(self.labels), "label_source": self.label_source}
+
+    def restore_loaded_state(self, state: dict[str, Any]) -> None:
+        self.labels, self.label_source = list(state["labels"]), state["label_source"]
+
     def read_public(
         self,
         folder: Path,

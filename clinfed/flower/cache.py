@@ -11,7 +11,7 @@ what it encoded in ``STATE/encoded/<key>/``:
 * ``records.pkl`` or ``records/``: the test documents, which predictions
   are written against;
 * ``meta.json``: the site's name and what loading the data taught the task
-  (its label set, and for i2b2 the types each site annotates).
+  (its label set, and what else the task's load set: Task.loaded_state).
 
 The key is a SHA-256 over everything that changes the encoding: the data
 folder's fingerprint (names, sizes and contents of its files, as the ledger
@@ -77,16 +77,11 @@ class Encoded:
 
 def task_state(task: Any) -> dict[str, Any]:
     """What ``task.load`` set from the data (JSON-ready)."""
-    state: dict[str, Any] = {"labels": list(task.labels), "label_source": task.label_source}
-    if hasattr(task, "site_types"):
-        state["site_types"] = {s: sorted(t) for s, t in task.site_types.items()}
-    return state
+    return task.loaded_state()
 
 
 def restore_task_state(task: Any, state: dict[str, Any]) -> None:
-    task.labels, task.label_source = list(state["labels"]), state["label_source"]
-    if "site_types" in state:
-        task.site_types = {s: set(t) for s, t in state["site_types"].items()}
+    task.restore_loaded_state(state)
 
 
 def cache_key(

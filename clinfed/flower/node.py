@@ -474,13 +474,8 @@ class NodeSite:
         cache_dir = self._tmp.name
         try:
             task = make_task(config, cache_dir)
-            # What the site annotates is the site's declaration, never the
-            # server's (clinfed.tasks.i2b2.adapter: under DP, never its data's).
-            if hasattr(task, "split_key"):
-                task.split_key = node.split_key
-            if hasattr(task, "annotated"):
-                declared = node.annotated_types
-                task.annotated = {"*": list(declared)} if declared is not None else {}
+            # What the node declares of its data, never the server's.
+            task.at_node(node.split_key, node.annotated_types)
             tokenizer = load_tokenizer(config.model)
             # The data's fingerprint names its ledger and its cached encoding.
             data_fp = data_fingerprint(node.data, node.state / "ledger" / "fingerprints.json")

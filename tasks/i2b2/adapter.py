@@ -367,6 +367,21 @@ class I2b2Task(Task):
         """All documents of one folder (for ``evaluate`` and ``predict``)."""
         return self._read(folder, problems)
 
+    def at_node(self, split_key: str, annotated_types: Any) -> None:
+        # What the site annotates is the site's declaration, never the
+        # server's, and under DP never its data's.
+        super().at_node(split_key, None)
+        self.annotated = {"*": list(annotated_types)} if annotated_types is not None else {}
+
+    def loaded_state(self) -> dict[str, Any]:
+        state = super().loaded_state()
+        state["site_types"] = {s: sorted(t) for s, t in self.site_types.items()}
+        return state
+
+    def restore_loaded_state(self, state: dict[str, Any]) -> None:
+        super().restore_loaded_state(state)
+        self.site_types = {s: set(t) for s, t in state.get("site_types", {}).items()}
+
     def read_public(
         self,
         folder: Path,
