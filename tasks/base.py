@@ -203,6 +203,15 @@ class Task(ABC):
         rows = [(k, f"{v:.4f}") for k, v in result.items() if isinstance(v, float)]
         return [ScoreTable(f"{cls.name} scores", ("metric", "value"), rows)], []
 
+    @classmethod
+    def convert(
+        cls, source: Path, target: str, out: Path, problems: ProblemLog, **options: Any
+    ) -> int:
+        """``clinfed data convert``: write the corpus in ``source`` under
+        ``out`` in another of this task's file formats; returns the
+        documents written. A task with one format refuses."""
+        raise ClinfedError(f"task {cls.name} reads one file format: nothing to convert to")
+
     def baseline(self, kind: str, corpus: Corpus) -> dict[str, Any]:
         """Score model-free baseline ``kind`` (one of :attr:`baselines`) on
         ``corpus``'s held-out split."""

@@ -73,30 +73,24 @@ def data_synth(
 
 @data_app.command("convert")
 def data_convert(
-    source: Path = typer.Argument(..., help="Concept-extraction corpus folder."),
+    source: Path = typer.Argument(..., help="Corpus folder."),
     target: str = typer.Option(
         ..., "--to", help="i2b2, conll or brat.", click_type=click.Choice(["i2b2", "conll", "brat"])
     ),
     out_dir: Path = typer.Option(..., "--out", help="New folder for the converted corpus."),
+    task: TaskName = typer.Option("i2b2", "--task", help="The task whose formats these are."),
     annotation_format: str = FORMAT,
     types: str = TYPES,
     on_error: OnError = ON_ERROR,
 ) -> None:
-    """Write a concept-extraction corpus in another format (train/ and test/ kept)."""
+    """Write a corpus in another of its task's formats (train/ and test/ kept)."""
     from clinfed.runs import ensure_new_run_folder
-    from clinfed.tasks.i2b2.adapter import I2b2Task
-    from clinfed.tasks.i2b2.convert import write_documents
+    from clinfed.tasks import TASKS
 
     ensure_new_run_folder(out_dir, "converted corpus", {"SOURCE": source})
-    task = I2b2Task(format=annotation_format, types=types)
     problems = ProblemLog(on_error.value)
-    splits = [s for s in ("train", "test") if (source / s).is_dir()]
-    parts = {s: task.read_documents(source / s, problems) for s in splits} or {
-        "": task.read_documents(source, problems)
-    }
-    written = sum(
-        write_documents(docs, out_dir / split if split else out_dir, target)
-        for split, docs in parts.items()
+    written = TASKS[task.value].convert(
+        source, target, out_dir, problems, format=annotation_format, types=types
     )
     _warn([str(p) for p in problems.problems])
     out.print(f"wrote {written} documents as {target} to {out_dir}")

@@ -197,6 +197,22 @@ class I2b2Task(Task):
         warnings = [f"{missing} gold documents have no prediction file"] if missing else []
         return [table], warnings
 
+    @classmethod
+    def convert(
+        cls, source: Path, target: str, out: Path, problems: ProblemLog, **options: Any
+    ) -> int:
+        from clinfed.tasks.i2b2.convert import write_documents
+
+        task = cls(format=options.get("format", "auto"), types=options.get("types"))
+        splits = [s for s in ("train", "test") if (source / s).is_dir()]
+        parts = {s: task.read_documents(source / s, problems) for s in splits} or {
+            "": task.read_documents(source, problems)
+        }
+        return sum(
+            write_documents(docs, out / split if split else out, target)
+            for split, docs in parts.items()
+        )
+
     def baseline(self, kind: str, corpus: Corpus) -> dict[str, Any]:
         from clinfed.tasks.i2b2.baselines import i2b2_dictionary
 
