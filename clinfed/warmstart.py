@@ -101,14 +101,7 @@ def public_check(
     records, examples, annotated, _ = read_public(
         folder, "--public-check", config, task, tokenizer, cache_dir, problems
     )
-    if task.head == "token":
-        missing = [t for t in task.entity_types if t not in annotated]
-        if not records or missing:
-            raise ClinfedError(
-                f"--public-check {folder}: "
-                + (f"no span of type {missing[0]}" if records else "no annotated documents")
-                + ": its F1 scores every type of the run, so it needs text that annotates them all"
-            )
+    task.check_public_judge(folder, records, annotated)
     judge = copy.deepcopy(model)
     gold = task.decisions(records, examples)
 
@@ -182,7 +175,7 @@ def warm_start(
         "data_fingerprint": data_fingerprint(folder),
         "examples": len(examples),
         "types": annotated,
-        **({"label_kind": "codes"} if task.head == "multilabel" else {}),
+        **({"label_kind": task.public_label_kind} if task.public_label_kind != "types" else {}),
         **({"labels_from_lists": labelled} if name_lists else {}),
         "epochs": config.public_epochs,
         "lr": lr,

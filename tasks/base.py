@@ -317,6 +317,14 @@ class Task(ABC):
         project's own synthetic generator, fixed seed): SAFL's free layer
         choice profiles on these, so no private example shapes it."""
 
+    # What the public text's labels are called in a warm start's record.
+    public_label_kind: ClassVar[str] = "types"
+
+    def check_public_judge(self, folder: Path, records: Any, annotated: list[str]) -> None:
+        """Refuse ``--public-check`` text (read by :meth:`read_public`) that
+        cannot judge every label the run scores (by default: any is)."""
+        del folder, records, annotated
+
     def at_node(self, split_key: str, annotated_types: Any) -> None:
         """What a Flower node declares of its own data, over the server's
         settings: the key its held-out split is drawn with, and the types it

@@ -383,6 +383,15 @@ class I2b2Task(Task):
         """All documents of one folder (for ``evaluate`` and ``predict``)."""
         return self._read(folder, problems)
 
+    def check_public_judge(self, folder: Path, records: Any, annotated: list[str]) -> None:
+        missing = [t for t in self.entity_types if t not in annotated]
+        if not records or missing:
+            raise ClinfedError(
+                f"--public-check {folder}: "
+                + (f"no span of type {missing[0]}" if records else "no annotated documents")
+                + ": its F1 scores every type of the run, so it needs text that annotates them all"
+            )
+
     def at_node(self, split_key: str, annotated_types: Any) -> None:
         # What the site annotates is the site's declaration, never the
         # server's, and under DP never its data's.

@@ -298,6 +298,8 @@ class Mimic3Task(Task):
         problems.raise_if_any()
         return datasets.concatenate_datasets(parts)
 
+    public_label_kind = "codes"
+
     def read_public(
         self,
         folder: Path,
