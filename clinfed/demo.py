@@ -198,7 +198,9 @@ def run_demo(
     from clinfed.reporting.audit import audit
     from clinfed.reporting.report import write_report
     from clinfed.runs import atomic_write_json, ensure_new_run_folder
-    from clinfed.tasks.i2b2.synth import generate
+    from clinfed.tasks import TASKS
+
+    generate = TASKS[COMMON["task"]].synthesize
 
     out = Path(out)
     ensure_new_run_folder(out, "demo folder")
