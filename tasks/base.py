@@ -317,6 +317,10 @@ class Task(ABC):
         project's own synthetic generator, fixed seed): SAFL's free layer
         choice profiles on these, so no private example shapes it."""
 
+    # Whether one dataset row is one whole example (token tasks: a sentence
+    # window) rather than a part of one (a note cut into chunks): DP's ghost
+    # clipping needs it.
+    one_row_per_example: ClassVar[bool] = True
     # What the public text's labels are called in a warm start's record.
     public_label_kind: ClassVar[str] = "types"
 

@@ -231,7 +231,7 @@ def client_update(work: LocalWork, objective: Any = None) -> ClientResult:
             dp,
             dp.batch_size or settings.batch_size,
             work.randomness,
-            one_row_per_example=work.task.head == "token",
+            one_row_per_example=work.task.one_row_per_example,
             # What a private step adds after its noise: the strategy's
             # data-independent term (FedProx's proximal gradient), no privacy.
             extra_grad=objective.grad if objective is not None else None,

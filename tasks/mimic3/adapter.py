@@ -299,6 +299,7 @@ class Mimic3Task(Task):
         return datasets.concatenate_datasets(parts)
 
     public_label_kind = "codes"
+    one_row_per_example = False  # a note's chunks are rows of one example
 
     def read_public(
         self,
