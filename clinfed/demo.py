@@ -194,11 +194,12 @@ def run_demo(
     ``out/demo.json``)."""
     from clinfed.device import use_threads
     from clinfed.models import checkpoint_dir
-    from clinfed.pipeline import RunConfig, warm_start_model
     from clinfed.reporting.audit import audit
     from clinfed.reporting.report import write_report
     from clinfed.runs import atomic_write_json, ensure_new_run_folder
+    from clinfed.settings import RunConfig
     from clinfed.tasks import TASKS
+    from clinfed.warmstart import warm_start_model
 
     generate = TASKS[COMMON["task"]].synthesize
 

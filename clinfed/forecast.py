@@ -119,7 +119,7 @@ def forecast(
     """Run the plan on ``config.public_data`` split into sites of ``sizes``,
     at each budget and without DP (one ``clinfed sweep`` under ``out``), and
     return F1 per budget and the forecast cost of DP in points."""
-    from clinfed.pipeline import make_task
+    from clinfed.factories import make_task
     from clinfed.scratch import temporary_folder
     from clinfed.sweep import run_sweep
 

@@ -21,13 +21,10 @@ over Flower (:func:`run_federation`).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
-from collections import Counter
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +34,6 @@ from torch import nn
 
 from clinfed import __version__
 from clinfed.adapters import (
-    add_bias,
-    add_head,
-    add_labels,
-    add_lora,
     fedavg_bytes,
     load_shared,
     shared_names,
@@ -49,23 +42,28 @@ from clinfed.adapters import (
 from clinfed.device import resolve_device, use_threads
 from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.events import Reporter, silent
+from clinfed.factories import (
+    after_saved_start,
+    make_model,
+    make_strategy,
+    make_task,
+    privacy_policy,
+    saved_public_start,
+    summation,
+)
 from clinfed.federated.engine import RoundEngine
 from clinfed.federated.inprocess import InProcessTransport
 from clinfed.federated.partition import partition
 from clinfed.federated.public_check import PublicCheck
 from clinfed.federated.site import build_site_runner, check_delta_cap
 from clinfed.federated.state import check_metrics
-from clinfed.federated.strategies import STRATEGIES, Strategy, StrategyContext
-from clinfed.federated.summation import PlainSummation, Summation
+from clinfed.federated.strategies import STRATEGIES
 from clinfed.gazetteer import Gazetteer
 from clinfed.models import (
-    attach_gazetteer,
-    build_model,
     gazetteer_of,
     load_tokenizer,
     save_model,
 )
-from clinfed.privacy.count import count_path
 from clinfed.privacy.policy import PrivacyPolicy
 from clinfed.privacy.site import SitePrivacy
 from clinfed.runs import (
@@ -73,11 +71,9 @@ from clinfed.runs import (
     atomic_write_json,
     claimed_run_folder,
     create_run_folder,
-    ensure_outside,
 )
 from clinfed.scratch import temporary_folder
 from clinfed.settings import RunConfig, load_file
-from clinfed.tasks import TASKS, get_task
 from clinfed.tasks.base import Corpus, Task
 from clinfed.training import linear_schedule, make_optimizer, predict, train_epoch
 
@@ -104,7 +100,7 @@ def config_record(config: RunConfig, runner: str) -> dict[str, Any]:
 ROUNDING_SETTINGS = ("threads", "device")
 
 
-def _check_resume(config: RunConfig) -> None:
+def check_resume(config: RunConfig) -> None:
     """A resumed run must be the same run: same settings, same data."""
     out = Path(config.out)
     saved_path = out / "config.json"
@@ -206,7 +202,7 @@ def run_training(config: RunConfig, report: Reporter = silent) -> dict[str, Any]
     # One process per run folder, claimed before anything is read.
     with claimed_run_folder(config.out, config.resume):
         if config.resume:
-            _check_resume(config)
+            check_resume(config)
         from clinfed.tracking import Tracked
 
         reporter = Tracked(report, config.report_to, Path(config.out), asdict(config))
@@ -444,218 +440,6 @@ def _clients(config: RunConfig, task: Task, corpus: Corpus, train, test):
     return clients, parts
 
 
-def make_model(config: RunConfig, task: Task) -> nn.Module:
-    """The run's starting model (with the modules its strategy adds): the
-    same weights wherever it is built from the same config."""
-    model = build_model(
-        task.head, config.model, len(task.labels), seed=config.seed, labels=task.labels
-    )
-    if config.gazetteer:
-        gazetteer = Gazetteer.read(config.gazetteer, per_list=config.gazetteer_marks == "per-list")
-        earlier = gazetteer_of(model)
-        if earlier is not None and earlier.sha256 != gazetteer.sha256:
-            raise ClinfedError(
-                f"--gazetteer {config.gazetteer}: --model {config.model} was trained to read "
-                f"another name list (SHA-256 {earlier.sha256[:12]}…, {len(earlier.names):,} "
-                "names, kept in its folder): leave --gazetteer out to use that one"
-            )
-        attach_gazetteer(model, gazetteer, load_tokenizer(config.model))
-    if config.dp and getattr(model.encoder.config, "relative_attention", False):
-        # DeBERTa's layers also project the relative-position table, an input
-        # every example shares: its weights' per-example gradients do not
-        # separate, so no clipping mode can bound one example's influence.
-        raise ClinfedError(
-            f"--model {config.model}: DP-SGD does not support relative attention "
-            f"({model.encoder.config.model_type}): its layers project a table every example "
-            "shares, so one example's gradient cannot be clipped alone; use a BERT or "
-            "RoBERTa encoder under DP"
-        )
-    STRATEGIES[config.strategy].prepare_model(
-        model, config.options(), config.seed, config.max_length
-    )
-    if config.adapter == "lora":
-        add_lora(model, config.lora_rank, config.lora_alpha, config.lora_factors, config.seed)
-    elif config.adapter == "bias":
-        add_bias(model)
-    elif config.adapter == "head":
-        add_head(model)
-    elif config.adapter == "labels":
-        add_labels(model)
-    return model
-
-
-def after_saved_start(public: dict[str, Any], spec: str) -> dict[str, Any]:
-    """A warm start on a model that was itself warm-started (``--model
-    START``) keeps the earlier one in its record (``after``), so the run's
-    config and report name every public text its start saw."""
-    earlier = saved_public_start(spec)
-    return public if earlier is None else public | {"after": earlier}
-
-
-def saved_public_start(spec: str) -> dict[str, Any] | None:
-    """The public warm start a saved starting model (``--model RUN/model``)
-    went through, if any: the run records it as its own, with the model's
-    folder."""
-    from clinfed.models import saved_run_model
-
-    folder = saved_run_model(spec)
-    if folder is None:
-        return None
-    start = json.loads((folder / "model.json").read_text()).get("public_start")
-    return None if start is None else dict(start, model=str(folder.resolve()))
-
-
-def warm_start_model(config: RunConfig, report: Reporter = silent) -> dict[str, Any]:
-    """``clinfed warm-start``: train the run's starting model on its public
-    text (``config.public_data``) and save it to ``config.out``, for any
-    number of runs to start from (``--model``) without paying for the warm
-    start again. A public stage: it reads nothing private, not even the
-    label set, which comes from the task's declared settings (``--types``,
-    the i2b2 preset, the public code list). ``config.data``, when given, is
-    only where the public inputs and ``--out`` must not be."""
-    from clinfed.provenance import check_public_input
-    from clinfed.settings import PUBLIC_INPUTS, flag
-    from clinfed.warmstart import warm_start
-
-    # A public phase without DP: the rates of a run without DP.
-    config = replace(config, target_epsilon=None, noise_multiplier=None).resolved()
-    if not config.public_data:
-        raise ClinfedError("clinfed warm-start needs --public-data")
-    out = Path(config.out)
-    if out.exists():
-        raise ClinfedError(f"--out {out}: already exists; name a new folder")
-    if config.data:
-        for name in PUBLIC_INPUTS:
-            if getattr(config, name):
-                check_public_input(flag(name), getattr(config, name), config.data)
-        ensure_outside(out, config.data)
-    use_threads(config.threads)
-    problems = ProblemLog(config.on_error)
-    with temporary_folder("cache") as cache_dir:
-        task = make_task(config, cache_dir)
-        tokenizer = load_tokenizer(config.model)
-        model = make_model(config, task)
-        public = warm_start(config, task, model, tokenizer, cache_dir, problems, report)
-        public = after_saved_start(public, config.model)
-    meta = task.meta() | {
-        "max_length": config.max_length,
-        "encoder": config.model,
-        "public_start": public,
-    }
-    save_model(model, out, meta, tokenizer)
-    return public | {"model": str(out.resolve())}
-
-
-def make_task(config: RunConfig, cache_dir: str) -> Task:
-    """The run's task adapter, with its options."""
-    options = TASKS[config.task].options
-    values = {f.name: getattr(config, f.name) for f in fields(options)} if options else {}
-    return get_task(config.task, cache_dir=cache_dir, private=config.dp, **values)
-
-
-def make_strategy(config: RunConfig, task: Task, tokenizer: Any, cache_dir: str) -> Strategy:
-    """The run's strategy; the server and every site build it the same way
-    from the same config."""
-    context = StrategyContext(task, tokenizer, config.max_length, config.seed, cache_dir)
-    cls = STRATEGIES[config.strategy]
-    return cls.build(config.options(), context)
-
-
-def privacy_policy(
-    config: RunConfig,
-    task: Task,
-    train: dict[str, Any],
-    folder: Path,
-    strategy: Strategy,
-    memo: Path | None = None,
-    ledger_paths: dict[str, Path] | None = None,
-) -> PrivacyPolicy:
-    """Each site's DP-SGD settings and ledger (``train``: each site's encoded
-    training examples). A site calibrates from its own number of privacy
-    units only, so it gets the same noise in every transport.
-    ``ledger_paths``: ledgers that outlive the run (a node's, one per
-    dataset; default ``folder/<site>.jsonl``); a released count is kept
-    beside its ledger."""
-    from clinfed.privacy.recipe import steps_per_epoch
-
-    target = config.target_epsilon
-    unit = config.privacy_unit
-    ledger_paths = dict(ledger_paths or {})
-    sites_units = {site: task.unit_rows(data, unit) for site, data in train.items()}
-    sizes = {site: len(units) for site, units in sites_units.items()}
-    if config.neighbours == "add-remove":
-        sizes = {
-            site: released_count(
-                config, site, n, count_path(ledger_paths.get(site, folder / f"{site}.jsonl"))
-            )
-            for site, n in sizes.items()
-        }
-    policy = PrivacyPolicy.build(
-        folder,
-        sizes,
-        config.batch_size,
-        config.local_epochs,
-        config.rounds,
-        config.delta,
-        None if target is None or math.isinf(target) else target,
-        config.noise_multiplier,
-        config.max_grad_norm,
-        config.clipping,
-        strategy.selection_mechanism(),
-        strategy.trainings_per_round,
-        config.reproducible_noise,
-        reference_batch=task.defaults["batch_size"],
-        memo=memo,
-        relation=config.neighbours,
-        steps_per_epoch=steps_per_epoch(config.adapter),
-    )
-    policy.ledger_paths = ledger_paths
-    policy.unit, policy.unit_text = unit, task.units[unit]
-    if unit == "example":
-        # k: how many units one note or patient holds (group privacy).
-        for site, data in train.items():
-            keys = task.group_keys(data)
-            if keys is None:
-                continue
-            owner = [keys[int(rows[0])] for rows in sites_units[site]]
-            per_group = sorted(Counter(owner).values())
-            policy.groups[site] = {
-                "of": "patient" if "patient" in task.units else "document",
-                "k_max": per_group[-1],
-                "k_median": float(np.median(per_group)),
-            }
-    return policy
-
-
-def released_count(config: RunConfig, site: str, units: int, kept_at: Path) -> int:
-    """Under add/remove neighbours, the unit count ``site`` releases: the one
-    kept at ``kept_at`` (beside its ledger: one per dataset), or a fresh
-    noisy draw from its secret randomness (clinfed.privacy.count; kept before
-    anything covering it leaves)."""
-    from clinfed.federated.client import site_generator
-    from clinfed.privacy.count import kept_count, noisy_count
-    from clinfed.privacy.randomness import reproducible, secret
-
-    kept = kept_count(kept_at)
-    if kept is not None:
-        return kept
-    if config.reproducible_noise:
-        randomness = reproducible(site_generator(config.seed, 0, site))
-    else:
-        randomness = secret()
-    return noisy_count(units, randomness.noise)
-
-
-def summation(config: RunConfig) -> Summation:
-    """How the server sums each round's uploads: in the clear, or under
-    secure aggregation at the run's threshold."""
-    if config.secure_aggregation:
-        from clinfed.federated.secure_summation import SecureSummation
-
-        return SecureSummation(config.secure_threshold)
-    return PlainSummation()
-
-
 def _pooled(prep: _Prepared, config: RunConfig, train, test, report: Reporter) -> dict:
     task, model = prep.task, prep.model
     optimizer = make_optimizer(model, config.lr, config.weight_decay, config.head_lr)
@@ -781,94 +565,3 @@ def _federated(
             outputs[i] = output
     load_shared(model, engine.global_state)
     return _finish(prep, config, test, outputs, engine.last_record, summary)
-
-
-def run_federation(
-    config: RunConfig,
-    deployment: Any,
-    transport: Any,
-    log: Callable[[str], None] = print,
-) -> dict[str, Any]:
-    """The server's side of a federation whose sites are elsewhere (Flower):
-    the same round engine as in-process, over ``transport``. Writes the run
-    folder (or continues it with ``config.resume``) and returns the summary.
-    """
-
-    deployment.validate()
-    config = config.resolved()
-    with claimed_run_folder(config.out, config.resume):
-        if config.resume:
-            _check_resume(config)
-        return _serve(config, deployment, transport, log)
-
-
-def _serve(
-    config: RunConfig, deployment: Any, transport: Any, log: Callable[[str], None]
-) -> dict[str, Any]:
-    # The cache lives as long as the run: --public-check scores each round
-    # on public text encoded into it.
-    with temporary_folder("server") as cache:
-        return _serve_in(config, deployment, transport, log, cache)
-
-
-def _serve_in(
-    config: RunConfig,
-    deployment: Any,
-    transport: Any,
-    log: Callable[[str], None],
-    cache: str,
-) -> dict[str, Any]:
-    from clinfed.federated.engine import RoundEngine
-
-    out = Path(config.out)
-    task = make_task(config, cache)
-    tokenizer = load_tokenizer(config.model)
-    model = make_model(config, task)
-    # (SAFL's strategy object carries the public probe set; the server
-    # never profiles with it.)
-    strategy = make_strategy(config, task, tokenizer, cache)
-    check = check_record = None
-    if config.public_check:
-        # The server's judge of each round, as in-process: public text read
-        # where the ServerApp runs, scored on a copy of the starting model.
-        from clinfed.warmstart import public_check
-
-        problems = ProblemLog(config.on_error)
-        check, check_record = public_check(config, task, model, tokenizer, cache, problems)
-    if not config.resume:
-        create_run_folder(out)
-        record = config_record(config, "flower") | {"deployment": asdict(deployment)}
-        if gazetteer_of(model) is not None:  # kept in the --model folder the nodes pin
-            record["gazetteer_list"] = gazetteer_of(model).describe()
-        if check_record is not None:
-            record["public_check_text"] = check_record
-        atomic_write_json(out / "config.json", record)
-        atomic_write_json(out / "labels.json", {"labels": task.labels, "source": task.label_source})
-    engine = RoundEngine(
-        task,
-        strategy,
-        {k: v.detach().clone() for k, v in shared_state(model).items()},
-        shared_names(model),
-        out,
-        config.rounds,
-        config.fraction,
-        config.seed,
-        deployment,
-        log=log,
-        full_bytes=fedavg_bytes(model),
-        summation=summation(config),
-        public_check=check,
-    )
-    if config.resume:
-        engine.resume()
-    from clinfed.tracking import Tracked
-
-    engine.report = Tracked(engine.report, config.report_to, out, asdict(config))
-    try:
-        summary = engine.run(transport)
-    finally:
-        engine.report.close()
-    load_shared(model, engine.global_state)
-    meta = task.meta() | {"max_length": config.max_length, "encoder": config.model}
-    save_model(model, out / "model", meta, tokenizer)
-    return summary

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +27,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from clinfed.device import use_threads
 from clinfed.errors import ClinfedError, ProblemLog
+from clinfed.events import Reporter, silent
 from clinfed.federated.public_check import PublicCheck, Scored, micro_f1
-from clinfed.models import gazetteer_of
+from clinfed.models import gazetteer_of, load_tokenizer, save_model
+from clinfed.runs import ensure_outside
+from clinfed.scratch import temporary_folder
 from clinfed.tasks.base import Task
 from clinfed.training import make_optimizer, predict, train_epoch
 
@@ -201,3 +206,44 @@ def describe(record: dict[str, Any]) -> str:
         f"trained on public text {', then '.join(reversed(stages))} before round 1, "
         "without DP: no site's data, no privacy spent"
     )
+
+
+def warm_start_model(config: Any, report: Reporter = silent) -> dict[str, Any]:
+    """``clinfed warm-start``: train the run's starting model on its public
+    text (``config.public_data``) and save it to ``config.out``, for any
+    number of runs to start from (``--model``) without paying for the warm
+    start again. A public stage: it reads nothing private, not even the
+    label set, which comes from the task's declared settings (``--types``,
+    the i2b2 preset, the public code list). ``config.data``, when given, is
+    only where the public inputs and ``--out`` must not be."""
+    from clinfed.factories import after_saved_start, make_model, make_task
+    from clinfed.provenance import check_public_input
+    from clinfed.settings import PUBLIC_INPUTS, flag
+
+    # A public phase without DP: the rates of a run without DP.
+    config = replace(config, target_epsilon=None, noise_multiplier=None).resolved()
+    if not config.public_data:
+        raise ClinfedError("clinfed warm-start needs --public-data")
+    out = Path(config.out)
+    if out.exists():
+        raise ClinfedError(f"--out {out}: already exists; name a new folder")
+    if config.data:
+        for name in PUBLIC_INPUTS:
+            if getattr(config, name):
+                check_public_input(flag(name), getattr(config, name), config.data)
+        ensure_outside(out, config.data)
+    use_threads(config.threads)
+    problems = ProblemLog(config.on_error)
+    with temporary_folder("cache") as cache_dir:
+        task = make_task(config, cache_dir)
+        tokenizer = load_tokenizer(config.model)
+        model = make_model(config, task)
+        public = warm_start(config, task, model, tokenizer, cache_dir, problems, report)
+        public = after_saved_start(public, config.model)
+    meta = task.meta() | {
+        "max_length": config.max_length,
+        "encoder": config.model,
+        "public_start": public,
+    }
+    save_model(model, out, meta, tokenizer)
+    return public | {"model": str(out.resolve())}

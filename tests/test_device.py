@@ -44,8 +44,8 @@ def _update(run) -> torch.Tensor:
     from (rebuilt from the run's config, as the audit does), flattened."""
     import tempfile
 
+    from clinfed.factories import make_task
     from clinfed.models import load_saved_model
-    from clinfed.pipeline import make_task
     from clinfed.reporting.audit import starting_model
     from clinfed.settings import RunConfig, read_run_config
 

@@ -325,8 +325,8 @@ def test_on_flower_the_list_travels_inside_the_pinned_model_folder(tmp_path):
 def test_a_flower_node_marks_the_names_of_the_model_folder_it_pins(
     i2b2_corpus, tiny_config, tmp_path
 ):
-    from clinfed.pipeline import warm_start_model
     from clinfed.provenance import data_fingerprint
+    from clinfed.warmstart import warm_start_model
 
     from .test_guarantees import _node_site
 

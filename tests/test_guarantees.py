@@ -176,7 +176,7 @@ def test_the_server_bounds_a_site_s_claimed_weight():
 
 
 def test_the_held_out_split_is_the_site_s_never_the_run_seed(tmp_path):
-    from clinfed.pipeline import make_task
+    from clinfed.factories import make_task
     from clinfed.tasks.i2b2.synth import generate
 
     data = tmp_path / "flat"
@@ -691,8 +691,8 @@ def test_a_node_can_start_from_a_public_warm_start_it_pins(i2b2_corpus, tiny_con
     # public text (clinfed warm-start), each node pins that folder by
     # SHA-256, and the round-0 digest proves every party holds the same.
     from clinfed.federated.state import load_tensors
-    from clinfed.pipeline import warm_start_model
     from clinfed.provenance import data_fingerprint
+    from clinfed.warmstart import warm_start_model
 
     public = tmp_path / "public"
     public.mkdir()

@@ -56,8 +56,8 @@ def test_a_calibrated_add_remove_run_needs_less_noise(tiny_config, tmp_path):
     from pathlib import Path
 
     from clinfed.errors import ProblemLog
+    from clinfed.factories import make_strategy, make_task, privacy_policy
     from clinfed.models import load_tokenizer
-    from clinfed.pipeline import make_strategy, make_task, privacy_policy
 
     def sigma(relation: str) -> float:
         config = tiny_config(target_epsilon=8, rounds=3, neighbours=relation).resolved()
@@ -75,7 +75,7 @@ def test_a_calibrated_add_remove_run_needs_less_noise(tiny_config, tmp_path):
 
 
 def test_a_kept_count_is_released_again_after_a_restart(tiny_config, tmp_path):
-    from clinfed.pipeline import released_count
+    from clinfed.factories import released_count
     from clinfed.privacy.count import keep_count
 
     config = tiny_config(noise_multiplier=1.0, neighbours="add-remove")

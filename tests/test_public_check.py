@@ -140,8 +140,8 @@ def test_the_judge_scores_a_copy_and_leaves_the_run_s_model_alone(
 
     from clinfed.adapters import shared_state
     from clinfed.errors import ProblemLog
+    from clinfed.factories import make_model, make_task
     from clinfed.models import load_tokenizer
-    from clinfed.pipeline import make_model, make_task
     from clinfed.warmstart import public_check
 
     config = tiny_config(public_check=str(public_i2b2)).resolved()

@@ -13,10 +13,11 @@ import pytest
 from safetensors.torch import load_file
 
 from clinfed.federated.engine import Deployment
+from clinfed.federation import run_federation
 from clinfed.flower.deploy import flower_run_config
 from clinfed.flower.handler import SiteCache, answer
 from clinfed.flower.server import GridTransport, node_run
-from clinfed.pipeline import run_federation, run_training
+from clinfed.pipeline import run_training
 from clinfed.runs import read_jsonl
 from clinfed.tasks.i2b2.synth import generate
 

@@ -112,8 +112,8 @@ def test_a_warm_start_leaves_lora_factors_at_their_seeded_start(tiny_config, tmp
     import tempfile
 
     from clinfed.errors import ProblemLog
+    from clinfed.factories import make_model, make_task
     from clinfed.models import load_tokenizer
-    from clinfed.pipeline import make_model, make_task
     from clinfed.warmstart import warm_start
 
     config = tiny_config(
@@ -140,8 +140,8 @@ def test_a_model_an_earlier_run_saved_is_a_starting_model(tiny_run, tiny_config,
     import tempfile
 
     from clinfed.errors import ProblemLog
+    from clinfed.factories import make_model, make_task
     from clinfed.federated.state import load_tensors
-    from clinfed.pipeline import make_model, make_task
 
     tiny_run(out=tmp_path / "first")
     saved = load_tensors(tmp_path / "first" / "model" / "model.safetensors")
@@ -209,7 +209,7 @@ def test_the_audit_measures_from_the_warm_started_model(i2b2_corpus, tmp_path):
     config = RunConfig.from_values(read_run_config(run), "config").resolved()
     _, tokenizer, meta = load_saved_model(run / "model")
     with tempfile.TemporaryDirectory() as cache:
-        from clinfed.pipeline import make_task
+        from clinfed.factories import make_task
 
         task = make_task(config, cache)
         task.labels = list(meta["labels"])

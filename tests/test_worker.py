@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from clinfed.errors import USER_ERRORS, ClinfedError
+from clinfed.factories import make_model, make_task
 from clinfed.federated.engine import Message
 from clinfed.flower import client, handler, worker
 from clinfed.flower.deploy import flower_run_config
 from clinfed.flower.records import message_records, read_reply
-from clinfed.pipeline import make_model, make_task
 
 
 def _config(tmp_path, **settings):

@@ -435,7 +435,8 @@ def warm_start_cmd(
     public file may have a private file's bytes. No privacy is spent. Exit
     status: 0 done; 2 bad settings or data."""
     from clinfed.commands.options import given, merge
-    from clinfed.pipeline import RunConfig, warm_start_model
+    from clinfed.settings import RunConfig
+    from clinfed.warmstart import warm_start_model
 
     values = merge(config_file, given(settings))
     for required in ("out", "public_data"):

@@ -100,7 +100,7 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    from clinfed.pipeline import run_federation
+    from clinfed.federation import run_federation
 
     values = context.run_config
     if not values.get("clinfed-config"):

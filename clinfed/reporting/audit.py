@@ -140,7 +140,7 @@ def starting_model(
     it), so the attack measures what the private rounds changed."""
     from dataclasses import replace
 
-    from clinfed.pipeline import make_model
+    from clinfed.factories import make_model
 
     initial = make_model(config, task)
     if config.public_data:
@@ -196,7 +196,8 @@ def audit(run: Path, max_examples: int = 400, seed: int = 0) -> dict[str, Any]:
 
     ``max_examples``: members and non-members each, at most, per target.
     """
-    from clinfed.pipeline import AUDIT_HOLDOUT, AUDIT_UPDATES, make_model, make_task
+    from clinfed.factories import make_model, make_task
+    from clinfed.pipeline import AUDIT_HOLDOUT, AUDIT_UPDATES
 
     run = Path(run)
     config_path, model_dir = run / "config.json", run / "model"
