@@ -708,3 +708,15 @@ def test_a_node_can_start_from_a_public_warm_start_it_pins(i2b2_corpus, tiny_con
     saved = load_tensors(start / "model.safetensors")
     held = site.runner.model.state_dict()
     assert all(torch.equal(held[k].cpu(), saved[k]) for k in saved if k.startswith("encoder."))
+
+
+def test_a_node_s_annotated_types_are_its_own_declaration_never_the_server_s(i2b2_corpus, tmp_path):
+    # The server says every site annotates every type; the node declares
+    # problem alone: the node's word is what its partial labels follow.
+    server = {"target_epsilon": 8.0, "annotated_types": "*=problem,treatment,test"}
+    site = _node_site(i2b2_corpus, tmp_path / "a", {"annotated_types": ("problem",)}, **server)
+    declared = site.runner.task.site_types
+    assert declared["beth"] == {"problem"} and all(t == {"problem"} for t in declared.values())
+    # A node that declares nothing trains every O as plain O, whatever the server says.
+    site = _node_site(i2b2_corpus, tmp_path / "b", **server)
+    assert site.runner.task.site_types == {}
