@@ -113,13 +113,18 @@ def privacy_policy(
     strategy: Strategy,
     memo: Path | None = None,
     ledger_paths: dict[str, Path] | None = None,
+    ledger_budget: float | None = None,
+    ledger_mark: Path | None = None,
+    run: str | None = None,
 ) -> PrivacyPolicy:
     """Each site's DP-SGD settings and ledger (``train``: each site's encoded
     training examples). A site calibrates from its own number of privacy
     units only, so it gets the same noise in every transport.
     ``ledger_paths``: ledgers that outlive the run (a node's, one per
     dataset; default ``folder/<site>.jsonl``); a released count is kept
-    beside its ledger."""
+    beside its ledger. ``ledger_budget``, ``ledger_mark``, ``run``: a
+    node's cap over every run, its ledgers' high-water mark and the run
+    charging them (:class:`~clinfed.federated.assembly.SitePlace`)."""
     from clinfed.privacy.recipe import steps_per_epoch
 
     target = config.target_epsilon
@@ -154,6 +159,7 @@ def privacy_policy(
         steps_per_epoch=steps_per_epoch(config.adapter),
     )
     policy.ledger_paths = ledger_paths
+    policy.ledger_budget, policy.ledger_mark, policy.run = ledger_budget, ledger_mark, run
     policy.unit, policy.unit_text = unit, task.units[unit]
     if unit == "example":
         # k: how many units one note or patient holds (group privacy).

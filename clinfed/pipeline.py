@@ -47,15 +47,15 @@ from clinfed.factories import (
     make_model,
     make_strategy,
     make_task,
-    privacy_policy,
     saved_public_start,
     summation,
 )
+from clinfed.federated.assembly import SitePlace, build_site, site_privacy
 from clinfed.federated.engine import RoundEngine
 from clinfed.federated.inprocess import InProcessTransport
 from clinfed.federated.partition import partition
 from clinfed.federated.public_check import PublicCheck
-from clinfed.federated.site import build_site_runner, check_delta_cap
+from clinfed.federated.secure_site import with_secure_aggregation
 from clinfed.federated.state import check_metrics
 from clinfed.federated.strategies import STRATEGIES
 from clinfed.gazetteer import Gazetteer
@@ -261,23 +261,16 @@ def _train(config: RunConfig, report: Reporter, public_phase: RunConfig) -> dict
         holdout = _audit_holdout(config, task, train, clients)
         clients = {c: holdout[c]["members"] if holdout else idx for c, idx in clients.items()}
         strategy = make_strategy(config, task, tokenizer, cache_dir)
-        policies: dict[str, PrivacyPolicy] = {}
-        if config.dp:
-            for client, idx in clients.items():
-                if len(idx) == 0:
-                    continue  # an evaluation site trains nothing: no DP-SGD to account
-                policies[client] = privacy_policy(
-                    config,
-                    task,
-                    {client: train.select(idx)},
-                    _site_dir(config, client) / "privacy",
-                    strategy,
-                )
-                problems.problems.extend(policies[client].warnings)
-                # The same cap a node applies by default (max-delta).
-                check_delta_cap(config.delta, policies[client].sizes[client])
-            if not config.resume:
-                _check_round_one(policies)
+        privacy: dict[str, SitePrivacy] = {}
+        for client, idx in clients.items():
+            layer = site_privacy(
+                config, task, client, train.select(idx), strategy, _place(config, client)
+            )
+            if layer is not None:
+                privacy[client] = layer
+                problems.problems.extend(layer.policy.warnings)
+        if privacy and not config.resume:
+            _check_round_one({c: layer.policy for c, layer in privacy.items()})
         if not config.resume:
             out = create_run_folder(config.out)
             _write_start(
@@ -304,7 +297,7 @@ def _train(config: RunConfig, report: Reporter, public_phase: RunConfig) -> dict
                     },
                 )
         _loaded(report, train, test, corpus, clients, problems)
-        return _federated(prep, config, train, test, clients, test_parts, report, policies)
+        return _federated(prep, config, train, test, clients, test_parts, report, privacy)
 
 
 def _audit_holdout(
@@ -355,6 +348,12 @@ def _check_round_one(policies: dict[str, PrivacyPolicy]) -> None:
 def _site_dir(config: RunConfig, client: str) -> Path:
     """An in-process site's state folder (its model copies and ledger)."""
     return Path(config.out) / "sites" / client
+
+
+def _place(config: RunConfig, client: str) -> SitePlace:
+    """An in-process site: its state folder in the run folder, the run's
+    own caps (the node defaults), its count charged with round 1."""
+    return SitePlace(_site_dir(config, client))
 
 
 def _write_start(
@@ -501,7 +500,7 @@ def _federated(
     clients: dict[str, np.ndarray],
     test_parts: dict[str, np.ndarray],
     report: Reporter,
-    policies: dict[str, PrivacyPolicy],
+    privacy: dict[str, SitePrivacy],
 ) -> dict:
     """The federated run in this process: the round engine over the
     in-process transport, each client a :class:`SiteRunner`."""
@@ -512,20 +511,22 @@ def _federated(
     initial = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     shared = {k: initial[k] for k in shared_state(model)}
     runners = {
-        client: build_site_runner(
+        client: with_secure_aggregation(
             config,
-            client,
-            task,
-            model,
-            site_strategy,
-            train.select(idx),
-            test.select(test_parts[client]),
-            prep.corpus.test,
+            build_site(
+                config,
+                client,
+                task,
+                model,
+                site_strategy,
+                (train.select(idx), test.select(test_parts[client]), prep.corpus.test),
+                _place(config, client),
+                privacy.get(client),
+                initial_state=initial,
+                report=report,
+                audit_dir=prep.out / AUDIT_UPDATES if config.audit_holdout else None,
+            ),
             _site_dir(config, client),
-            SitePrivacy(policies[client], client) if client in policies else None,
-            initial_state=initial,
-            report=report,
-            audit_dir=prep.out / AUDIT_UPDATES if config.audit_holdout else None,
         )
         for client, idx in sorted(clients.items())
     }

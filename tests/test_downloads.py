@@ -9,6 +9,7 @@ import torch
 
 from clinfed.federated import payload
 from clinfed.federated.engine import Deployment, Reply, RoundEngine
+from clinfed.federated.messages import ReleasedAsReplies
 from clinfed.federated.strategies import get_strategy
 from clinfed.runs import read_jsonl
 
@@ -21,7 +22,7 @@ class CountsTask:
         return {"f1": hits / total if total else 0.0}
 
 
-class MirrorSites:
+class MirrorSites(ReleasedAsReplies):
     """Sites that keep a copy per received round, rebuild the global model
     from it as a real site does, prove it with a digest, and upload the
     names ``uploads(site, round)`` with values of their own."""

@@ -14,7 +14,7 @@ import torch
 from clinfed.errors import ClinfedError
 from clinfed.federated import secure
 from clinfed.federated.engine import Deployment, RoundEngine
-from clinfed.federated.messages import Message, Reply
+from clinfed.federated.messages import Message, ReleasedAsReplies, Reply
 from clinfed.federated.secure_summation import SecureSummation
 from clinfed.federated.strategies import get_strategy
 from clinfed.runs import read_jsonl
@@ -34,7 +34,7 @@ def upload_of(site: str, round_number: int, names=NAMES) -> dict[str, torch.Tens
     return {n: torch.randn(SHAPES[n], generator=generator) * 3 for n in names}
 
 
-class SecureSites:
+class SecureSites(ReleasedAsReplies):
     """Sites in this process that keep real secrets in their own folders;
     ``fail(site, message)`` scripts a dropout (a reason) or None."""
 

@@ -436,12 +436,10 @@ class RoundEngine:
             # the aggregate does not: not in sync.
             holds.pop(self.site_of.get(address, ""), None)
         trained -= len(closed.dropped)
-        releasing = getattr(transport, "releasing", None)
-        if releasing is not None:
-            # Write-ahead: the sites mark their charges released before any
-            # of this round's results are written.
-            trainers = [r["client"] for r in records if "bytes_up" in r]
-            self.ledger_digests |= releasing(round_number, trainers)
+        # Write-ahead: the sites mark their charges released before any of
+        # this round's results are written (or did as their replies left).
+        trainers = [r["client"] for r in records if "bytes_up" in r]
+        self.ledger_digests |= transport.release(round_number, trainers)
         if trained + refused < self.deployment.min_sites or closed.failure is not None:
             for record in records:
                 self._metrics(record)

@@ -40,11 +40,11 @@ class InProcessTransport:
         for address in sorted(messages):
             sent, _ = decode_message(encode_message(messages[address]))
             # Nothing leaves a site here until the engine writes the round:
-            # the release is marked then (:meth:`releasing`).
+            # the release is marked then (:meth:`release`).
             reply = self.runners[address].handle(sent, release=False)
             yield address, decode_reply(encode_reply(reply))
 
-    def releasing(self, round_number: int, sites: list[str]) -> dict[str, dict]:
+    def release(self, round_number: int, sites: list[str]) -> dict[str, dict]:
         """The engine is about to write round ``round_number``'s results:
         each site that trained marks its charge released first (a crash
         before this point re-runs the round on the same charge). Returns

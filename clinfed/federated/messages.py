@@ -98,6 +98,22 @@ class Transport(Protocol):
         replies come, or ``(address, why)`` for one that did not (an error,
         a timeout)."""
 
+    def release(self, round_number: int, sites: list[str]) -> dict[str, dict]:
+        """When a site's privacy charge is released is the transport's to
+        say: called as the engine is about to write round
+        ``round_number``'s results, each of ``sites`` (those that trained)
+        marks its charge released now, unless it did as its reply left.
+        Returns each ledger's digest after it."""
+
+
+class ReleasedAsReplies:
+    """A transport whose sites release each reply as it leaves (a remote
+    site, whose reply is out of its hands once sent): nothing left to mark."""
+
+    def release(self, round_number: int, sites: list[str]) -> dict[str, dict]:
+        del round_number, sites
+        return {}
+
 
 # ------------------------------------------------------------------ codec
 Wire = tuple[bytes, str]  # (the tensors as one safetensors buffer, the rest as JSON)

@@ -47,7 +47,7 @@ from clinfed.adapters import shared_names, shared_state
 from clinfed.blocks import block_of, num_layers, parameter_blocks
 from clinfed.errors import ClinfedError
 from clinfed.events import Reporter, silent
-from clinfed.federated import payload, secure
+from clinfed.federated import payload
 from clinfed.federated.client import LocalSettings, LocalWork, site_generator
 from clinfed.federated.state import load_tensors, save_tensors
 from clinfed.federated.strategies import Strategy
@@ -149,8 +149,6 @@ class SiteRunner:
         round's results are about to be written."""
         from clinfed.federated.messages import Reply
 
-        if message.kind == "secure":
-            return secure_reply(self.state_dir, message)
         rebuilt = self._start_from(message.round, message.download, message.full, message.base)
         # What it rebuilt, as proof (a shared model only; checked by the server).
         proof = payload.digest(shared_state(self.model)) if self.strategy.shares_model else None
@@ -176,7 +174,6 @@ class SiteRunner:
             evaluation = self.evaluate(message.write_predictions)
         upload: dict[str, torch.Tensor] = {}
         record = None
-        secure_part = None
         replay = None
         if message.kind == "train":
             self.report("site_start", {"round": message.round, "client": self.name})
@@ -195,14 +192,7 @@ class SiteRunner:
             else:
                 upload, record = self.train_round(message.round, message.strategy_state)
                 self._trained = (message.round, message.expect, upload, record)
-            if message.secure is not None and upload and "refused" not in record:
-                # Secure aggregation: the upload stays here; it leaves only
-                # masked, in a later stage. Nobody keeps it for an audit.
-                secure_part = secure.hold_upload(
-                    self.state_dir, self.name, message.round, upload, record["examples"]
-                )
-                upload = {}
-            elif received is not None and upload:
+            if received is not None and upload:
                 # Written once the round is released (see release()): an
                 # audit copy is a copy of what left the site.
                 self._audit_copy = (message.round, received | upload)
@@ -220,7 +210,6 @@ class SiteRunner:
             record=record,
             evaluation=evaluation,
             ledger=ledger,
-            secure=secure_part,
             received=proof,
         )
 
@@ -412,7 +401,6 @@ class SiteRunner:
         """After the run's last exchange: a copy that only repeats the global
         model (a shared model, no tensors of the site's own) is dropped; a
         site with a model or tensors of its own keeps its latest copy."""
-        secure.forget(self.state_dir)
         for path in self.state_dir.glob("released.r*.safetensors"):
             path.unlink(missing_ok=True)
         copies = self._copies()
@@ -527,87 +515,3 @@ class SiteRunner:
             key = str(block_of(name))
             sent[key] = sent.get(key, 0) + tensor.numel()
         return {k: round(min(1.0, n / total[k]), 6) for k, n in sorted(sent.items()) if k in total}
-
-
-def secure_reply(state_dir: Path, message: Any, min_group: int = 2) -> Any:
-    """A secure aggregation stage at a site (:mod:`clinfed.federated.secure`):
-    needs only the site's state folder, not its data or model."""
-    from clinfed.federated.messages import Reply
-
-    name = secure.site_name(state_dir, message.round)
-    tensors, part = secure.site_stage(state_dir, message.round, message.secure or {}, min_group)
-    return Reply(site=name, upload=tensors, secure=part)
-
-
-def check_delta_cap(delta: float, units: int, cap: float | None = None) -> None:
-    """Refuse a DP run whose delta exceeds what the site allows: ``cap``
-    (a node's ``max-delta``), else ``1 / (10 n)`` for ``n`` privacy units (a
-    delta near ``1/n`` allows releasing a unit outright). Under add/remove
-    ``units`` is the site's released noisy count, never the exact one; the
-    refusal states no count, nor a cap derived from one."""
-    if not units:
-        return
-    limit = cap if cap is not None else 1 / (10 * units)
-    if delta > limit:
-        stated = f" {limit:.3g}" if cap is not None else " (default 1/(10 n))"
-        raise ClinfedError(
-            f"the run asks for delta {delta:g}, above this site's cap{stated} (node config "
-            "max-delta): refused"
-        )
-
-
-def build_site_runner(
-    config: Any,
-    name: str,
-    task: Task,
-    model: nn.Module,
-    strategy: Strategy,
-    train: datasets.Dataset,
-    test: datasets.Dataset,
-    test_records: Any,
-    state_dir: Path,
-    privacy: SitePrivacy | None,
-    **where: Any,
-) -> SiteRunner:
-    """One site's runner, built the same way for every transport.
-
-    ``config`` is the run's resolved settings; what the run's rounds,
-    seed, local training and evaluation batch are comes from it alone.
-    ``where`` holds what differs by where the site lives (see
-    :class:`SiteRunner`): ``report``, ``audit_dir``, ``predictions_dir``,
-    ``meter_path``, ``max_evaluations``, ``run_name``, and
-    ``initial_state`` (default: the model's weights now, on the CPU).
-    """
-    from clinfed.federated.client import LocalSettings
-
-    initial = where.pop("initial_state", None)
-    if initial is None:
-        initial = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    settings = LocalSettings(
-        epochs=config.local_epochs,
-        batch_size=config.batch_size,
-        lr=config.lr,
-        head_lr=config.head_lr,
-        weight_decay=config.weight_decay,
-        precision=config.precision,
-        dp_pass_units=config.dp_pass_units,
-        lr_decay=config.lr_decay,
-        rounds=config.rounds,
-    )
-    return SiteRunner(
-        name,
-        task,
-        model,
-        initial,
-        strategy,
-        train,
-        test,
-        test_records,
-        settings,
-        config.seed,
-        state_dir,
-        privacy,
-        config.eval_batch_size,
-        planned_rounds=config.rounds,
-        **where,
-    )

@@ -17,9 +17,7 @@ from typing import Any
 from flwr.app import RecordDict
 
 from clinfed.device import use_threads
-from clinfed.errors import ClinfedError
-from clinfed.federated.site import secure_reply
-from clinfed.flower.node import NodeConfig, NodeSite, safe_run_name
+from clinfed.flower.node import NodeConfig, NodeSite
 from clinfed.flower.records import read_message, reply_records
 from clinfed.provenance import data_fingerprint
 from clinfed.settings import RunConfig
@@ -71,21 +69,10 @@ def answer(
     message, run = read_message(content)
     config = RunConfig.from_values(run["config"], "the server's run config")
     node = NodeConfig.parse(dict(node_values))
-    if message.kind == "train" and config.secure_aggregation and message.secure is None:
-        # The run promised secure aggregation: a plain upload is not sent.
-        raise ClinfedError(
-            "the run uses secure aggregation but this training message asks for a plain "
-            "upload: refused"
-        )
-    if message.kind == "secure":
-        # Secure aggregation's later stages need the round's secrets only.
-        node.check(config)
-        folder = node.state / safe_run_name(str(run["name"]))
-        return reply_records(secure_reply(folder, message, node.secure_min_sites))
     if cache is None:
         site = NodeSite(config, node, run["name"])
         try:
-            reply = site.runner.handle(message)
+            reply = site.handle(message)
         finally:
             site.close()
     else:
@@ -94,7 +81,7 @@ def answer(
         # worker last used.
         use_threads(node.threads, config.threads)
         try:
-            reply = site.runner.handle(message)
+            reply = site.handle(message)
         except BaseException:
             cache.drop()  # a failed message may leave the site half-updated
             raise

@@ -93,8 +93,8 @@ A node is configured by its operator, not by the server (``--node-config``):
     (default true; see :mod:`clinfed.flower.worker`), or each is handled in
     the ClientApp process Flower starts for it.
 
-Nothing here imports Flower: :func:`build_site` returns the same
-:class:`~clinfed.federated.site.SiteRunner` the in-process transport uses.
+Nothing here imports Flower: :class:`NodeSite` builds its runner with
+:func:`clinfed.federated.assembly.build_site`, as the in-process runner does.
 """
 
 from __future__ import annotations
@@ -109,7 +109,9 @@ import datasets
 
 from clinfed.device import resolve_device, use_threads
 from clinfed.errors import ClinfedError, ProblemLog
-from clinfed.federated.site import build_site_runner, check_delta_cap
+from clinfed.factories import make_model, make_strategy, make_task
+from clinfed.federated.assembly import SitePlace, build_site, site_privacy
+from clinfed.federated.secure_site import with_secure_aggregation
 from clinfed.flower.cache import (
     Encoded,
     EncodedCache,
@@ -118,17 +120,9 @@ from clinfed.flower.cache import (
     task_state,
 )
 from clinfed.models import MINILM, TINY, checkpoint_dir, load_tokenizer
-from clinfed.pipeline import (
-    RunConfig,
-    make_model,
-    make_strategy,
-    make_task,
-    privacy_policy,
-)
-from clinfed.privacy.ledger import Ledger
-from clinfed.privacy.site import SitePrivacy
 from clinfed.provenance import data_fingerprint
 from clinfed.scratch import temporary_folder
+from clinfed.settings import RunConfig
 from clinfed.tasks.base import SPLIT_KEY
 
 
@@ -457,17 +451,42 @@ def _of_site(records: Any, site: str) -> Any:
 
 
 class NodeSite:
-    """The site runner of one node for one run, and the temporary folder its
-    tokenized data lives in (removed by :meth:`close`)."""
+    """One node's site for one run: its runner (built on the first message
+    that needs it, wrapped for secure aggregation when the run asks for
+    it) and the temporary folder its tokenized data lives in (removed by
+    :meth:`close`). The run's settings are checked against the node's
+    policy as it is made, before anything is read."""
 
     def __init__(self, config: RunConfig, node: NodeConfig, run_name: str):
-        use_threads(node.threads, config.threads)
         # The site's own policy, whatever the server's run config says.
-        config = node.check(config)
+        self.config, self.node, self.run_name = node.check(config), node, run_name
+        self.folder = node.state / safe_run_name(run_name)
+        self.share_ledger = node.share_ledger
+        self._tmp: Any = None
+        self._runner: Any = None
+        self.site = with_secure_aggregation(
+            self.config, lambda: self.runner, self.folder, node.secure_min_sites
+        )
+
+    @property
+    def runner(self) -> Any:
+        """The site's :class:`~clinfed.federated.site.SiteRunner`, built once."""
+        if self._runner is None:
+            self._runner = self._build()
+        return self._runner
+
+    def handle(self, message: Any) -> Any:
+        """The site's reply to one message (released as it leaves)."""
+        return self.site.handle(message)
+
+    def _build(self) -> Any:
+        node = self.node
+        use_threads(node.threads, self.config.threads)
         device = resolve_device(node.device)  # the node's; one it lacks: refused now
         # The site's own model: never a folder the server names.
-        config = replace(config, model=node.model_for(config), dp_pass_units=node.dp_pass_units)
-        folder = node.state / safe_run_name(run_name)
+        config = replace(
+            self.config, model=node.model_for(self.config), dp_pass_units=node.dp_pass_units
+        )
         # Tokenized notes are protected: they live in a temporary folder at
         # the site, removed when the message is done.
         self._tmp = temporary_folder("site")
@@ -480,69 +499,45 @@ class NodeSite:
             # The data's fingerprint names its ledger and its cached encoding.
             data_fp = data_fingerprint(node.data, node.state / "ledger" / "fingerprints.json")
             encoded = _encoded(config, node, task, tokenizer, cache_dir, data_fp)
-            name, train, test = encoded.site, encoded.train, encoded.test
-            test_records = encoded.test_records
-            units = task.count_units(train, config.privacy_unit)
+            name = encoded.site
             model = make_model(config, task).to(device)
             strategy = make_strategy(config, task, tokenizer, cache_dir)
-            privacy = None
-            if config.dp and units:  # an evaluation site trains nothing to account
+            # One ledger per dataset at this node, whatever the run is
+            # called: capped by the node's own max-epsilon over every run,
+            # and this run by its own target. Under add/remove the released
+            # count is kept beside it (one draw per dataset).
+            dataset = node.state / "ledger" / f"{name}-{data_fp[:16]}"
+            place = SitePlace(
+                self.folder,
+                ledger=dataset.with_name(dataset.name + ".jsonl"),
+                ledger_budget=node.max_epsilon,
+                ledger_mark=node.state / LEDGER_MARK,
+                run_name=self.run_name,
                 # Calibrated once per setting, not per message (checked on reuse).
-                memo = node.state / "calibration.json"
-                # One ledger per dataset at this node, whatever the run is
-                # called: capped by the node's own max-epsilon over every
-                # run, and this run by its own target. Under add/remove the
-                # released count is kept beside it (one draw per dataset).
-                ledger = node.state / "ledger" / f"{name}-{data_fp[:16]}.jsonl"
-                policy = privacy_policy(
-                    config, task, {name: train}, folder / "privacy", strategy, memo,
-                    ledger_paths={name: ledger},
-                )  # fmt: skip
-                policy.ledger_budget = node.max_epsilon
-                policy.ledger_mark = node.state / LEDGER_MARK
-                policy.run = run_name
-                privacy = SitePrivacy(policy, name)
-                if config.reproducible_noise:
-                    privacy.ledger.mark_unprotected("reproducible noise (not private)")
-                # Every reply from here on (a refusal too) may carry the
-                # count or something derived from it: charged first, once.
-                if not policy.charge_count(name):
-                    raise ClinfedError(
-                        f"{name}: this site's privacy budget does not afford releasing its "
-                        "unit count: refused"
-                    )
-                # Under add/remove the cap derives from the released count.
-                check_delta_cap(config.delta, policy.sizes[name], node.max_delta)
-            elif not config.dp and units:
-                # An allow-no-dp node: this dataset has no guarantee from now on.
-                Ledger(
-                    node.state / "ledger" / f"{name}-{data_fp[:16]}.jsonl",
-                    name,
-                    config.delta,
-                    run=run_name,
-                    mark=node.state / LEDGER_MARK,
-                ).mark_unprotected("trained without DP")
-            self.runner = build_site_runner(
+                calibration_memo=node.state / "calibration.json",
+                max_delta=node.max_delta,
+                charge_count_now=True,
+            )
+            privacy = site_privacy(config, task, name, encoded.train, strategy, place)
+            return build_site(
                 config,
                 name,
                 task,
                 model,
                 strategy,
-                train,
-                test,
-                test_records,
-                folder,
+                (encoded.train, encoded.test, encoded.test_records),
+                place,
                 privacy,
-                predictions_dir=folder / "predictions",
+                predictions_dir=self.folder / "predictions",
                 # One meter per dataset, beside its ledger, across runs.
-                meter_path=node.state / "ledger" / f"{name}-{data_fp[:16]}.evaluations.json",
+                meter_path=dataset.with_name(dataset.name + ".evaluations.json"),
                 max_evaluations=node.max_evaluations,
-                run_name=run_name,
             )
         except BaseException:
-            self._tmp.cleanup()
+            self.close()
             raise
-        self.share_ledger = node.share_ledger
 
     def close(self) -> None:
-        self._tmp.cleanup()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None

@@ -14,7 +14,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from clinfed.errors import ClinfedError
 from clinfed.federated.engine import Deployment
-from clinfed.federated.messages import Message, Reply
+from clinfed.federated.messages import Message, ReleasedAsReplies, Reply
 from clinfed.flower.records import message_records, read_reply
 from clinfed.quiet import quiet_libraries
 from clinfed.scratch import private_scratch
@@ -26,7 +26,7 @@ POLL_SECONDS = 0.5
 MESSAGE_TYPES = {"train": "train", "evaluate": "evaluate", "secure": "query"}
 
 
-class GridTransport:
+class GridTransport(ReleasedAsReplies):
     """Sends engine messages as Flower messages and collects the replies.
 
     Addresses are SuperNode ids (as text); ``run`` (the run's name and
