@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from clinfed.federated.engine import Deployment, Reply, RoundEngine
+from clinfed.federated.messages import ReleasedAsReplies
 from clinfed.federated.state import load
 from clinfed.federated.strategies import get_strategy
 from clinfed.runs import read_jsonl
@@ -25,7 +26,7 @@ class CountsTask:
         return {"f1": hits / total if total else 0.0}
 
 
-class ScriptedTransport:
+class ScriptedTransport(ReleasedAsReplies):
     """Sites whose replies a test scripts: ``behave(site, message, attempt)``."""
 
     def __init__(self, sites, behave):
