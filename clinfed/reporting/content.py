@@ -1,0 +1,497 @@
+"""The report's content as plain data (``privacy.json``): read from the run
+folder's own records after :mod:`clinfed.reporting.verify` checked them,
+never from the data."""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from clinfed.errors import ClinfedError
+from clinfed.federated.strategies import STRATEGIES
+from clinfed.privacy.accountants import ACCOUNTANT, RELATION, Mechanism, reference_epsilon
+from clinfed.privacy.policy import PATIENT_CAVEAT, UNIT, group_bound
+from clinfed.reporting.plots import make_plots, relation_of
+from clinfed.reporting.verify import load_run, read_json, verify_run
+
+
+def _starting_model(raw: dict[str, Any]) -> str:
+    """Where the starting model came from, in words."""
+    if raw.get("public_start"):
+        from clinfed.warmstart import describe
+
+        words = describe(raw["public_start"])
+    else:
+        words = "the encoder as given, with a new task head (no public warm start)"
+    listed = raw.get("gazetteer_list")
+    if listed:
+        kinds = listed.get("lists")
+        marks = f", a mark per list: {', '.join(kinds)}" if kinds else ""
+        words += (
+            f"; it marks the names of a public list in each unit's own words (gazetteer: "
+            f"{listed['names']:,} names{marks}, SHA-256 {listed['sha256'][:16]}…; public "
+            "input, no privacy spent)"
+        )
+    return words
+
+
+def _public_check(text: dict[str, Any], records: list[dict[str, Any]]) -> str:
+    """--public-check in words: what the server scored, and which rounds it kept."""
+    checks = {r["round"]: r["public_check"] for r in records if "public_check" in r}
+    kept = [str(n) for n, c in sorted(checks.items()) if c["kept"]]
+    refused = [str(n) for n, c in sorted(checks.items()) if not c["kept"]]
+    return (
+        f"the server scored each round's model on public text {Path(text['folder']).name} "
+        f"({text['examples']:,} examples) and kept it only when it was better there than "
+        f"chance (F1 rose and a sign test on the decisions it changed passed; no site's "
+        f"data, no privacy spent): kept round {', '.join(kept) or 'none'}; "
+        f"kept the last model instead in round {', '.join(refused) or 'none'}"
+    )
+
+
+def _pooled(strategy: Any) -> bool:
+    """Whether the run pooled every site's data (no federation)."""
+    return strategy in STRATEGIES and STRATEGIES[strategy].pooled
+
+
+def _task_words(name: str) -> str:
+    """The task in words, as the task describes itself."""
+    from clinfed.tasks import TASKS
+
+    task = TASKS.get(name)
+    return task.description if task is not None and task.description else name
+
+
+def _sent_grid(run_data: dict[str, Any]) -> dict[str, Any] | None:
+    """What each site sent, by round, over every block of the model:
+    embeddings, each encoder layer (whole, or without its frozen Q/K), head.
+    Cells: 2 whole layer (or block) sent, 1 sent without Q/K, 3 a small part
+    of its numbers (adapters, bias terms), 0 not sent."""
+    sent = [r for r in run_data["records"] if "sent_blocks" in r]
+    if not sent:
+        return None
+    layers = max(int(r.get("num_layers", 0)) for r in sent)
+    columns = ["embeddings"] + [f"layer {i}" for i in range(layers)] + ["head"]
+    rows = []
+    for record in sorted(sent, key=lambda r: (r["round"], r["client"])):
+        blocks, share = set(record["sent_blocks"]), record.get("sent_share")
+        cells = [_sent_cell(["embeddings"], blocks, share)]
+        for i in range(layers):
+            kinds = [f"layer{i}.{k}" for k in ("query_key", "value", "rest")]
+            cells.append(_sent_cell(kinds, blocks, share))
+        cells.append(_sent_cell(["head"], blocks, share))
+        rows.append({"label": f"round {record['round']}, {record['client']}", "cells": cells})
+    return {"columns": columns, "rows": rows}
+
+
+# A block counts as sent whole when the upload holds this share of its numbers.
+WHOLE = 0.999
+
+
+def _sent_cell(keys: list[str], blocks: set[str], share: dict[str, float] | None) -> int:
+    """One grid cell over ``keys`` (a layer's blocks, or one block): 2 all
+    sent whole, 1 some sent whole (a layer without its frozen Q/K), 3 a
+    small part of their numbers, 0 none (records before shares were kept
+    count every named block as whole)."""
+    there = [k for k in keys if k in blocks]
+    if not there:
+        return 0
+    if share is not None and any(share.get(k, 0.0) < WHOLE for k in there):
+        return 3
+    return 2 if len(there) == len(keys) else 1
+
+
+def _site_rows(run_data: dict[str, Any]) -> list[dict[str, Any]]:
+    policy = run_data["policy"] or {}
+    rows = []
+    for site, lines in run_data["ledgers"].items():
+        mechanisms = [Mechanism.from_line(x) for x in lines]
+        delta = lines[0]["delta"] if lines else policy.get("delta", 1e-5)
+        sgd = [x for x in lines if x["mechanism"] == "dp-sgd"]
+        sent = [r for r in run_data["records"] if r.get("client") == site and "bytes_up" in r]
+        rows.append(
+            {
+                "site": site,
+                "examples": policy.get("sites", {}).get(site, {}).get("examples"),
+                "noise_multiplier": sgd[-1]["noise_multiplier"] if sgd else None,
+                "sample_rate": sgd[-1]["sample_rate"] if sgd else None,
+                "steps_per_round": sgd[-1]["steps"] if sgd else None,
+                # Round 0 holds a release made once per dataset (its count).
+                "rounds_accounted": len({x["round"] for x in lines if x["round"] > 0}),
+                "epsilon": lines[-1]["epsilon"] if lines else 0.0,
+                "epsilon_rdp": (
+                    reference_epsilon(mechanisms, delta, relation_of(lines)) if mechanisms else 0.0
+                ),
+                "group": policy.get("sites", {}).get(site, {}).get("group"),
+                "delta": delta,
+                "mb_sent": sum(r["bytes_up"] for r in sent) / 1e6,
+                "refused_rounds": [
+                    r["round"]
+                    for r in run_data["records"]
+                    if r.get("client") == site and r.get("refused")
+                ],
+            }
+        )
+    return rows
+
+
+def _selection_text(config: dict[str, Any], policy: dict[str, Any] | None) -> str:
+    strategy = config.get("strategy", "")
+    if not (strategy in STRATEGIES and STRATEGIES[strategy].selects_layers):
+        return (
+            f"{strategy}: what each site sends is fixed by the strategy; no data-dependent choice."
+        )
+    mode = config.get("selection", "global")
+    if mode == "private":
+        sel = (policy or {}).get("selection") or {}
+        return (
+            "SAFL layer choice computed from each site's own data with Gaussian noise "
+            f"(noise multiplier {sel.get('noise_multiplier', config.get('selection_noise'))}, "
+            "sensitivity sqrt(layers)), charged to every site's ledger each round as "
+            "'safl-selection'."
+        )
+    where = "the released global model" if mode == "global" else "each site's current model"
+    return (
+        f"SAFL layer choice ({mode}) computed on {where} with a public synthetic probe set, "
+        "never on site data: it costs no privacy."
+    )
+
+
+def _reference_f1(run: Path, config: dict[str, Any], reference: Path | None) -> float | None:
+    """The F1 of the same run without DP: ``reference`` (a run folder), or
+    the sweep cell beside ``run`` with epsilon inf and the same seed."""
+    if reference is None:
+        from clinfed.sweep import cell_name
+
+        guess = run.parent / cell_name(str(config.get("strategy")), math.inf, int(config["seed"]))
+        if guess.resolve() == run.resolve() or not (guess / "summary.json").is_file():
+            return None
+        reference = guess
+    elif Path(reference).resolve() == run.resolve():
+        raise ClinfedError(
+            f"--reference {reference}: names the run itself; give the same run without DP"
+        )
+    path = Path(reference) / "summary.json"
+    summary = read_json(path)
+    if summary is None:
+        raise ClinfedError(f"{reference}: no summary.json (not a finished run folder?)")
+    value = summary.get("f1")
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def _header(run: Path, run_data: dict[str, Any], raw: dict[str, Any]) -> list[tuple[str, str]]:
+    config, summary = run_data["config"], run_data["summary"]
+    pooled = _pooled(config.get("strategy"))
+    records = run_data["records"]
+    done = max((r["round"] for r in records if "client" not in r and "round" in r), default=0)
+    recorded = raw.get("versions") or {}
+    versions = ", ".join(
+        f"{name} {recorded.get(name, '?')}" for name in ("clinfed", "torch", "opacus", "flwr")
+    )
+    fingerprint = raw.get("data_fingerprint") or summary.get("data_fingerprint")
+    rows = [
+        ("Run folder", str(run.resolve())),
+        ("Report written", datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")),
+        ("Run started", str(raw.get("written", "not recorded"))),
+        ("Task", _task_words(str(config.get("task")))),
+        ("Strategy", str(config.get("strategy"))),
+        ("Model", f"{config.get('model')} (adapter: {config.get('adapter', 'none')})"),
+        ("Starting model", _starting_model(raw)),
+    ]
+    if pooled:
+        rows.append(("Epochs", str(config.get("epochs"))))
+    else:
+        rows.append(("Rounds", f"{done} of {config.get('rounds')} planned"))
+        sites = sorted({r["client"] for r in records if "client" in r})
+        rows.append(("Sites", f"{len(sites)}: {', '.join(sites)}"))
+        rows.append(("Transport", "Flower" if raw.get("runner") == "flower" else "in-process"))
+        rows.append(("Secure aggregation", "on" if config.get("secure_aggregation") else "off"))
+        if raw.get("public_check_text"):
+            rows.append(("Public check", _public_check(raw["public_check_text"], records)))
+    rows.append(("Versions (at training)", versions if recorded else "not recorded"))
+    rows.append(("Command", f"`{raw['command']}`" if raw.get("command") else "not recorded"))
+    if fingerprint:
+        rows.append(("Data fingerprint", str(fingerprint)))
+    return rows
+
+
+def _verdicts(content: dict[str, Any], pooled: bool) -> list[str]:
+    if pooled:
+        return [
+            "**No privacy guarantee.** This run pooled all data in one place (centralized "
+            "training): nothing was federated, and no differential privacy was used."
+        ]
+    if not content["differential_privacy"]:
+        return [
+            "**No formal privacy guarantee.** The sites trained without differential privacy: "
+            "each update they sent can reveal their training data (epsilon is infinite)."
+        ]
+    lines = []
+    target = content["target_epsilon"]
+    for row in content["sites"]:
+        within = target is None or row["epsilon"] <= target + 1e-9
+        budget = f"of {target:g}" if target is not None else "(no target: fixed noise)"
+        refused = (
+            f"; refused rounds {', '.join(map(str, row['refused_rounds']))} to stay within it"
+            if row["refused_rounds"]
+            else ""
+        )
+        word = "within budget" if within else "OVER BUDGET"
+        lines.append(
+            f"**{row['site']}: {word}.** Epsilon {row['epsilon']:.3f} {budget} at delta "
+            f"{row['delta']:g}, charged in {row['rounds_accounted']} rounds{refused}."
+        )
+    answered = content.get("evaluation_queries") or {}
+    if answered:
+        counts = ", ".join(f"{site} {n}" for site, n in sorted(answered.items()))
+        lines.append(
+            "**Held-out notes are outside epsilon.** The epsilon above covers the units the "
+            "sites trained on. Their held-out units answered evaluation queries with exact "
+            f"counts, not noised ({counts} queries in this run): declared and capped, one "
+            "query per global round, on Flower at most the node's max-evaluations per dataset "
+            "over every run."
+        )
+    if content.get("not_private"):
+        lines.insert(0, f"**NOT PRIVATE.** {content['not_private']}.")
+    return lines
+
+
+def _meaning(content: dict[str, Any]) -> list[str]:
+    """Epsilon and delta in plain words, with the unit and the per-document
+    (or per-patient) bound."""
+    if not content["differential_privacy"] or not content["sites"]:
+        return []
+    worst = max(row["epsilon"] for row in content["sites"])
+    delta = content["delta"]
+    odds = math.exp(worst)
+    paragraphs = [
+        f"The unit of privacy is {content['unit']}. For any one such unit at a site, "
+        "what the accounting covers (the model updates, and SAFL's private layer choice) "
+        "is at most e^epsilon times as likely with that unit in the data as with it "
+        "replaced by another, except with probability delta. The other releases in the "
+        "table of what left each hospital are declared or capped, not covered by epsilon. At the "
+        f"largest epsilon spent here ({worst:.2f}), e^epsilon is {odds:,.1f}; delta is "
+        f"{delta:g}, about one chance in {1 / delta:,.0f}.",
+        "Smaller is stronger. Epsilon 1 or less is strong protection; up to 8 is common in "
+        "published private deep learning and protects against realistic attacks far better "
+        "than its worst-case meaning suggests; above 10 the worst-case guarantee is weak.",
+    ]
+    for row in content["sites"]:
+        group = row.get("group")
+        if not group:
+            continue
+        k_med, k_max = group["k_median"], group["k_max"]
+        eps_k, delta_k = group_bound(row["epsilon"], row["delta"], int(k_max))
+        whole = group["of"]
+        if delta_k >= 1.0:
+            bound = f"group privacy gives no useful bound for a whole {whole} (delta reaches 1)"
+        else:
+            bound = f"a whole {whole} is protected at epsilon {eps_k:.3g}, delta {delta_k:.3g}"
+        paragraphs.append(
+            f"At {row['site']}, one {whole} holds {k_med:g} units (median; at most {k_max}): "
+            f"{bound}. `--privacy-unit {whole}` protects whole {whole}s instead."
+        )
+    return paragraphs
+
+
+# Every field of a site's record (what it sends the server with its update),
+# and the row of the release table that covers it. A new field needs a row:
+# tests/test_guarantees.py fails on a field not listed here.
+RECORD_FIELDS = {
+    "round": "model update",
+    "client": "model update",
+    "bytes_up": "model update",
+    "bytes_down": "model update",
+    "trainable_params": "model update",
+    "uploaded_params": "model update",
+    "sent_blocks": "model update",
+    "sent_share": "model update",
+    "num_layers": "model update",
+    "clipping": "model update",
+    "secure_dropped": "model update",
+    "secure": "model update",
+    "examples": "its weight",
+    "epsilon": "ledger lines",
+    "selection": "layer choice",
+    "layers": "layer choice",
+    "scores": "layer choice",
+    "selection_mechanism": "layer choice",
+    "refused": "refusals",
+    "epsilon_if_trained": "refusals",
+    # Released only without DP (release_filter drops them under DP).
+    "train_loss": "training loss",
+    "train_tokens": "training loss",
+    "wall_s": "training loss",
+}
+
+
+def _weight_cover(content: dict[str, Any]) -> str:
+    """How a DP run's weight left each site: under the relation it ran."""
+    if content.get("relation") == "add-remove":
+        return (
+            "accounted: a noisy count (std 20) released once per dataset, charged as the "
+            "ledger's unit-count line; the weight, sampling rate, steps and default delta cap "
+            "derive from it, never from the exact count (add/remove)"
+        )
+    return "declared: released exactly; the accounting assumes it public (replace-one)"
+
+
+def evaluation_queries(records: list[dict[str, Any]]) -> dict[str, int]:
+    """How many evaluation queries each site answered in the run (the global
+    records whose per-site F1 names it)."""
+    answered: dict[str, int] = {}
+    for record in records:
+        if "client" in record:
+            continue
+        for site in record.get("per_site_f1", {}):
+            answered[site] = answered.get(site, 0) + 1
+    return answered
+
+
+def _released(content: dict[str, Any], config: dict[str, Any], pooled: bool) -> list[list[str]]:
+    """What left each hospital: one row per kind of quantity."""
+    if pooled:
+        return []
+    dp = content["differential_privacy"]
+    secure = bool(config.get("secure_aggregation"))
+    update_cover = "DP-SGD, accounted in the ledger" if dp else "nothing (no DP)"
+    if secure:
+        update_cover += "; secure aggregation: the server saw only the sum over sites"
+    capped = (
+        "capped, not accounted: each global round's model once, never past the run's "
+        "rounds; on Flower at most the node's max-evaluations per dataset over every run"
+    )
+    rows = [
+        [
+            "model update: the planned parameters (see the grid below)",
+            "each round it trained",
+            "accounted: " + update_cover if dp else update_cover,
+        ],
+        [
+            "its weight: the number of privacy units it trained on (never rows)",
+            "each round it trained",
+            _weight_cover(content) if dp else "declared, not protected",
+        ],
+        [
+            "evaluation counts (true/false positives on held-out examples), the F1 computed "
+            "from them, and the held-out size: exact, on held-out units outside epsilon",
+            "once per round",
+            capped,
+        ],
+        [
+            "evaluation time",
+            "never" if dp else "once per round",
+            "kept at the site under DP" if dp else "nothing (no DP)",
+        ],
+        ["layer choice (SAFL)", "each round", content["selection"]],
+        [
+            "reply timing (when each reply reaches the server)",
+            "each round",
+            "declared, not accounted: it follows the site's hardware and batch sizes",
+        ],
+        [
+            "refusals and their reasons (budget spent, policy)",
+            "when they happen",
+            "declared: they follow from the site's public policy and its ledger",
+        ],
+    ]
+    if dp:
+        rows.append(
+            [
+                "ledger lines (epsilon this run and over every run of the dataset, noise, "
+                "sample rate, steps)",
+                "each round",
+                "declared: they follow from public settings, the unit count and what the "
+                "dataset spent in other runs",
+            ]
+        )
+        rows.append(
+            [
+                "units per note or patient (k: median, largest) for the group bound",
+                "with every reply",
+                "declared: released exactly, not accounted",
+            ]
+        )
+        rows.append(
+            [
+                "training loss, tokens, wall time",
+                "never",
+                "kept at the site under DP",
+            ]
+        )
+    else:
+        rows.append(["training loss", "each round it trained", "nothing (no DP)"])
+    rows.append(["the label set", "once", content["label_source"]])
+    return rows
+
+
+def build(run: Path, reference: Path | None = None) -> dict[str, Any]:
+    """The report's content as plain data (also ``privacy.json``)."""
+    run_data = load_run(run)
+    verify_run(run, run_data)
+    config, policy, summary = run_data["config"], run_data["policy"], run_data["summary"]
+    raw = read_json(run / "config.json") or {}
+    pooled = _pooled(config.get("strategy"))
+    private = policy is not None
+    not_private = summary.get("not_private") or next(
+        (
+            line["not_private"]
+            for lines in run_data["ledgers"].values()
+            for line in lines
+            if line.get("not_private")
+        ),
+        None,
+    )
+    reference_f1 = _reference_f1(run, config, reference)
+    content: dict[str, Any] = {
+        "run": str(run),
+        "header": _header(run, run_data, raw),
+        "strategy": config.get("strategy"),
+        "task": config.get("task"),
+        "pooled": pooled,
+        "differential_privacy": private,
+        "not_private": not_private,
+        "unit": (policy or {}).get("unit", UNIT),
+        "patient_caveat": (policy or {}).get("patient_caveat", PATIENT_CAVEAT),
+        "accountant": (policy or {}).get("accountant", ACCOUNTANT) if private else None,
+        "relation": (policy or {}).get("relation", RELATION),
+        "target_epsilon": (policy or {}).get("target_epsilon"),
+        "delta": (policy or {}).get("delta"),
+        "max_grad_norm": (policy or {}).get("max_grad_norm"),
+        "secure_aggregation": bool(config.get("secure_aggregation")),
+        "sites": _site_rows(run_data),
+        "ledger_source": (
+            "Ledgers as reported by the sites over Flower (the ledgers that bind, and the "
+            "budgets they enforce, stay at the sites)."
+            if raw.get("runner") == "flower"
+            else "Ledgers as written by the sites during the run (in-process simulation)."
+        ),
+        "selection": _selection_text(config, policy),
+        "label_source": run_data["labels"].get("source", "fixed by the task"),
+        "final_f1": summary.get("f1"),
+        "reference_f1": reference_f1,
+        "stopped": summary.get("stopped"),
+        "audit": run_data["audit"],
+        "sent": _sent_grid(run_data),
+    }
+    for row in content["sites"]:
+        group = (policy or {}).get("sites", {}).get(row["site"], {}).get("group")
+        if group:
+            row["group"] = group
+    content["evaluation_queries"] = evaluation_queries(run_data["records"])
+    if not summary and not pooled:
+        done = (run_data["state"] or {}).get("round", 0)
+        content["unfinished"] = (
+            f"The run committed round {done} of {config.get('rounds')} planned and wrote no "
+            "summary: every figure here is as of that round (charges may run a round ahead "
+            "of the commit). Resume it with clinfed train --resume --out RUN."
+        )
+    content["verdicts"] = _verdicts(content, pooled)
+    if content.get("unfinished"):
+        content["verdicts"].insert(0, f"**UNFINISHED RUN.** {content['unfinished']}")
+    content["meaning"] = _meaning(content)
+    content["released"] = _released(content, config, pooled)
+    content["_plots"] = make_plots(run_data, reference_f1, content["sent"])
+    return content
