@@ -19,8 +19,9 @@ from safetensors.torch import load_file
 
 from clinfed.commands import main
 from clinfed.errors import USER_ERRORS, ClinfedError, ProblemLog
-from clinfed.federated.engine import Message, check_upload
+from clinfed.federated.engine import Message
 from clinfed.federated.messages import Reply, encode_reply
+from clinfed.federated.replies import check_upload
 from clinfed.federated.strategies import get_strategy
 from clinfed.flower.deploy import (
     flower_run_config,

@@ -14,7 +14,8 @@ import torch
 from scipy.stats import norm
 
 from clinfed.errors import ClinfedError, ProblemLog
-from clinfed.federated.engine import MAX_UNITS, Reply, check_record
+from clinfed.federated.engine import Reply
+from clinfed.federated.replies import MAX_UNITS, check_record
 from clinfed.models import load_tokenizer
 from clinfed.pipeline import RunConfig
 from clinfed.privacy.accountants import ACCOUNTANTS, Mechanism

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ from clinfed.events import Reporter, silent
 from clinfed.federated import payload, state
 from clinfed.federated.messages import Message, Reply, Transport
 from clinfed.federated.public_check import PublicCheck
+from clinfed.federated.replies import check_record, check_upload, summed_evaluation
 from clinfed.federated.strategies import Strategy
 from clinfed.federated.summation import PlainSummation, RoundContext, Summation
 from clinfed.runs import append_jsonl, atomic_write_json, atomic_write_text
@@ -81,58 +82,6 @@ class Deployment:
             raise ClinfedError("--round-timeout must be positive, waits and retries not negative")
 
 
-def check_upload(
-    upload: Mapping[str, torch.Tensor],
-    allowed: frozenset[str],
-    global_state: Mapping[str, torch.Tensor],
-) -> str | None:
-    """Why an upload must not be averaged in (``None``: it may).
-
-    Rejected: names outside the round's envelope, shapes or dtypes other than
-    the global model's, and any NaN or Inf.
-    """
-    unexpected = sorted(set(upload) - allowed)
-    if unexpected:
-        return f"unexpected parameter {unexpected[0]} ({len(unexpected)} in all)"
-    for name, value in upload.items():
-        reference = global_state[name]
-        if tuple(value.shape) != tuple(reference.shape):
-            return f"{name}: shape {tuple(value.shape)}, expected {tuple(reference.shape)}"
-        if value.dtype != reference.dtype:
-            return f"{name}: dtype {value.dtype}, expected {reference.dtype}"
-        if not bool(torch.isfinite(value).all()):
-            return f"{name}: NaN or Inf"
-    return None
-
-
-# The most privacy units (sentences, admissions, notes) one site may weigh
-# its update by: far above any hospital's, and a bound a forged reply meets.
-MAX_UNITS = 100_000_000
-
-
-def check_record(reply: Reply) -> str | None:
-    """Why a training reply's record must not be aggregated (``None``: it
-    may): no record, or a weight that is not a positive count of units
-    within :data:`MAX_UNITS` and, under DP, the count its policy states."""
-    record = reply.record
-    if not isinstance(record, dict):
-        return "reply without a site record"
-    if "refused" in record:
-        return None
-    examples = record.get("examples")
-    if not isinstance(examples, int) or isinstance(examples, bool) or examples < 1:
-        return "reply without a positive number of examples"
-    if examples > MAX_UNITS:
-        return f"reply weighs its update by {examples} units, above the {MAX_UNITS:,} a site may"
-    # Under DP the site's policy states the units its accounting counts; its
-    # weight is that count, never more (a larger weight would let one site
-    # outweigh the others beyond what it trained on).
-    declared = ((reply.ledger or {}).get("site") or {}).get("examples")
-    if declared is not None and examples != declared:
-        return f"reply weighs its update by {examples} units; its privacy policy counts {declared}"
-    return None
-
-
 def sample_sites(names: list[str], fraction: float, rng: np.random.Generator) -> list[str]:
     """The sites that train this round (at least one), in a stable order."""
     count = max(1, round(fraction * len(names)))
@@ -140,6 +89,17 @@ def sample_sites(names: list[str], fraction: float, rng: np.random.Generator) ->
         return list(names)
     chosen = set(rng.choice(len(names), size=count, replace=False).tolist())
     return [n for i, n in enumerate(names) if i in chosen]
+
+
+@dataclass
+class _Replies:
+    """What one exchange of a round gathered so far."""
+
+    records: list[dict[str, Any]] = field(default_factory=list)
+    evaluations: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    holds: dict[str, int] = field(default_factory=dict)  # site -> the round its copy holds
+    trained: int = 0
+    refused: int = 0
 
 
 class RoundEngine:
@@ -366,62 +326,10 @@ class RoundEngine:
         summed = self.summation.open(
             self.strategy.aggregator(round_number), allowed, self.global_state
         )
-        evaluations: list[tuple[str, dict[str, Any]]] = []
-        records: list[dict[str, Any]] = []
-        holds: dict[str, int] = {}
-        trained = refused = 0
+        replies = _Replies()
         for address, reply in transport.exchange(messages, self.deployment.round_timeout):
-            site = self.site_of.get(address, f"node {address}")
-            if isinstance(reply, str):
-                records.append({"round": round_number, "client": site, "failed": reply})
-                self.log(f"round {round_number}: {site}: no usable reply ({reply})")
-                continue
-            self.site_of[address] = site = reply.site
-            message = messages[address]
-            stale = self._stale(reply, round_number)
-            if reply.ledger:
-                self.ledgers[site] = reply.ledger
-                if reply.ledger.get("digest"):
-                    self.ledger_digests[site] = reply.ledger["digest"]
-            if reply.evaluation:
-                evaluations.append((site, reply.evaluation))
-            if message.kind == "train" and (reply.record or {}).get("evaluation_only"):
-                # An evaluation site: it holds data to evaluate on and none to
-                # train on; from now on it is only asked to evaluate.
-                self.evaluators.add(address)
-            if message.kind == "evaluate" or address in self.evaluators:
-                if stale is None:
-                    holds[site] = round_number - 1
-                else:
-                    self.holds[site] = WHOLE
-                continue
-            reason = (
-                stale
-                or check_record(reply)
-                or check_upload(reply.upload, allowed, self.global_state)
-            )
-            if reason is not None:
-                records.append({"round": round_number, "client": site, "rejected": reason})
-                self.log(f"round {round_number}: {site}: update rejected ({reason})")
-                if stale is not None:
-                    self.holds[site] = WHOLE  # the whole model next time
-                continue
-            holds[site] = round_number - 1
-            record = dict(reply.record)
-            if "refused" in record:
-                refused += 1
-                records.append(record)
-                self.report("site_refused", record)
-                continue
-            record["bytes_down"] = bytes_down[address]
-            reason = summed.add(address, reply, record["examples"])
-            if reason is not None:
-                record = {"round": round_number, "client": site, "rejected": reason}
-                records.append(record)
-                self.log(f"round {round_number}: {site}: update rejected ({reason})")
-                continue
-            trained += 1
-            records.append(record)
+            self._fold(address, reply, messages[address], bytes_down, allowed, summed, replies)
+        records = replies.records
         closed = summed.close(
             RoundContext(
                 round_number,
@@ -434,36 +342,22 @@ class RoundEngine:
         for address in closed.dropped:
             # Its copy holds its own training on top of the old round, and
             # the aggregate does not: not in sync.
-            holds.pop(self.site_of.get(address, ""), None)
-        trained -= len(closed.dropped)
+            replies.holds.pop(self.site_of.get(address, ""), None)
+        replies.trained -= len(closed.dropped)
         # Write-ahead: the sites mark their charges released before any of
         # this round's results are written (or did as their replies left).
         trainers = [r["client"] for r in records if "bytes_up" in r]
         self.ledger_digests |= transport.release(round_number, trainers)
-        if trained + refused < self.deployment.min_sites or closed.failure is not None:
-            for record in records:
-                self._metrics(record)
-            rejected = sorted({r["rejected"] for r in records if "rejected" in r})
-            why = f" (updates rejected: {'; '.join(rejected)})" if rejected else ""
-            if any("NaN or Inf" in reason for reason in rejected):
-                why += "; training diverged: lower --lr or --head-lr"
-            self._short = (
-                closed.failure or f"fewer than {self.deployment.min_sites} sites replied{why}"
-            )
-            self.log(
-                f"round {round_number}: {closed.failure}"
-                if closed.failure is not None
-                else f"round {round_number}: {trained + refused} of the "
-                f"{self.deployment.min_sites} sites needed replied"
-            )
+        if replies.trained + replies.refused < self.deployment.min_sites or closed.failure:
+            self._too_few(round_number, replies, closed.failure)
             return None
         if round_number > 1:
-            self._evaluation_record(round_number - 1, evaluations)
+            self._evaluation_record(round_number - 1, replies.evaluations)
         for record in sorted(records, key=lambda r: r["client"]):
             self._metrics(record)
             if "bytes_up" in record:
                 self.report("site_end", record)
-        if not trained:
+        if not replies.trained:
             # Nothing is committed: what the sites hold is still what the
             # last committed round left them (the final evaluation's base).
             self.stopped = (
@@ -471,8 +365,88 @@ class RoundEngine:
             )
             self.report("stopped", {"round": round_number, "reason": self.stopped})
             return False
-        self.holds |= holds
-        mean, sent = summed.mean(self.global_state)
+        self.holds |= replies.holds
+        self._apply(round_number, *summed.mean(self.global_state))
+        return True
+
+    def _fold(
+        self,
+        address: str,
+        reply: Reply | str,
+        message: Message,
+        bytes_down: dict[str, int],
+        allowed: frozenset[str],
+        summed: Any,
+        replies: _Replies,
+    ) -> None:
+        """One reply into the round: its ledger, its evaluation, and (checked)
+        its update into the sum, or a record of why not."""
+        round_number = message.round
+        site = self.site_of.get(address, f"node {address}")
+        if isinstance(reply, str):
+            replies.records.append({"round": round_number, "client": site, "failed": reply})
+            self.log(f"round {round_number}: {site}: no usable reply ({reply})")
+            return
+        self.site_of[address] = site = reply.site
+        stale = self._stale(reply, round_number)
+        if reply.ledger:
+            self.ledgers[site] = reply.ledger
+            if reply.ledger.get("digest"):
+                self.ledger_digests[site] = reply.ledger["digest"]
+        if reply.evaluation:
+            replies.evaluations.append((site, reply.evaluation))
+        if message.kind == "train" and (reply.record or {}).get("evaluation_only"):
+            # An evaluation site: it holds data to evaluate on and none to
+            # train on; from now on it is only asked to evaluate.
+            self.evaluators.add(address)
+        if message.kind == "evaluate" or address in self.evaluators:
+            if stale is None:
+                replies.holds[site] = round_number - 1
+            else:
+                self.holds[site] = WHOLE
+            return
+        reason = (
+            stale or check_record(reply) or check_upload(reply.upload, allowed, self.global_state)
+        )
+        if reason is None:
+            replies.holds[site] = round_number - 1
+            record = dict(reply.record)
+            if "refused" in record:
+                replies.refused += 1
+                replies.records.append(record)
+                self.report("site_refused", record)
+                return
+            record["bytes_down"] = bytes_down[address]
+            reason = summed.add(address, reply, record["examples"])
+            if reason is None:
+                replies.trained += 1
+                replies.records.append(record)
+                return
+        replies.records.append({"round": round_number, "client": site, "rejected": reason})
+        self.log(f"round {round_number}: {site}: update rejected ({reason})")
+        if stale is not None:
+            self.holds[site] = WHOLE  # the whole model next time
+
+    def _too_few(self, round_number: int, replies: _Replies, failure: str | None) -> None:
+        """A round short of sites (or whose secure sum failed): its records
+        written, the reason kept for the retry or the stop."""
+        for record in replies.records:
+            self._metrics(record)
+        rejected = sorted({r["rejected"] for r in replies.records if "rejected" in r})
+        why = f" (updates rejected: {'; '.join(rejected)})" if rejected else ""
+        if any("NaN or Inf" in reason for reason in rejected):
+            why += "; training diverged: lower --lr or --head-lr"
+        self._short = failure or f"fewer than {self.deployment.min_sites} sites replied{why}"
+        self.log(
+            f"round {round_number}: {failure}"
+            if failure is not None
+            else f"round {round_number}: {replies.trained + replies.refused} of the "
+            f"{self.deployment.min_sites} sites needed replied"
+        )
+
+    def _apply(self, round_number: int, mean: dict[str, torch.Tensor], sent: Any) -> None:
+        """The round's mean through the strategy (and the public check), then
+        committed."""
         previous = self.global_state
         self.global_state = self.strategy.apply(round_number, self.global_state, mean, sent)
         check = None
@@ -497,7 +471,6 @@ class RoundEngine:
         if check is not None:
             self.pending_observed["public_check"] = check
         self._commit(round_number)
-        return True
 
     def _stale(self, reply: Reply, round_number: int) -> str | None:
         """Why the model a site rebuilt is not global round ``round_number - 1``
@@ -517,32 +490,7 @@ class RoundEngine:
         self, round_number: int, evaluations: list[tuple[str, dict[str, Any]]]
     ) -> dict[str, Any]:
         """The global record of ``round_number`` from the sites' summed counts."""
-        totals: dict[str, dict[str, list[float]]] = {}
-        per_site: dict[str, dict[str, float]] = {}
-        seconds = 0.0
-        for site, evaluation in sorted(evaluations):
-            seconds = max(seconds, float(evaluation.get("seconds", 0.0)))
-            for variant, counts in evaluation["counts"].items():
-                per_site.setdefault(variant, {})[site] = self.task.metrics_from_counts(counts)["f1"]
-                total = totals.setdefault(variant, {})
-                for key, values in counts.items():
-                    total[key] = (
-                        [a + b for a, b in zip(total[key], values)]
-                        if key in total
-                        else list(values)
-                    )
-        record: dict[str, Any] = {"round": round_number}
-        for variant in sorted(totals):
-            metrics = self.task.metrics_from_counts(totals[variant])
-            prefix = f"{variant}_" if variant else ""
-            if variant:
-                metrics = {"f1": metrics["f1"]}
-            record |= {prefix + k: v for k, v in metrics.items()}
-            record[prefix + "per_site_f1"] = per_site[variant]
-        # A round nobody evaluated has no F1 (never 0): it says so instead.
-        if not evaluations:
-            record["not_evaluated"] = "no site evaluated this round's model"
-        record |= {"eval_seconds": seconds, "evaluated_sites": len(evaluations)}
+        record = {"round": round_number} | summed_evaluation(self.task, evaluations)
         record |= self.pending_observed
         self._metrics(record)
         self.last_record = record
