@@ -10,7 +10,8 @@ import pytest
 from clinfed.commands import main
 from clinfed.errors import ProblemLog
 from clinfed.models import load_tokenizer
-from clinfed.tasks.i2b2.adapter import I2b2Task, window_words
+from clinfed.tasks.i2b2.adapter import I2b2Task
+from clinfed.tasks.i2b2.encoding import window_words
 
 
 def gold_outputs(examples):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -21,33 +21,27 @@ import torch
 from torch.nn import functional as F
 
 from clinfed.errors import ClinfedError, ProblemLog
-from clinfed.models import special_tokens
-from clinfed.tasks.base import (
-    PUBLIC_SITE,
-    SPLIT_KEY,
-    Corpus,
-    ScoreTable,
-    Task,
-    rows_to_dataset,
-    tokenizing_fingerprint,
-)
-from clinfed.tasks.i2b2.bio import (
-    allowed_transitions,
-    best_valid_tags,
-    decode_tags,
-    encode_tags,
-)
+from clinfed.tasks.base import PUBLIC_SITE, SPLIT_KEY, Corpus, ScoreTable, Task
+from clinfed.tasks.i2b2.bio import allowed_transitions, best_valid_tags
 from clinfed.tasks.i2b2.brat import read_brat
 from clinfed.tasks.i2b2.conll import conll_files, read_conll
-from clinfed.tasks.i2b2.format import Concept, Document, read_corpus, write_con
-from clinfed.tasks.i2b2.metrics import prf, score_concepts
+from clinfed.tasks.i2b2.encoding import (
+    IGNORE,
+    OUTSIDE_ID,
+    collate_lines,
+    concepts_from_outputs,
+    encode_lines,
+)
+from clinfed.tasks.i2b2.format import Document, check_annotated, read_corpus, summary_of, write_con
+from clinfed.tasks.i2b2.metrics import f1_by_site, prf, score_concepts, summable_counts
 from clinfed.tasks.i2b2.options import BASELINES, I2b2Options
+from clinfed.tasks.i2b2.public import label_listed_names
 from clinfed.tasks.i2b2.schema import (
     CONCEPT_TYPES,
-    OUTSIDE,
     PRESET,
     TypeNames,
     bio_labels,
+    parse_annotated,
     parse_types,
     run_types,
     types_of,
@@ -55,20 +49,6 @@ from clinfed.tasks.i2b2.schema import (
 
 log = logging.getLogger("clinfed.tasks")
 
-IGNORE = -100
-OUTSIDE_ID = 0  # bio_labels puts O first
-LINE_FEATURES = datasets.Features(
-    {
-        "doc": datasets.Value("int32"),
-        "line": datasets.Value("int32"),
-        "site": datasets.Value("string"),
-        "words": datasets.Sequence(datasets.Value("string")),
-        "tags": datasets.Sequence(datasets.Value("int16")),
-        # 1 for a word inside any gold span, whether or not its type is one
-        # the run predicts (SAFL's relevance mask on the public probe)
-        "inside": datasets.Sequence(datasets.Value("int8")),
-    }
-)
 TEST_FRACTION = 0.2
 # The most whitespace tokens one line (one sentence) may hold.
 MAX_LINE_TOKENS = 10_000
@@ -79,50 +59,6 @@ PROBE_SEED = 20_101
 def _held_out(doc_id: str, key: str) -> bool:
     digest = hashlib.sha256(f"{key}:{doc_id}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < TEST_FRACTION
-
-
-def parse_annotated(value: Any) -> dict[str, list[str]]:
-    """``{site: [type, ...]}`` from a mapping or ``beth=problem,test;partners=problem``."""
-    if value is None or value == "":
-        return {}
-    if isinstance(value, dict):
-        return {str(k): [str(t) for t in v] for k, v in value.items()}
-    parsed: dict[str, list[str]] = {}
-    for part in str(value).split(";"):
-        site, sep, types = part.partition("=")
-        if not sep or not site.strip():
-            raise ClinfedError(
-                f"--annotated-types: {part.strip()!r} is not SITE=TYPE,TYPE "
-                "(e.g. beth=problem,test;partners=problem)"
-            )
-        parsed[site.strip()] = [t.strip() for t in types.split(",") if t.strip()]
-    return parsed
-
-
-def _check_annotated(docs: list[Document], problems: ProblemLog) -> None:
-    """A document of an annotated split without its .con would train on
-    nothing or be scored as having no concepts: never silently."""
-    for doc in docs:
-        if not doc.annotated:
-            problems.add(
-                doc.txt_path,
-                None,
-                "no .con file beside this .txt (an annotated split needs one per note; "
-                "--on-error skip leaves the note out)",
-            )
-
-
-def window_words(word_lengths: list[int], capacity: int) -> list[tuple[int, int]]:
-    """Cut a line into [start, end) word ranges of at most ``capacity`` sub-words."""
-    windows, start, used = [], 0, 0
-    for i, length in enumerate(word_lengths):
-        length = min(length, capacity)
-        if used + length > capacity and i > start:
-            windows.append((start, i))
-            start, used = i, 0
-        used += length
-    windows.append((start, len(word_lengths)))
-    return windows
 
 
 class I2b2Task(Task):
@@ -185,17 +121,9 @@ class I2b2Task(Task):
 
     @classmethod
     def score_tables(cls, result: dict[str, Any]) -> tuple[list[ScoreTable], list[str]]:
-        rows = [
-            (mode, kind, *(f"{s[k]:.4f}" for k in ("precision", "recall", "f1")))
-            + (str(s["n_gold"]), str(s["n_pred"]))
-            for mode in ("exact", "inexact")
-            for kind, s in result[mode].items()
-        ]
-        columns = ("mode", "type", "precision", "recall", "f1", "gold", "predicted")
-        table = ScoreTable(f"i2b2 concepts ({result['documents']} documents)", columns, rows)
-        missing = len(result["missing_predictions"])
-        warnings = [f"{missing} gold documents have no prediction file"] if missing else []
-        return [table], warnings
+        from clinfed.tasks.i2b2.scoring import score_tables
+
+        return score_tables(result)
 
     @classmethod
     def convert(
@@ -316,7 +244,7 @@ class I2b2Task(Task):
                     too_long.add(id(doc))
         train = [d for d in train if id(d) not in too_long]
         test = [d for d in test if id(d) not in too_long]
-        _check_annotated(train + test, problems)
+        check_annotated(train + test, problems)
         problems.raise_if_any()
         train = [d for d in train if d.annotated]
         test = [d for d in test if d.annotated]
@@ -446,34 +374,11 @@ class I2b2Task(Task):
     def distant_labels(
         self, documents: list[Document], gazetteer: Any, run_types: tuple[str, ...]
     ) -> dict[str, int]:
-        from clinfed.terminology import distant_spans
-
         # A list is named as a type of the text (mapped as --types maps the
         # text's own) or as a run type; a list of no run type labels nothing.
         mapped = {kind: (self.types or {}).get(kind, kind) for kind in gazetteer.kinds}
         types = {kind: run for kind, run in mapped.items() if run in run_types}
-        found: Counter = Counter()
-        for document in documents:
-            taken: dict[int, set[int]] = defaultdict(set)
-            for concept in document.concepts:
-                (first_line, first), (last_line, last) = concept.start, concept.end
-                for number in range(first_line, last_line + 1):
-                    width = len(document.lines[number - 1])
-                    low = first if number == first_line else 0
-                    high = last if number == last_line else width - 1
-                    taken[number].update(range(low, high + 1))
-            for number, words in enumerate(document.lines, start=1):
-                mask = [i in taken[number] for i in range(len(words))]
-                for first, size, kind in distant_spans(words, mask, gazetteer):
-                    if kind in types:
-                        end = first + size - 1
-                        text = " ".join(w.lower() for w in words[first : end + 1])
-                        document.concepts.append(
-                            Concept((number, first), (number, end), types[kind], text)
-                        )
-                        found[types[kind]] += 1
-            document.concepts.sort(key=lambda c: (c.start, c.end))
-        return dict(found)
+        return label_listed_names(documents, gazetteer, types)
 
     def public_units(self, folder: Path, public_types: Any, problems: ProblemLog) -> list:
         from clinfed.tasks.i2b2.units import read_units
@@ -492,81 +397,21 @@ class I2b2Task(Task):
     def summarize(self, data: Path, problems: ProblemLog) -> dict[str, Any]:
         docs = self._read(Path(data), problems)
         if any(d.annotated for d in docs):  # an annotated corpus: the rule train applies
-            _check_annotated(docs, problems)
+            check_annotated(docs, problems)
             problems.raise_if_any()
-        return {
-            "documents": len(docs),
-            "annotated_documents": sum(d.annotated for d in docs),
-            "lines": sum(len(d.lines) for d in docs),
-            "tokens": sum(len(t) for d in docs for t in d.lines),
-            "concepts": dict(Counter(c.type for d in docs for c in d.concepts)),
-            "multi_line_concepts": sum(c.start[0] != c.end[0] for d in docs for c in d.concepts),
-            "assertions": dict(Counter(a.value for d in docs for a in d.assertions)),
-            "sites": dict(Counter(d.site for d in docs)),
-            "problems": [str(p) for p in problems.problems],
-        }
+        return summary_of(docs, problems)
 
     # --------------------------------------------------------------- encoding
     def encode(
         self, records: list[Document], tokenizer, max_length: int, cache_dir: str | None
     ) -> datasets.Dataset:
-        # datasets shards list-valued gen_kwargs, so each document travels
-        # with its index rather than relying on enumeration order.
-        label_ids = {label: i for i, label in enumerate(self.labels)}
-        rows = rows_to_dataset(
-            _line_rows,
-            {"indexed_docs": list(enumerate(records)), "label_ids": label_ids},
-            LINE_FEATURES,
-            cache_dir,
-        )
         # Per site, a 0/1 row over the labels: what an O token may really be.
-        only_outside = [1] + [0] * (len(self.labels) - 1)
         may_be = {
             site: [int(i == OUTSIDE_ID or i in ids) for i in range(len(self.labels))]
             for site, ids in self._open_labels().items()
         }
         self.pad_id = tokenizer.pad_token_id
-        prefix, suffix = special_tokens(tokenizer)
-        before, after = len(prefix), len(suffix)
-        capacity = max_length - before - after
-
-        def tokenize(batch: dict[str, list]) -> dict[str, list]:
-            enc = tokenizer(batch["words"], is_split_into_words=True, add_special_tokens=False)
-            out = defaultdict(list)
-            for i, words in enumerate(batch["words"]):
-                ids, word_ids = enc["input_ids"][i], enc.word_ids(i)
-                pieces: list[list[int]] = [[] for _ in words]
-                for token_id, w in zip(ids, word_ids):
-                    pieces[w].append(token_id)
-                for start, end in window_words([len(p) for p in pieces], capacity):
-                    input_ids, labels, positions, in_concept = [], [], [], []
-                    for w in range(start, end):
-                        kept = pieces[w][:capacity] or [tokenizer.unk_token_id]
-                        tag = int(batch["tags"][i][w])
-                        labels += [tag] + [IGNORE] * (len(kept) - 1)
-                        positions += [w - start] + [-1] * (len(kept) - 1)
-                        in_concept += [int(batch["inside"][i][w])] * len(kept)
-                        input_ids += kept
-                    input_ids = prefix + input_ids + suffix
-                    out["input_ids"].append(input_ids)
-                    out["labels"].append([IGNORE] * before + labels + [IGNORE] * after)
-                    out["word_index"].append([-1] * before + positions + [-1] * after)
-                    out["concept_mask"].append([0] * before + in_concept + [0] * after)
-                    out["word_start"].append(start)
-                    out["n_tokens"].append(len(input_ids))
-                    out["outside_may_be"].append(may_be.get(batch["site"][i], only_outside))
-                    for key in ("doc", "line", "site"):
-                        out[key].append(batch[key][i])
-            return dict(out)
-
-        return rows.map(
-            tokenize,
-            batched=True,
-            batch_size=256,
-            remove_columns=rows.column_names,
-            desc=None,
-            new_fingerprint=tokenizing_fingerprint(rows, tokenize, tokenizer),
-        )
+        return encode_lines(records, self.labels, may_be, tokenizer, max_length, cache_dir)
 
     def _open_labels(self) -> dict[str, list[int]]:
         """Per site, the labels an ``O`` token may really be under partial
@@ -600,28 +445,7 @@ class I2b2Task(Task):
         return list(examples["doc"])
 
     def collate(self, batch: dict[str, list]) -> dict[str, torch.Tensor]:
-        width = max(len(ids) for ids in batch["input_ids"])
-        n = len(batch["input_ids"])
-        input_ids = torch.full((n, width), self.pad_id, dtype=torch.long)
-        labels = torch.full((n, width), IGNORE, dtype=torch.long)
-        mask = torch.zeros((n, width), dtype=torch.long)
-        relevant = torch.zeros((n, width), dtype=torch.long)
-        for i, (ids, lab) in enumerate(zip(batch["input_ids"], batch["labels"])):
-            input_ids[i, : len(ids)] = torch.tensor(ids)
-            labels[i, : len(lab)] = torch.tensor(lab)
-            mask[i, : len(ids)] = 1
-            relevant[i, : len(ids)] = torch.tensor(batch["concept_mask"][i])
-        relevant[:, 0] = 1  # [CLS]
-        tensors = {
-            "input_ids": input_ids,
-            "attention_mask": mask,
-            "labels": labels,
-            "relevant": relevant,
-        }
-        may_be = torch.tensor(batch["outside_may_be"], dtype=torch.bool)
-        if may_be.sum(dim=1).gt(1).any():  # some example's site leaves a type out
-            tensors["outside_may_be"] = may_be
-        return tensors
+        return collate_lines(batch, self.pad_id)
 
     def meta(self) -> dict[str, Any]:
         return super().meta() | {"format": self.format, "types": self.types}
@@ -692,14 +516,7 @@ class I2b2Task(Task):
         self, records: list[Document], examples: datasets.Dataset, outputs: list[Any]
     ) -> dict[str, list]:
         """Concepts per document id from per-example label predictions."""
-        tags = [[[OUTSIDE] * len(t) for t in doc.lines] for doc in records]
-        columns = examples.select_columns(["doc", "line", "word_start", "word_index"])
-        for example, predicted in zip(columns, outputs):
-            line_tags = tags[example["doc"]][example["line"] - 1]
-            index = np.asarray(example["word_index"])
-            for pos in np.flatnonzero(index >= 0):
-                line_tags[example["word_start"] + index[pos]] = self.labels[int(predicted[pos])]
-        return {doc.doc_id: decode_tags(doc.lines, t) for doc, t in zip(records, tags)}
+        return concepts_from_outputs(records, examples, outputs, self.labels)
 
     def decisions(
         self,
@@ -730,18 +547,11 @@ class I2b2Task(Task):
         scores = score_concepts(
             gold, {k: v for k, v in predicted.items() if k in gold}, self.entity_types
         )
-        per_site = {}
-        for site in sorted({d.site for d in records}):
-            ids = [d.doc_id for d in records if d.site == site and d.annotated]
-            site_scores = score_concepts(
-                {k: gold[k] for k in ids}, {k: predicted[k] for k in ids}, self.entity_types
-            )
-            per_site[site] = site_scores["exact"]["micro"]["f1"]
         return {
             "f1": scores["exact"]["micro"]["f1"],
             "inexact_f1": scores["inexact"]["micro"]["f1"],
             "scores": scores,
-            "per_site_f1": per_site,
+            "per_site_f1": f1_by_site(records, gold, predicted, self.entity_types),
         }
 
     def evaluation_counts(
@@ -758,17 +568,7 @@ class I2b2Task(Task):
         scores = score_concepts(
             gold, {k: v for k, v in predicted.items() if k in gold}, self.entity_types
         )
-        counts = {}
-        for mode in ("exact", "inexact"):
-            micro = scores[mode]["micro"]
-            n_pred, n_gold = micro["n_pred"], micro["n_gold"]
-            counts[mode] = [
-                round(micro["precision"] * n_pred),
-                n_pred,
-                round(micro["recall"] * n_gold),
-                n_gold,
-            ]
-        return counts
+        return summable_counts(scores)
 
     def metrics_from_counts(self, counts: dict[str, list[float]]) -> dict[str, float]:
         return {
@@ -790,20 +590,3 @@ class I2b2Task(Task):
         predicted = self.predicted_concepts(records, examples, outputs)
         for doc in records:
             write_con(Path(folder) / f"{doc.doc_id}.con", predicted[doc.doc_id])
-
-
-def _line_rows(indexed_docs: list[tuple[int, Document]], label_ids: dict[str, int]):
-    # A gold type the run does not predict (a model used on data with other
-    # types) is O for the model; scoring still counts the span.
-    for index, doc in indexed_docs:
-        tags = encode_tags(doc)
-        for line_no, (words, line_tags) in enumerate(zip(doc.lines, tags), start=1):
-            if words:
-                yield {
-                    "doc": index,
-                    "line": line_no,
-                    "site": doc.site,
-                    "words": words,
-                    "tags": [label_ids.get(t, OUTSIDE_ID) for t in line_tags],
-                    "inside": [int(t != OUTSIDE) for t in line_tags],
-                }

@@ -22,9 +22,11 @@ from __future__ import annotations
 import os
 import re
 import stat
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.runs import atomic_write_text
@@ -381,3 +383,31 @@ def write_con(path: Path | str, concepts: Iterable[Concept]) -> None:
     """Write one ``.con`` file, one concept per line in document order."""
     body = "".join(format_concept(c) + "\n" for c in sorted(concepts))
     atomic_write_text(Path(path), body)
+
+
+def check_annotated(docs: list[Document], problems: ProblemLog) -> None:
+    """A document of an annotated split without its .con would train on
+    nothing or be scored as having no concepts: never silently."""
+    for doc in docs:
+        if not doc.annotated:
+            problems.add(
+                doc.txt_path,
+                None,
+                "no .con file beside this .txt (an annotated split needs one per note; "
+                "--on-error skip leaves the note out)",
+            )
+
+
+def summary_of(docs: list[Document], problems: ProblemLog) -> dict[str, Any]:
+    """What ``clinfed data check`` prints of a corpus: counts, never text."""
+    return {
+        "documents": len(docs),
+        "annotated_documents": sum(d.annotated for d in docs),
+        "lines": sum(len(d.lines) for d in docs),
+        "tokens": sum(len(t) for d in docs for t in d.lines),
+        "concepts": dict(Counter(c.type for d in docs for c in d.concepts)),
+        "multi_line_concepts": sum(c.start[0] != c.end[0] for d in docs for c in d.concepts),
+        "assertions": dict(Counter(a.value for d in docs for a in d.assertions)),
+        "sites": dict(Counter(d.site for d in docs)),
+        "problems": [str(p) for p in problems.problems],
+    }

@@ -16,6 +16,7 @@ over a line break and has no overlap mode, so spans are scored here directly
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from clinfed.tasks.i2b2.format import Concept
 
@@ -81,3 +82,33 @@ def score_concepts(
         micro = prf(totals["correct"], totals["pred"], totals["found"], totals["gold"])
         result[mode] = {"micro": micro, **per_type}
     return result
+
+
+def summable_counts(scores: dict[str, Any]) -> dict[str, list[float]]:
+    """Per mode (exact, inexact): [correct predictions, predictions, found
+    gold, gold], from :func:`score_concepts`'s scores: what sums over sites."""
+    counts = {}
+    for mode in ("exact", "inexact"):
+        micro = scores[mode]["micro"]
+        n_pred, n_gold = micro["n_pred"], micro["n_gold"]
+        counts[mode] = [
+            round(micro["precision"] * n_pred),
+            n_pred,
+            round(micro["recall"] * n_gold),
+            n_gold,
+        ]
+    return counts
+
+
+def f1_by_site(
+    records: list[Any], gold: dict[str, list], predicted: dict[str, list], types: Any
+) -> dict[str, float]:
+    """Exact micro F1 of each site's annotated documents."""
+    per_site = {}
+    for site in sorted({d.site for d in records}):
+        ids = [d.doc_id for d in records if d.site == site and d.annotated]
+        site_scores = score_concepts(
+            {k: gold[k] for k in ids}, {k: predicted[k] for k in ids}, types
+        )
+        per_site[site] = site_scores["exact"]["micro"]["f1"]
+    return per_site

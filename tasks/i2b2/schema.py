@@ -26,6 +26,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from clinfed.errors import ClinfedError, ProblemLog
 
@@ -130,3 +131,21 @@ def parse_types(spec: str | Mapping[str, str] | None) -> dict[str, str] | None:
             raise ClinfedError(f"--types {spec}: 'O' is the outside tag, not a type")
         mapped[source] = target
     return mapped
+
+
+def parse_annotated(value: Any) -> dict[str, list[str]]:
+    """``{site: [type, ...]}`` from a mapping or ``beth=problem,test;partners=problem``."""
+    if value is None or value == "":
+        return {}
+    if isinstance(value, dict):
+        return {str(k): [str(t) for t in v] for k, v in value.items()}
+    parsed: dict[str, list[str]] = {}
+    for part in str(value).split(";"):
+        site, sep, types = part.partition("=")
+        if not sep or not site.strip():
+            raise ClinfedError(
+                f"--annotated-types: {part.strip()!r} is not SITE=TYPE,TYPE "
+                "(e.g. beth=problem,test;partners=problem)"
+            )
+        parsed[site.strip()] = [t.strip() for t in types.split(",") if t.strip()]
+    return parsed

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from clinfed.errors import ClinfedError, ProblemLog
+from clinfed.tasks.base import ScoreTable
 from clinfed.tasks.i2b2.format import read_con, read_corpus
 from clinfed.tasks.i2b2.metrics import score_concepts
 from clinfed.tasks.i2b2.schema import CONCEPT_TYPES, PRESET, TypeNames, parse_types, run_types
@@ -57,3 +58,18 @@ def score_i2b2(
     result["documents"] = len(gold)
     result["missing_predictions"] = sorted(set(gold) - set(predicted))
     return result
+
+
+def score_tables(result: dict[str, Any]) -> tuple[list[ScoreTable], list[str]]:
+    """``clinfed score``'s tables of :func:`score_i2b2`'s result, and its warnings."""
+    rows = [
+        (mode, kind, *(f"{s[k]:.4f}" for k in ("precision", "recall", "f1")))
+        + (str(s["n_gold"]), str(s["n_pred"]))
+        for mode in ("exact", "inexact")
+        for kind, s in result[mode].items()
+    ]
+    columns = ("mode", "type", "precision", "recall", "f1", "gold", "predicted")
+    table = ScoreTable(f"i2b2 concepts ({result['documents']} documents)", columns, rows)
+    missing = len(result["missing_predictions"])
+    warnings = [f"{missing} gold documents have no prediction file"] if missing else []
+    return [table], warnings
