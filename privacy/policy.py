@@ -131,6 +131,47 @@ def _calibrated(
     return sigma
 
 
+def _calibrated_site(
+    site: str,
+    n: int,
+    batch: int,
+    epochs: int,
+    rounds: int,
+    delta: float,
+    target_epsilon: float,
+    selection: Mechanism | None,
+    trainings: int,
+    memo: Path | None,
+    relation: str,
+) -> float:
+    """The noise multiplier that spends ``target_epsilon`` over the planned
+    rounds at a site of ``n`` units (its count's release included under
+    add/remove)."""
+
+    def per_round(sigma: float) -> list[Mechanism]:
+        extra = [selection] if selection is not None else []
+        return [round_mechanism(n, batch, epochs, sigma)] * trainings + extra
+
+    once = [count_mechanism()] if relation == "add-remove" else []
+    try:
+        return _calibrated(target_epsilon, delta, per_round, rounds, memo, relation, once)
+    except ValueError as err:
+        raise PrivacyError(f"{site}: {err}") from None
+
+
+def _batches(
+    sizes: dict[str, int], batch_size: int | None, reference: int | None, steps_per_epoch: int
+) -> tuple[dict[str, int], dict[str, float]]:
+    """Each site's expected Poisson batch and the factor on its rates: the
+    given batch at factor 1, or derived from the site's size and scaled
+    from ``reference`` (the task's batch) as :mod:`clinfed.privacy.recipe` says."""
+    if batch_size is not None:
+        return dict.fromkeys(sizes, batch_size), dict.fromkeys(sizes, 1.0)
+    batch_sizes = {site: dp_batch_size(n, steps_per_epoch) for site, n in sizes.items()}
+    reference = reference or min(batch_sizes.values(), default=1)
+    return batch_sizes, {site: lr_scale(b, reference) for site, b in batch_sizes.items()}
+
+
 @dataclass
 class PrivacyPolicy:
     """Per-site DP settings and ledgers of one run.
@@ -221,13 +262,7 @@ class PrivacyPolicy:
         used only after checking it still meets the target.
         """
         check_settings(target_epsilon, delta, noise_multiplier, max_grad_norm, clipping)
-        if batch_size is None:
-            batch_sizes = {site: dp_batch_size(n, steps_per_epoch) for site, n in sizes.items()}
-            reference = reference_batch or min(batch_sizes.values(), default=1)
-            lr_scales = {site: lr_scale(b, reference) for site, b in batch_sizes.items()}
-        else:
-            batch_sizes = dict.fromkeys(sizes, batch_size)
-            lr_scales = dict.fromkeys(sizes, 1.0)
+        batch_sizes, lr_scales = _batches(sizes, batch_size, reference_batch, steps_per_epoch)
         if target_epsilon is None and noise_multiplier is None:
             raise PrivacyError("DP needs --target-epsilon or --noise-multiplier")
         warnings = [
@@ -236,49 +271,23 @@ class PrivacyPolicy:
             for site, n in sorted(sizes.items())
             if delta >= 1 / n
         ]
-        noise: dict[str, float] = {}
-        for site, n in sizes.items():
-            if noise_multiplier is not None:
-                noise[site] = noise_multiplier
-                continue
-
-            def per_round(
-                sigma: float, n: int = n, batch: int = batch_sizes[site]
-            ) -> list[Mechanism]:
-                extra = [selection] if selection is not None else []
-                return [round_mechanism(n, batch, epochs, sigma)] * trainings + extra
-
-            once = [count_mechanism()] if relation == "add-remove" else []
-            try:
-                noise[site] = _calibrated(
-                    target_epsilon, delta, per_round, rounds, memo, relation, once
-                )
-            except ValueError as err:
-                raise PrivacyError(f"{site}: {err}") from None
+        plan = (epochs, rounds, delta, target_epsilon, selection, trainings, memo, relation)
+        noise = {
+            site: noise_multiplier
+            if noise_multiplier is not None
+            else _calibrated_site(site, n, batch_sizes[site], *plan)
+            for site, n in sizes.items()
+        }
         policy = cls(
-            Path(folder),
-            dict(sizes),
-            batch_sizes,
-            epochs,
-            rounds,
-            delta,
-            noise,
-            max_grad_norm,
-            clipping,
-            target_epsilon,
-            selection,
-            warnings,
-            trainings,
-            reproducible,
-        )
-        policy.lr_scales = lr_scales
-        policy.relation = relation
+            Path(folder), dict(sizes), batch_sizes, epochs, rounds, delta, noise, max_grad_norm,
+            clipping, target_epsilon, selection, warnings, trainings, reproducible,
+            lr_scales=lr_scales, relation=relation,
+        )  # fmt: skip
         if reproducible:
             policy.warnings.append(NOT_PRIVATE)
         if target_epsilon is not None and noise_multiplier is not None:
             for site in sizes:
-                planned = policy.planned_epsilon(site)
-                if planned > target_epsilon:
+                if policy.planned_epsilon(site) > target_epsilon:
                     policy.warnings.append(
                         f"{site}: --noise-multiplier {noise_multiplier} reaches epsilon "
                         f"{target_epsilon} before round {rounds}; later rounds will be refused"

@@ -159,6 +159,21 @@ class _Site:
         )
 
 
+def _note(
+    row_id: int,
+    subject: int,
+    hadm: int | str,
+    date: str,
+    description: str,
+    text: str,
+    category: str = "Discharge summary",
+    time: str = "",
+    error: str = "",
+) -> list:
+    """One NOTEEVENTS row (ROW_ID .. TEXT; no storetime or caregiver)."""
+    return [row_id, subject, hadm, date, time, "", category, description, "", error, text]
+
+
 def generate(
     out: Path | str,
     sites: int = 3,
@@ -204,74 +219,22 @@ def generate(
                     text += f"Note id {canary} .\n"
                 date = site._date()
                 row_id += 1
-                notes.append(
-                    [
-                        row_id,
-                        subject,
-                        hadm,
-                        date,
-                        "",
-                        "",
-                        "Discharge summary",
-                        "Report",
-                        "",
-                        "",
-                        text,
-                    ]
-                )
+                notes.append(_note(row_id, subject, hadm, date, "Report", text))
                 if addendum:
                     row_id += 1
-                    notes.append(
-                        [
-                            row_id,
-                            subject,
-                            hadm,
-                            date,
-                            "",
-                            "",
-                            "Discharge summary",
-                            "Addendum",
-                            "",
-                            "",
-                            addendum,
-                        ]
-                    )
+                    notes.append(_note(row_id, subject, hadm, date, "Addendum", addendum))
                 if rng.random() < 0.3:  # other categories must be ignored
                     row_id += 1
                     other, _, _ = site.admission(test=False)
+                    finding = f"FINDINGS: possible {site.form(other[0], False)} .\n"
                     notes.append(
-                        [
-                            row_id,
-                            subject,
-                            hadm,
-                            date,
-                            f"{date} 10:00:00",
-                            "",
-                            "Radiology",
-                            "CHEST (PA & LAT)",
-                            "",
-                            "",
-                            f"FINDINGS: possible {site.form(other[0], False)} .\n",
-                        ]
-                    )
+                        _note(row_id, subject, hadm, date, "CHEST (PA & LAT)", finding,
+                              category="Radiology", time=f"{date} 10:00:00")
+                    )  # fmt: skip
                 if rng.random() < 0.05:  # an erroneous summary, flagged ISERROR=1
                     row_id += 1
                     _, wrong, _ = site.admission(test=False)
-                    notes.append(
-                        [
-                            row_id,
-                            subject,
-                            hadm,
-                            date,
-                            "",
-                            "",
-                            "Discharge summary",
-                            "Report",
-                            "",
-                            "1",
-                            wrong,
-                        ]
-                    )
+                    notes.append(_note(row_id, subject, hadm, date, "Report", wrong, error="1"))
                 seq = {"diagnoses": 0, "procedures": 0}
                 for code in codes:
                     kind = ALL_CODES[code][0]
@@ -284,26 +247,18 @@ def generate(
             if rng.random() < 0.1:  # an outpatient summary with no admission
                 row_id += 1
                 _, text, _ = site.admission(test=False)
-                notes.append(
-                    [
-                        row_id,
-                        subject,
-                        "",
-                        site._date(),
-                        "",
-                        "",
-                        "Discharge summary",
-                        "Report",
-                        "",
-                        "",
-                        text,
-                    ]
-                )
-        folder = out / f"site{s + 1}"
-        full = s % 2 == 0
-        atomic_write_text(folder / "NOTEEVENTS.csv", _csv_text(NOTE_HEADER, notes, full))
-        atomic_write_text(folder / "DIAGNOSES_ICD.csv", _csv_text(CODE_HEADER, diagnoses, full))
-        atomic_write_text(folder / "PROCEDURES_ICD.csv", _csv_text(CODE_HEADER, procedures, full))
-        for split, ids in split_ids.items():
-            atomic_write_text(folder / f"{split}_full_hadm_ids.csv", "".join(f"{i}\n" for i in ids))
+                notes.append(_note(row_id, subject, "", site._date(), "Report", text))
+        # Even sites write the full release's quoting, odd ones the demo's.
+        tables = {"NOTEEVENTS": notes, "DIAGNOSES_ICD": diagnoses, "PROCEDURES_ICD": procedures}
+        _write_site(out / f"site{s + 1}", tables, split_ids, full=s % 2 == 0)
     return counts
+
+
+def _write_site(
+    folder: Path, tables: dict[str, list], split_ids: dict[str, list], full: bool
+) -> None:
+    for name, rows in tables.items():
+        header = NOTE_HEADER if name == "NOTEEVENTS" else CODE_HEADER
+        atomic_write_text(folder / f"{name}.csv", _csv_text(header, rows, full))
+    for split, ids in split_ids.items():
+        atomic_write_text(folder / f"{split}_full_hadm_ids.csv", "".join(f"{i}\n" for i in ids))
