@@ -80,78 +80,85 @@ def _read_file(path: Path, site: str, problems: ProblemLog, names: TypeNames) ->
         line = path.read_bytes().count(b"\n", 0, exc.start) + 1
         problems.add(path, line, f"bytes that are not UTF-8 (byte offset {exc.start})")
         return []
-    documents: list[Document] = []
-    lines: list[list[str]] = []
-    concepts: list[Concept] = []
-    sentence: list[str] = []
-    open_span: tuple[str, int] | None = None  # (type, first token) in the sentence
-
-    def close_span(end: int) -> None:
-        nonlocal open_span
-        if open_span is not None:
-            ctype, first = open_span
-            row = len(lines) + 1
-            words = " ".join(t.lower() for t in sentence[first : end + 1])
-            concepts.append(Concept((row, first), (row, end), ctype, words))
-        open_span = None
-
-    def end_sentence() -> None:
-        nonlocal sentence
-        if sentence:
-            close_span(len(sentence) - 1)
-            lines.append(sentence)
-        sentence = []
-
-    def end_document() -> None:
-        nonlocal lines, concepts
-        end_sentence()
-        if lines:
-            number = len(documents) + 1
-            documents.append(
-                Document(
-                    f"{site}-{path.stem}-{number}",
-                    site,
-                    lines,
-                    sorted(concepts),
-                    txt_path=path,
-                    con_path=path,
-                )
-            )
-        lines, concepts = [], []
-
+    reader = _Reader(path, site)
     for line_no, raw in enumerate(text.split("\n"), start=1):
         columns = raw.rstrip("\r").split()
         if not columns:
-            end_sentence()
-            continue
-        if columns[0] == "-DOCSTART-":
-            end_document()
-            continue
-        if len(columns) < 2:
+            reader.end_sentence()
+        elif columns[0] == "-DOCSTART-":
+            reader.end_document()
+        elif len(columns) < 2:
             problems.add(path, line_no, "a token without a tag (need token ... tag columns)")
-            continue
-        token, tag = columns[0], columns[-1]
-        position = len(sentence)
-        sentence.append(token)
+        else:
+            reader.token(columns[0], columns[-1], line_no, problems, names)
+    reader.end_document()
+    if not reader.documents:
+        problems.add(path, None, "no tokens")
+    return reader.documents
+
+
+class _Reader:
+    """One CoNLL file's documents, token by token: sentences end at blank
+    lines, documents at ``-DOCSTART-``, spans at their tags."""
+
+    def __init__(self, path: Path, site: str):
+        self.path, self.site = path, site
+        self.documents: list[Document] = []
+        self.lines: list[list[str]] = []
+        self.concepts: list[Concept] = []
+        self.sentence: list[str] = []
+        self.open_span: tuple[str, int] | None = None  # (type, first token) in the sentence
+
+    def token(
+        self, token: str, tag: str, line_no: int, problems: ProblemLog, names: TypeNames
+    ) -> None:
+        position = len(self.sentence)
+        self.sentence.append(token)
         if tag == "O":
-            close_span(position - 1)
-            continue
+            self.close_span(position - 1)
+            return
         prefix, dash, name = tag.partition("-")
         if not dash or prefix not in PREFIXES or not name:
-            problems.add(path, line_no, "a tag that is not O, B-, I-, E- or S- with a type")
-            close_span(position - 1)
-            continue
-        ctype = names.resolve(name, path, line_no, problems)
+            problems.add(self.path, line_no, "a tag that is not O, B-, I-, E- or S- with a type")
+            self.close_span(position - 1)
+            return
+        ctype = names.resolve(name, self.path, line_no, problems)
         if ctype is None:
-            close_span(position - 1)
-            continue
-        continues = open_span is not None and open_span[0] == ctype
+            self.close_span(position - 1)
+            return
+        continues = self.open_span is not None and self.open_span[0] == ctype
         if prefix in ("B", "S") or not continues:
-            close_span(position - 1)
-            open_span = (ctype, position)
+            self.close_span(position - 1)
+            self.open_span = (ctype, position)
         if prefix in ("E", "S"):
-            close_span(position)
-    end_document()
-    if not documents:
-        problems.add(path, None, "no tokens")
-    return documents
+            self.close_span(position)
+
+    def close_span(self, end: int) -> None:
+        if self.open_span is not None:
+            ctype, first = self.open_span
+            row = len(self.lines) + 1
+            words = " ".join(t.lower() for t in self.sentence[first : end + 1])
+            self.concepts.append(Concept((row, first), (row, end), ctype, words))
+        self.open_span = None
+
+    def end_sentence(self) -> None:
+        if self.sentence:
+            self.close_span(len(self.sentence) - 1)
+            self.lines.append(self.sentence)
+        self.sentence = []
+
+    def end_document(self) -> None:
+        self.end_sentence()
+        if self.lines:
+            number = len(self.documents) + 1
+            self.documents.append(
+                Document(
+                    f"{self.site}-{self.path.stem}-{number}",
+                    self.site,
+                    self.lines,
+                    sorted(self.concepts),
+                    txt_path=self.path,
+                    con_path=self.path,
+                )
+            )
+        self.lines, self.concepts = [], []
