@@ -15,7 +15,7 @@ from clinfed.errors import ClinfedError
 from clinfed.federated import secure
 from clinfed.federated.engine import Deployment, RoundEngine
 from clinfed.federated.messages import Message, ReleasedAsReplies, Reply
-from clinfed.federated.secure_summation import SecureSummation
+from clinfed.federated.secure_summation import SecureRound, SecureSummation
 from clinfed.federated.strategies import get_strategy
 from clinfed.runs import read_jsonl
 
@@ -230,7 +230,7 @@ def test_sites_sending_different_names_get_per_name_weights(tmp_path):
 
 def _shared_group(tmp_path, count=3):
     """Sites through stages 1-2 by hand: the server's session and folders."""
-    session = secure.SecureRound(SHAPES, frozenset(NAMES), 0.5)
+    session = SecureRound(SHAPES, frozenset(NAMES), 0.5)
     folders = {}
     for site in "abcde"[:count]:
         folders[site] = tmp_path / site
@@ -244,7 +244,7 @@ def _shared_group(tmp_path, count=3):
 
 
 def test_a_site_refuses_a_threshold_below_a_majority(tmp_path):
-    session = secure.SecureRound(SHAPES, frozenset(NAMES), 0.5)
+    session = SecureRound(SHAPES, frozenset(NAMES), 0.5)
     folders = {s: tmp_path / s for s in "abcd"}
     for site, folder in folders.items():
         session.join(site, secure.hold_upload(folder, site, 1, upload_of(site, 1), 5))
@@ -391,7 +391,7 @@ def test_one_training_site_alone_is_never_summed_in_secret(tmp_path):
 
 
 def test_a_site_masks_only_in_a_group_as_large_as_its_policy_says(tmp_path):
-    session = secure.SecureRound(SHAPES, frozenset(NAMES), 0.5)
+    session = SecureRound(SHAPES, frozenset(NAMES), 0.5)
     folders = {s: tmp_path / s for s in "abc"}
     for site, folder in folders.items():
         session.join(site, secure.hold_upload(folder, site, 1, upload_of(site, 1), 5))
@@ -411,7 +411,7 @@ def test_a_forged_key_and_a_declared_dropout_never_shrink_the_group_below_the_si
     # real site ("b"): three keys pass a's minimum group of 3 at the share
     # stage. It then declares b dropped, so that the masked sum of the
     # remaining two, a's update plus its own, would give it a's update.
-    session = secure.SecureRound(SHAPES, frozenset(NAMES), 0.5)
+    session = SecureRound(SHAPES, frozenset(NAMES), 0.5)
     folders = {s: tmp_path / s for s in "abf"}
     for site, folder in folders.items():
         session.join(site, secure.hold_upload(folder, site, 1, upload_of(site, 1), 5))

@@ -33,8 +33,9 @@ Flower's ``pseudo_rand_gen``, which folds its seed to 32 bits (a server
 could enumerate every mask); they are ChaCha20 keystreams under the full
 256-bit key. Quantization is exact fixed point, not Flower's clipping.
 
-This module is the protocol only: :class:`SecureRound` on the server,
-:func:`site_stage` and :func:`hold_upload` at a site. It does no I/O except
+This module is the protocol's primitives and a site's stages
+(:func:`site_stage`, :func:`hold_upload`); the server's side is
+:class:`~clinfed.federated.secure_summation.SecureRound`. It does no I/O except
 the site's own state folder (``secure/``, 0700; files 0600, deleted when
 the round is answered).
 """
@@ -47,7 +48,6 @@ import math
 import os
 import shutil
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -115,189 +115,6 @@ def _mask_key(shared: bytes) -> bytes:
 
 
 # ------------------------------------------------------------ the server
-@dataclass
-class _Member:
-    address: str
-    index: int
-    keys: dict[str, str]
-    names: list[str]
-    shares: dict[str, str] = field(default_factory=dict)  # to index -> ciphertext
-
-
-class SecureRound:
-    """The server's side of one round's secure aggregation.
-
-    It holds public keys, relayed ciphertext, a running masked sum per name
-    (memory flat in the number of sites) and, at the end, the unmasked sum:
-    never one site's upload.
-
-    Parameters
-    ----------
-    shapes
-        The global model's shape of each name a site may send.
-    allowed
-        The names the round's envelope accepts.
-    fraction
-        The threshold as a share of the sites that join (see :func:`threshold`).
-    """
-
-    def __init__(
-        self, shapes: Mapping[str, tuple[int, ...]], allowed: frozenset[str], fraction: float
-    ):
-        self.shapes, self.allowed, self.fraction = dict(shapes), allowed, fraction
-        self.members: dict[str, _Member] = {}  # address -> member (stage 1)
-        self.shared: list[str] = []  # addresses whose shares arrived (stage 2)
-        self.masked: list[str] = []  # addresses whose masked input was added (stage 3)
-        self.names: list[str] = []
-        self.t = 0
-        self._sums: dict[str, np.ndarray] = {}
-        self._unmask: list[dict[str, str]] = []
-        self.sent: frozenset[str] = frozenset()
-        self.mean: dict[str, torch.Tensor] = {}
-
-    # stage 1 -------------------------------------------------------------
-    def join(self, address: str, secure: Any) -> str | None:
-        """A training reply's keys and names; why it cannot join, or ``None``."""
-        try:
-            keys = {k: secure[k] for k in ("encrypt", "mask")}
-            names = list(secure["names"])
-            for value in keys.values():
-                _unb64(value)
-        except (KeyError, TypeError, ValueError):
-            return "secure aggregation: reply without its public keys"
-        unexpected = sorted(set(names) - self.allowed)
-        if unexpected:
-            return f"unexpected parameter {unexpected[0]} ({len(unexpected)} in all)"
-        self.members[address] = _Member(address, 0, keys, sorted(set(names)))
-        return None
-
-    def share_requests(self) -> dict[str, dict[str, Any]]:
-        """Stage 2: every member gets its index and all members' keys."""
-        for index, address in enumerate(sorted(self.members), start=1):
-            self.members[address].index = index
-        self.t = threshold(len(self.members), self.fraction)
-        keys = {str(m.index): m.keys for m in self.members.values()}
-        return {
-            a: {"stage": "share", "index": m.index, "threshold": self.t, "keys": keys}
-            for a, m in self.members.items()
-        }
-
-    # stage 2 -------------------------------------------------------------
-    def take_shares(self, address: str, secure: Any) -> str | None:
-        member = self.members[address]
-        expected = {str(m.index) for m in self.members.values()} - {str(member.index)}
-        shares = secure.get("shares") if isinstance(secure, dict) else None
-        if not isinstance(shares, dict) or set(shares) != expected:
-            return "secure aggregation: shares missing or addressed to unknown sites"
-        member.shares = {str(k): str(v) for k, v in shares.items()}
-        self.shared.append(address)
-        return None
-
-    def mask_requests(self) -> dict[str, dict[str, Any]]:
-        """Stage 3: the members whose shares arrived, the round's names and
-        each member's incoming ciphertext."""
-        group = [self.members[a] for a in sorted(self.shared)]
-        indices = [m.index for m in group]
-        self.names = sorted({n for m in group for n in m.names})
-        self._sums = {n: np.zeros(math.prod(self.shapes[n]), np.uint64) for n in self.names}
-        self._sums[WEIGHTS] = np.zeros(len(self.names), np.uint64)
-        requests = {}
-        for member in group:
-            incoming = {
-                str(other.index): other.shares[str(member.index)]
-                for other in group
-                if other is not member
-            }
-            requests[member.address] = {
-                "stage": "mask",
-                "members": indices,
-                "names": self.names,
-                "shapes": {n: list(self.shapes[n]) for n in self.names},
-                "shares": incoming,
-            }
-        return requests
-
-    # stage 3 -------------------------------------------------------------
-    def add_masked(self, address: str, upload: Mapping[str, torch.Tensor]) -> str | None:
-        """Fold one masked input into the running sums (never kept alone)."""
-        if set(upload) != set(self._sums):
-            return "secure aggregation: masked input with other names than the round's"
-        for name, value in upload.items():
-            expected = (len(self.names),) if name == WEIGHTS else tuple(self.shapes[name])
-            if tuple(value.shape) != expected or value.dtype != torch.int64:
-                return f"secure aggregation: {name}: not int64 of shape {expected}"
-        for name, value in upload.items():
-            self._sums[name] += value.contiguous().numpy().ravel().view(np.uint64)
-        self.masked.append(address)
-        return None
-
-    def unmask_requests(self) -> dict[str, dict[str, Any]]:
-        """Stage 4: survivors (masked input in) and dropouts (shares only)."""
-        survivors = sorted(self.members[a].index for a in self.masked)
-        dropped = sorted(self.members[a].index for a in self.shared if a not in self.masked)
-        return {
-            a: {"stage": "unmask", "survivors": survivors, "dropped": dropped} for a in self.masked
-        }
-
-    # stage 4 -------------------------------------------------------------
-    def take_unmask(self, address: str, secure: Any) -> str | None:
-        shares = secure.get("shares") if isinstance(secure, dict) else None
-        expected = {str(self.members[a].index) for a in self.shared}
-        if not isinstance(shares, dict) or set(shares) != expected:
-            return "secure aggregation: unmasking shares missing"
-        self._unmask.append({str(k): str(v) for k, v in shares.items()})
-        return None
-
-    def result(self, current: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Remove the masks; the weighted mean per name (``current`` where
-        no site sent a name). Raises ValueError when the shares do not
-        rebuild the secrets."""
-        from flwr.common.secure_aggregation.crypto.shamir import combine_shares
-        from flwr.common.secure_aggregation.crypto.symmetric_encryption import (
-            generate_shared_key,
-        )
-        from flwr.supercore.primitives.asymmetric import (
-            bytes_to_private_key,
-            bytes_to_public_key,
-        )
-
-        if len(self._unmask) < self.t:
-            raise ValueError(f"{len(self._unmask)} unmasking answers, {self.t} needed")
-        by_index = {self.members[a].index: self.members[a] for a in self.shared}
-        survivors = {self.members[a].index for a in self.masked}
-        order = [*self.names, WEIGHTS]
-        vectors = [self._sums[n] for n in order]
-        for index in sorted(by_index):
-            shares = [_unb64(answer[str(index)]) for answer in self._unmask[: self.t]]
-            secret = combine_shares(shares)
-            if index in survivors:
-                add_mask(vectors, secret, -1)  # the member's self-mask
-                continue
-            # A dropout's mask key: remove its pairwise masks from each survivor.
-            private = bytes_to_private_key(secret)
-            for other in sorted(survivors):
-                public = bytes_to_public_key(_unb64(by_index[other].keys["mask"]))
-                key = _mask_key(generate_shared_key(private, public))
-                # The survivor added +PRG when its index is the smaller one.
-                add_mask(vectors, key, -1 if other < index else +1)
-        weights = self._sums[WEIGHTS].view(np.int64)
-        new = {}
-        for name, value in current.items():
-            new[name] = value.clone()
-        sent = set()
-        for position, name in enumerate(self.names):
-            weight = int(weights[position])
-            if weight <= 0:
-                continue
-            total = self._sums[name].view(np.int64).astype(np.float64)
-            mean = (total / (weight * SCALE)).reshape(self.shapes[name])
-            new[name] = torch.from_numpy(mean).to(current[name].dtype)
-            sent.add(name)
-        self.sent = frozenset(sent)
-        return new
-
-
-# ------------------------------------------------------------- a site
 def _folder(state_dir: Path) -> Path:
     folder = Path(state_dir) / "secure"
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -465,11 +282,10 @@ def _share(
 def _mask(
     state_dir: Path, round_number: int, request: Mapping[str, Any]
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    from flwr.common.secure_aggregation.crypto.symmetric_encryption import (
-        decrypt,
-        generate_shared_key,
-    )
-    from flwr.common.secure_aggregation.secaggplus_utils import share_keys_plaintext_separate
+    """Stage 3: the shares the others sent this site kept, and its upload
+    sent masked (fixed point, its self mask and one pairwise mask per
+    member of the group)."""
+    from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
     from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
 
     from clinfed.federated.state import load_tensors
@@ -489,8 +305,46 @@ def _mask(
     incoming = dict(request["shares"])
     if set(incoming) != {str(m) for m in members if m != index}:
         raise ClinfedError("secure aggregation: shares missing from some of the group")
+    held = dict(secrets["held"]) | _opened_shares(secrets, keys, index, incoming)
+    names = list(request["names"])
+    if not set(secrets["names"]) <= set(names):
+        raise ClinfedError("secure aggregation: the round's names leave out this site's upload")
+    upload = load_tensors(_paths(state_dir, round_number)[1])
+    vectors, shapes = _fixed_point_vectors(secrets, upload, names, request["shapes"], members)
+    mask_private = bytes_to_private_key(_unb64(secrets["private"]["mask"]))
+    add_mask(vectors, _unb64(secrets["self_seed"]), +1)
+    for other in members:
+        if other == index:
+            continue
+        key = _mask_key(
+            generate_shared_key(mask_private, bytes_to_public_key(_unb64(keys[other]["mask"])))
+        )
+        add_mask(vectors, key, +1 if index < other else -1)
+    out = {
+        name: torch.from_numpy(vector.view(np.int64).reshape(shapes[name]))
+        for name, vector in zip(names, vectors)
+    }
+    out[WEIGHTS] = torch.from_numpy(vectors[-1].view(np.int64))
+    secrets |= {"stage": "mask", "members": members, "held": held}
+    _save(_paths(state_dir, round_number)[0], secrets)
+    _paths(state_dir, round_number)[1].unlink(missing_ok=True)  # the plain upload
+    return out, {}
+
+
+def _opened_shares(
+    secrets: Mapping[str, Any], keys: Mapping[int, Any], index: int, incoming: Mapping[str, str]
+) -> dict[str, str]:
+    """The shares other members sent this site, decrypted and checked to be
+    from their sender and for this site."""
+    from flwr.common.secure_aggregation.crypto.symmetric_encryption import (
+        decrypt,
+        generate_shared_key,
+    )
+    from flwr.common.secure_aggregation.secaggplus_utils import share_keys_plaintext_separate
+    from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
+
     encrypt_key = bytes_to_private_key(_unb64(secrets["private"]["encrypt"]))
-    held = dict(secrets["held"])
+    opened = {}
     for source, ciphertext in incoming.items():
         shared = generate_shared_key(
             encrypt_key, bytes_to_public_key(_unb64(keys[int(source)]["encrypt"]))
@@ -504,13 +358,20 @@ def _mask(
         src, dst, _, _ = share_keys_plaintext_separate(plaintext)
         if src != int(source) or dst != index:
             raise ClinfedError(f"secure aggregation: the share from site {source} is misaddressed")
-        held[source] = _b64(plaintext)
+        opened[source] = _b64(plaintext)
+    return opened
 
-    names = list(request["names"])
+
+def _fixed_point_vectors(
+    secrets: Mapping[str, Any],
+    upload: Mapping[str, torch.Tensor],
+    names: list[str],
+    shapes: Mapping[str, Any],
+    members: list[int],
+) -> tuple[list[np.ndarray], dict[str, tuple[int, ...]]]:
+    """The site's weighted upload in fixed point, one vector per name of the
+    round (zeros for a name only others send), then the weights vector."""
     own_names = set(secrets["names"])
-    if not own_names <= set(names):
-        raise ClinfedError("secure aggregation: the round's names leave out this site's upload")
-    upload = load_tensors(_paths(state_dir, round_number)[1])
     weight = int(secrets["weight"])
     bound = (1 << 63) / (SCALE * max(weight, 1) * len(members))
     vectors, tensors = [], {}
@@ -525,30 +386,13 @@ def _mask(
             vector = fixed_point(value, weight)
             shape = tuple(value.shape)
         else:  # sent by others only: zeros, weight 0
-            shape = tuple(int(s) for s in request["shapes"][name])
+            shape = tuple(int(s) for s in shapes[name])
             vector = np.zeros(math.prod(shape), np.uint64)
         vectors.append(vector)
         tensors[name] = shape
     weights = np.array([weight if n in own_names else 0 for n in names], np.int64)
     vectors.append(weights.view(np.uint64))
-    mask_private = bytes_to_private_key(_unb64(secrets["private"]["mask"]))
-    add_mask(vectors, _unb64(secrets["self_seed"]), +1)
-    for other in members:
-        if other == index:
-            continue
-        key = _mask_key(
-            generate_shared_key(mask_private, bytes_to_public_key(_unb64(keys[other]["mask"])))
-        )
-        add_mask(vectors, key, +1 if index < other else -1)
-    out = {
-        name: torch.from_numpy(vector.view(np.int64).reshape(tensors[name]))
-        for name, vector in zip(names, vectors)
-    }
-    out[WEIGHTS] = torch.from_numpy(vectors[-1].view(np.int64))
-    secrets |= {"stage": "mask", "members": members, "held": held}
-    _save(_paths(state_dir, round_number)[0], secrets)
-    _paths(state_dir, round_number)[1].unlink(missing_ok=True)  # the plain upload
-    return out, {}
+    return vectors, tensors
 
 
 def _unmask(state_dir: Path, round_number: int, request: Mapping[str, Any]) -> dict[str, Any]:
