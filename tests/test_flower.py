@@ -155,8 +155,26 @@ def test_node_config_errors_name_the_key(tmp_path):
         NodeConfig.parse({"dta": str(tmp_path), "state": str(tmp_path)})
     with pytest.raises(ClinfedError, match="not a folder"):
         NodeConfig.parse({"data": str(tmp_path / "missing"), "state": str(tmp_path)})
-    with pytest.raises(ClinfedError, match="dp-pass-units must be 0"):
+    with pytest.raises(ClinfedError, match="dp-pass-units must be at least 0"):
         NodeConfig.parse({"data": str(tmp_path), "state": str(tmp_path), "dp-pass-units": -1})
+    # Every key is read by its declared field: its type, then its bounds.
+    folders = {"data": str(tmp_path), "state": str(tmp_path)}
+    for key, value, words in [
+        ("max-delta", 1.5, "max-delta must be in \\(0, 1\\)"),
+        ("max-epsilon", -1, "max-epsilon must be positive"),
+        ("max-grad-norm", "inf", "max-grad-norm must be a finite number"),
+        ("privacy-unit", "sentence", "privacy-unit must be one of example, document, patient"),
+        ("secure-min-sites", 1, "secure-min-sites must be at least 2"),
+        ("threads", "two", "threads: expected int"),
+    ]:
+        with pytest.raises(ClinfedError, match=words):
+            NodeConfig.parse(folders | {key: value})
+    node = NodeConfig.parse(
+        folders | {"max-epsilon": "8", "threads": 2, "annotated-types": "problem, test",
+                   "model-sha256": "ABC", "allow-no-dp": "TRUE"}
+    )  # fmt: skip
+    assert (node.max_epsilon, node.threads, node.annotated_types) == (8.0, 2, ("problem", "test"))
+    assert node.model_sha256 == "abc" and node.allow_no_dp is True and node.max_length == 512
 
 
 def test_flower_commands_refuse_to_run_without_tls_or_insecure(tmp_path, capsys):

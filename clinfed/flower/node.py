@@ -100,8 +100,9 @@ Nothing here imports Flower: :class:`NodeSite` builds its runner with
 from __future__ import annotations
 
 import re
+import typing
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -121,135 +122,73 @@ from clinfed.flower.cache import (
 )
 from clinfed.models import MINILM, TINY, checkpoint_dir, load_tokenizer
 from clinfed.provenance import data_fingerprint
+from clinfed.schema import setting
 from clinfed.scratch import temporary_folder
 from clinfed.settings import RunConfig
 from clinfed.tasks.base import SPLIT_KEY
 
+BUNDLED = (MINILM, TINY)
+
+# Privacy units, weakest first.
+UNIT_STRENGTH = ("example", "document", "patient")
+
 
 @dataclass(frozen=True)
 class NodeConfig:
-    """A SuperNode's own settings (see the module docstring)."""
+    """A SuperNode's own settings (see the module docstring): one field per
+    ``--node-config`` key (the field name with dashes), read by
+    :meth:`parse` and bounded as every setting is (:func:`clinfed.schema.setting`)."""
 
-    data: Path
-    state: Path
-    site: str | None = None
-    max_epsilon: float | None = None
-    share_ledger: bool = True
-    threads: int = 0
-    max_delta: float | None = None
-    allow_no_dp: bool = False
-    max_grad_norm: float | None = None
-    max_length: int = 512
-    privacy_unit: str = "example"
-    worker: bool = True
-    require_secure_aggregation: bool = False
-    annotated_types: tuple[str, ...] | None = None
-    split_key: str = SPLIT_KEY
-    max_evaluations: int = 200
-    model: str | None = None
-    model_sha256: str | None = None
-    secure_min_sites: int = 3
-    device: str = "auto"
-    dp_pass_units: int = 0
+    data: Path = setting(None, "The site's data folder.")
+    state: Path = setting(None, "The site's state folder (ledgers, copies, meter).")
+    site: str | None = setting(None, "The site's name when the data holds several.")
+    max_epsilon: float | None = setting(None, "Epsilon over every run (the ledger's cap).", above=0)
+    share_ledger: bool = setting(True, "Report ledger lines to the server.")
+    threads: int = setting(0, "Torch threads (0: all cores).", minimum=0)
+    max_delta: float | None = setting(None, "The largest delta accepted.", above=0, below=1)
+    allow_no_dp: bool = setting(False, "Train in runs without DP.")
+    max_grad_norm: float | None = setting(None, "The largest clipping norm accepted.", above=0)
+    max_length: int = setting(512, "The largest window accepted (tokens).", minimum=8)
+    privacy_unit: str = setting("example", "The weakest unit accepted.", choices=UNIT_STRENGTH)
+    worker: bool = setting(True, "Hand messages to the node's long-lived worker.")
+    require_secure_aggregation: bool = setting(False, "Train only under secure aggregation.")
+    annotated_types: tuple[str, ...] | None = setting(None, "The types this site annotates.")
+    split_key: str = setting(SPLIT_KEY, "Keys the held-out split.")
+    max_evaluations: int = setting(200, "Evaluations of the held-out split, ever.", minimum=0)
+    model: str | None = setting(None, "The encoder: minilm, tiny or a checkpoint folder.")
+    model_sha256: str | None = setting(None, "SHA-256 of the model folder's files.")
+    secure_min_sites: int = setting(3, "The fewest sites to mask among.", minimum=2)
+    device: str = setting("auto", "auto, cpu, cuda or cuda:N.")
+    dp_pass_units: int = setting(0, "Units in one DP pass (0: no cap).", minimum=0)
 
     @classmethod
     def parse(cls, values: Mapping[str, Any]) -> NodeConfig:
         """From Flower's ``context.node_config`` (keys as in ``--node-config``)."""
-        known = {
-            "data",
-            "state",
-            "site",
-            "max-epsilon",
-            "max-delta",
-            "allow-no-dp",
-            "share-ledger",
-            "threads",
-            "max-grad-norm",
-            "max-length",
-            "privacy-unit",
-            "worker",
-            "require-secure-aggregation",
-            "annotated-types",
-            "split-key",
-            "max-evaluations",
-            "model",
-            "model-sha256",
-            "secure-min-sites",
-            "device",
-            "dp-pass-units",
-        }
-        unknown = sorted(set(values) - known)
+        declared = {f.name.replace("_", "-"): f for f in fields(cls)}
+        unknown = sorted(set(values) - set(declared))
         if unknown:
             raise ClinfedError(
-                f"--node-config: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})"
+                f"--node-config: unknown key {unknown[0]!r} (known: {', '.join(sorted(declared))})"
             )
         for key in ("data", "state"):
             if not values.get(key):
                 raise ClinfedError(f"--node-config needs {key}=FOLDER")
-        data = Path(str(values["data"]))
-        if not data.is_dir():
-            raise ClinfedError(f"--node-config data={data}: not a folder")
-        max_epsilon = values.get("max-epsilon")
-        if max_epsilon is not None and not float(max_epsilon) > 0:
-            raise ClinfedError("--node-config max-epsilon must be positive")
-        max_delta = values.get("max-delta")
-        if max_delta is not None and not 0 < float(max_delta) < 1:
-            raise ClinfedError("--node-config max-delta must be in (0, 1)")
-        max_grad_norm = values.get("max-grad-norm")
-        if max_grad_norm is not None and not 0 < float(max_grad_norm) < float("inf"):
-            raise ClinfedError("--node-config max-grad-norm must be positive and finite")
-        privacy_unit = str(values.get("privacy-unit", "example"))
-        if privacy_unit not in UNIT_STRENGTH:
-            raise ClinfedError(
-                f"--node-config privacy-unit must be one of {', '.join(UNIT_STRENGTH)}"
-            )
-        model = str(values["model"]) if values.get("model") else None
-        if model is not None and model not in BUNDLED and not values.get("model-sha256"):
+        hints = typing.get_type_hints(cls)
+        read = {
+            f.name: _node_value(key, f, hints[f.name], values[key])
+            for key, f in declared.items()
+            # An empty value is the default, except an empty list of types.
+            if values.get(key) is not None and (values[key] != "" or key == "annotated-types")
+        }
+        node = cls(**read)
+        if not node.data.is_dir():
+            raise ClinfedError(f"--node-config data={node.data}: not a folder")
+        if node.model is not None and node.model not in BUNDLED and not node.model_sha256:
             raise ClinfedError(
                 "--node-config model names a checkpoint folder: pin it with model-sha256 "
                 "(clinfed data fingerprint FOLDER prints it)"
             )
-        secure_min_sites = int(values.get("secure-min-sites", 3))
-        if secure_min_sites < 2:
-            raise ClinfedError("--node-config secure-min-sites must be at least 2")
-        max_evaluations = int(values.get("max-evaluations", 200))
-        if max_evaluations < 0:
-            raise ClinfedError("--node-config max-evaluations must be 0 or more")
-        dp_pass_units = int(values.get("dp-pass-units", 0))
-        if dp_pass_units < 0:
-            raise ClinfedError("--node-config dp-pass-units must be 0 (no cap) or more")
-        max_length = values.get("max-length")
-        if max_length is not None and not int(max_length) >= 8:
-            raise ClinfedError("--node-config max-length must be at least 8")
-        return cls(
-            data=data,
-            state=Path(str(values["state"])),
-            site=str(values["site"]) if values.get("site") else None,
-            max_epsilon=float(max_epsilon) if max_epsilon is not None else None,
-            share_ledger=_boolean(values, "share-ledger", True),
-            threads=int(values.get("threads", 0)),
-            max_delta=float(max_delta) if max_delta is not None else None,
-            allow_no_dp=_boolean(values, "allow-no-dp", False),
-            max_grad_norm=float(max_grad_norm) if max_grad_norm is not None else None,
-            max_length=int(max_length) if max_length is not None else 512,
-            privacy_unit=privacy_unit,
-            worker=_boolean(values, "worker", True),
-            require_secure_aggregation=_boolean(values, "require-secure-aggregation", False),
-            annotated_types=tuple(
-                t.strip() for t in str(values["annotated-types"]).split(",") if t.strip()
-            )
-            if values.get("annotated-types") is not None
-            else None,
-            split_key=str(values.get("split-key", SPLIT_KEY)),
-            max_evaluations=max_evaluations,
-            model=model,
-            secure_min_sites=secure_min_sites,
-            device=str(values.get("device", "auto")),
-            dp_pass_units=dp_pass_units,
-            model_sha256=str(values["model-sha256"]).lower()
-            if values.get("model-sha256")
-            else None,
-        )
+        return node
 
     def model_for(self, config: RunConfig) -> str:
         """The model this site trains in ``config``'s run: its own, never a
@@ -325,18 +264,37 @@ class NodeConfig:
         return config
 
 
-def _boolean(values: Mapping[str, Any], key: str, default: bool) -> bool:
-    """A node setting read strictly: true/false (a TOML boolean or the words,
+def _node_value(key: str, f: Any, hint: Any, value: Any) -> Any:
+    """One node setting as its field's type, then within its bounds.
+
+    Booleans are read strictly: true/false (a TOML boolean or the words,
     any case) or 1/0; anything else is refused by the key's name (a quoted
-    "false" read as a truthy string would open what the operator closed)."""
-    value = values.get(key, default)
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in ("true", "1", "false", "0"):
-        return value.strip().lower() in ("true", "1")
-    raise ClinfedError(f"--node-config {key} must be true or false (or 1 or 0)")
+    "false" read as a truthy string would open what the operator closed).
+    """
+    from clinfed.settings import check_bounds
+
+    kinds = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    kind, where = kinds[0], f"--node-config {key}"
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        if isinstance(value, str) and value.strip().lower() in ("true", "1", "false", "0"):
+            return value.strip().lower() in ("true", "1")
+        raise ClinfedError(f"{where} must be true or false (or 1 or 0)")
+    try:
+        if kind is Path:
+            return Path(str(value))
+        if typing.get_origin(kind) is tuple:  # a list: comma-separated
+            return tuple(t.strip() for t in str(value).split(",") if t.strip())
+        read = kind(value) if kind in (int, float) else str(value)
+    except ValueError:
+        raise ClinfedError(f"{where}: expected {kind.__name__}, got {value!r}") from None
+    if key == "model-sha256":
+        read = read.lower()
+    check_bounds(f, read, where)
+    return read
 
 
 # Settings only the server reads (its run folder, the public text it scores
@@ -377,10 +335,6 @@ def refuse_server_named_inputs(config: RunConfig) -> None:
 LEDGER_MARK = "ledger-marks.json"
 
 # Encoders that ship with clinfed: public, nothing of a site's in them.
-BUNDLED = (MINILM, TINY)
-
-# Privacy units, weakest first.
-UNIT_STRENGTH = ("example", "document", "patient")
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
