@@ -193,43 +193,17 @@ def run_demo(
     (a new folder); returns the summary the command prints (also
     ``out/demo.json``)."""
     from clinfed.device import use_threads
-    from clinfed.models import checkpoint_dir
     from clinfed.reporting.audit import audit
     from clinfed.reporting.report import write_report
-    from clinfed.runs import atomic_write_json, ensure_new_run_folder
+    from clinfed.runs import atomic_write_json
     from clinfed.settings import RunConfig
-    from clinfed.tasks import TASKS
     from clinfed.warmstart import warm_start_model
 
-    generate = TASKS[COMMON["task"]].synthesize
-
     out = Path(out)
-    ensure_new_run_folder(out, "demo folder")
-    # Every setting is checked before anything is written: a refused demo
-    # leaves no partial folder behind, so the same --out works next time.
-    if docs < 2:
-        raise ClinfedError(f"--docs must be at least 2, not {docs}")
-    if plan not in PLANS:
-        raise ClinfedError(f"--plan must be one of {', '.join(PLANS)}, not {plan!r}")
-    if public not in PUBLIC:
-        raise ClinfedError(f"--public must be one of {', '.join(PUBLIC)}, not {public!r}")
-    checkpoint_dir(model)
-    settings = COMMON | PLANS[plan] | PUBLIC[public]
-    settings |= {"model": model, "threads": threads, "seed": SEED}
-    checked = settings | ({"rounds": rounds} if rounds is not None else {})
-    RunConfig.of(**checked).validate(check_data=False)
+    settings = _checked_settings(out, model, docs, rounds, threads, plan, public)
     started = time.perf_counter()
     data = out / "data"
-    on_step(f"writing a synthetic corpus: {SITES} hospitals x {docs} notes")
-    generate(data, sites=SITES, docs=docs, seed=SEED)
-    if public == "notes":
-        on_step(f"writing public notes: the generator at seed {PUBLIC_SEED} (other patients)")
-        generate(out / "public", sites=SITES, docs=docs, seed=PUBLIC_SEED)
-        settings["public_data"] = str(out / "public")
-        on_step(f"writing public notes the server checks each round on: seed {CHECK_SEED}")
-        generate(out / "public-check", sites=SITES, docs=docs, seed=CHECK_SEED)
-    if rounds is not None:
-        settings["rounds"] = rounds
+    _write_corpora(out, data, docs, public, settings, on_step)
     private_dir, reference_dir = out / "private", out / "no-dp"
     # The warm start is paid once: both runs start from the saved model.
     start = out / "start"
@@ -258,18 +232,8 @@ def run_demo(
     attack = audit(private_dir)
     on_step("writing the privacy report")
     page = write_report(private_dir, reference_dir) / "report.html"
-    summary = {
-        "plan": plan,
-        "strategy": settings["strategy"],
-        "model": model,
-        "starting_model": str(start),
-        "sites": SITES,
-        "docs_per_site": docs,
-        "rounds": settings["rounds"],
-        "target_epsilon": settings["target_epsilon"],
-        "delta": settings["delta"],
-        "public": public,
-        "f1_start": start_f1,
+    summary = _summary(plan, model, docs, public, settings, str(start), start_f1)
+    summary |= {
         "f1_private": private["f1"],
         "f1_no_dp": reference["f1"],
         "epsilon": private.get("epsilon", {}),
@@ -283,12 +247,89 @@ def run_demo(
     if private.get("stopped"):
         summary["stopped"] = private["stopped"]
     atomic_write_json(out / "demo.json", summary)
-    (out / "README.txt").write_text(
-        "clinfed demo: data/ (synthetic notes of 3 hospitals), public/ (with --public notes: "
-        "public synthetic notes of other patients; public-check/ more of them, which the server "
-        "scores each round's model on), start/ (the starting model, "
-        "trained on public text before round 1), private/ (the run under DP: "
-        "model, ledgers in private/privacy/, report in private/report/report.html), no-dp/ "
-        "(the same run without DP, for reference), demo.json (the summary).\n"
-    )
+    (out / "README.txt").write_text(README)
     return summary
+
+
+README = (
+    "clinfed demo: data/ (synthetic notes of 3 hospitals), public/ (with --public notes: "
+    "public synthetic notes of other patients; public-check/ more of them, which the server "
+    "scores each round's model on), start/ (the starting model, "
+    "trained on public text before round 1), private/ (the run under DP: "
+    "model, ledgers in private/privacy/, report in private/report/report.html), no-dp/ "
+    "(the same run without DP, for reference), demo.json (the summary).\n"
+)
+
+
+def _checked_settings(
+    out: Path, model: str, docs: int, rounds: int | None, threads: int, plan: str, public: str
+) -> dict[str, Any]:
+    """The demo's run settings, every one checked before anything is written:
+    a refused demo leaves no partial folder behind, so the same --out works
+    next time."""
+    from clinfed.models import checkpoint_dir
+    from clinfed.runs import ensure_new_run_folder
+    from clinfed.settings import RunConfig
+
+    ensure_new_run_folder(out, "demo folder")
+    if docs < 2:
+        raise ClinfedError(f"--docs must be at least 2, not {docs}")
+    if plan not in PLANS:
+        raise ClinfedError(f"--plan must be one of {', '.join(PLANS)}, not {plan!r}")
+    if public not in PUBLIC:
+        raise ClinfedError(f"--public must be one of {', '.join(PUBLIC)}, not {public!r}")
+    checkpoint_dir(model)
+    settings = COMMON | PLANS[plan] | PUBLIC[public]
+    settings |= {"model": model, "threads": threads, "seed": SEED}
+    if rounds is not None:
+        settings["rounds"] = rounds
+    RunConfig.of(**settings).validate(check_data=False)
+    return settings
+
+
+def _write_corpora(
+    out: Path,
+    data: Path,
+    docs: int,
+    public: str,
+    settings: dict[str, Any],
+    on_step: Callable[[str], None],
+) -> None:
+    """The hospitals' synthetic notes, and with ``--public notes`` public
+    notes of other patients to start from and to check each round on."""
+    from clinfed.tasks import TASKS
+
+    generate = TASKS[COMMON["task"]].synthesize
+    on_step(f"writing a synthetic corpus: {SITES} hospitals x {docs} notes")
+    generate(data, sites=SITES, docs=docs, seed=SEED)
+    if public == "notes":
+        on_step(f"writing public notes: the generator at seed {PUBLIC_SEED} (other patients)")
+        generate(out / "public", sites=SITES, docs=docs, seed=PUBLIC_SEED)
+        settings["public_data"] = str(out / "public")
+        on_step(f"writing public notes the server checks each round on: seed {CHECK_SEED}")
+        generate(out / "public-check", sites=SITES, docs=docs, seed=CHECK_SEED)
+
+
+def _summary(
+    plan: str,
+    model: str,
+    docs: int,
+    public: str,
+    settings: dict[str, Any],
+    start: str,
+    start_f1: float,
+) -> dict[str, Any]:
+    """The demo's plan, as its summary begins."""
+    return {
+        "plan": plan,
+        "strategy": settings["strategy"],
+        "model": model,
+        "starting_model": start,
+        "sites": SITES,
+        "docs_per_site": docs,
+        "rounds": settings["rounds"],
+        "target_epsilon": settings["target_epsilon"],
+        "delta": settings["delta"],
+        "public": public,
+        "f1_start": start_f1,
+    }

@@ -66,6 +66,7 @@ from clinfed.models import (
 )
 from clinfed.privacy.policy import PrivacyPolicy
 from clinfed.privacy.site import SitePrivacy
+from clinfed.reporting.holdout import AUDIT_HOLDOUT, AUDIT_UPDATES, holdout_record, set_aside
 from clinfed.runs import (
     append_jsonl,
     atomic_write_json,
@@ -80,8 +81,6 @@ from clinfed.training import linear_schedule, make_optimizer, predict, train_epo
 __all__ = ["RunConfig", "run_training", "make_model", "make_task", "make_strategy"]
 
 # What an auditing run keeps for ``clinfed audit`` (clinfed.reporting.audit).
-AUDIT_HOLDOUT = Path("audit") / "holdout.json"
-AUDIT_UPDATES = Path("audit") / "updates"
 
 
 def config_record(config: RunConfig, runner: str) -> dict[str, Any]:
@@ -232,23 +231,9 @@ def _train(config: RunConfig, report: Reporter, public_phase: RunConfig) -> dict
         tokenizer = load_tokenizer(config.model)
         model = make_model(config, task).to(device)
         strategy_cls.check_model(config.options(), shared_names(model))
-        public = None
-        if config.public_data and config.public_epochs:
-            # Public text before round 1 (clinfed.warmstart): every site, and
-            # the no-DP reference given the same flag, start from this model.
-            from clinfed.warmstart import warm_start
-
-            public = warm_start(public_phase, task, model, tokenizer, cache_dir, problems, report)
-            public = after_saved_start(public, config.model)
-        else:
-            public = saved_public_start(config.model)
-        check = check_record = None
-        if config.public_check:
-            # The server's judge of each round (clinfed.federated.public_check),
-            # on a copy of the starting model: public text, no privacy spent.
-            from clinfed.warmstart import public_check
-
-            check, check_record = public_check(config, task, model, tokenizer, cache_dir, problems)
+        public, check, check_record = _starting_model(
+            config, public_phase, task, model, tokenizer, cache_dir, problems, report
+        )
         train = task.encode(corpus.train, tokenizer, config.max_length, cache_dir)
         test = task.encode(corpus.test, tokenizer, config.max_length, cache_dir)
         prep = _Prepared(task, corpus, tokenizer, model, Path(config.out), cache_dir, check)
@@ -257,73 +242,84 @@ def _train(config: RunConfig, report: Reporter, public_phase: RunConfig) -> dict
             _write_start(out, config, task, corpus, "pooled", public, gazetteer=gazetteer_of(model))
             _loaded(report, train, test, corpus, None, problems)
             return _pooled(prep, config, train, test, report)
-        clients, test_parts = _clients(config, task, corpus, train, test)
-        holdout = _audit_holdout(config, task, train, clients)
-        clients = {c: holdout[c]["members"] if holdout else idx for c, idx in clients.items()}
-        strategy = make_strategy(config, task, tokenizer, cache_dir)
-        privacy: dict[str, SitePrivacy] = {}
-        for client, idx in clients.items():
-            layer = site_privacy(
-                config, task, client, train.select(idx), strategy, _place(config, client)
-            )
-            if layer is not None:
-                privacy[client] = layer
-                problems.problems.extend(layer.policy.warnings)
-        if privacy and not config.resume:
-            _check_round_one({c: layer.policy for c, layer in privacy.items()})
-        if not config.resume:
-            out = create_run_folder(config.out)
-            _write_start(
-                out,
-                config,
-                task,
-                corpus,
-                "in-process",
-                public,
-                check_record,
-                gazetteer_of(model),
-            )
-            if holdout:
-                atomic_write_json(
-                    out / AUDIT_HOLDOUT,
-                    {
-                        "share": config.audit_holdout,
-                        "unit": config.privacy_unit,
-                        "rows": "indices into the encoded training examples",
-                        "sites": {
-                            c: {k: v.tolist() for k, v in parts.items()}
-                            for c, parts in sorted(holdout.items())
-                        },
-                    },
-                )
-        _loaded(report, train, test, corpus, clients, problems)
-        return _federated(prep, config, train, test, clients, test_parts, report, privacy)
+        return _federated_start(prep, config, train, test, report, problems, public, check_record)
 
 
-def _audit_holdout(
-    config: RunConfig, task: Task, train: Any, clients: dict[str, np.ndarray]
-) -> dict[str, dict[str, np.ndarray]]:
-    """With ``--audit-holdout F``: per client, a random share F of its
-    training units set aside before training (``non_members``, whole units)
-    and the rest (``members``). Seeded by the run's seed, so a resume sets
-    aside the same rows."""
-    if not config.audit_holdout:
-        return {}
-    rng = np.random.default_rng([config.seed, 2718])
-    parts = {}
-    for client, idx in sorted(clients.items()):
-        units = task.unit_rows(train.select(idx), config.privacy_unit)
-        held = int(round(config.audit_holdout * len(units)))
-        if held == 0 or held == len(units):
-            raise ClinfedError(
-                f"--audit-holdout {config.audit_holdout}: {client} has {len(units)} units, "
-                "too few to set some aside and train on the rest"
-            )
-        chosen = set(rng.choice(len(units), size=held, replace=False).tolist())
-        out = np.sort(np.concatenate([units[u] for u in chosen]))
-        kept = np.sort(np.concatenate([units[u] for u in range(len(units)) if u not in chosen]))
-        parts[client] = {"members": idx[kept], "non_members": idx[out]}
-    return parts
+def _starting_model(
+    config: RunConfig,
+    public_phase: RunConfig,
+    task: Task,
+    model: Any,
+    tokenizer: Any,
+    cache_dir: str,
+    problems: ProblemLog,
+    report: Reporter,
+) -> tuple[dict[str, Any] | None, Any, dict[str, Any] | None]:
+    """The model every site starts from, trained on public text first with
+    ``--public-data`` (its record), and the server's public judge of each
+    round with ``--public-check`` (and its record)."""
+    if config.public_data and config.public_epochs:
+        # Public text before round 1 (clinfed.warmstart): every site, and
+        # the no-DP reference given the same flag, start from this model.
+        from clinfed.warmstart import warm_start
+
+        public = warm_start(public_phase, task, model, tokenizer, cache_dir, problems, report)
+        public = after_saved_start(public, config.model)
+    else:
+        public = saved_public_start(config.model)
+    check = check_record = None
+    if config.public_check:
+        # The server's judge of each round (clinfed.federated.public_check),
+        # on a copy of the starting model: public text, no privacy spent.
+        from clinfed.warmstart import public_check
+
+        check, check_record = public_check(config, task, model, tokenizer, cache_dir, problems)
+    return public, check, check_record
+
+
+def _federated_start(
+    prep: _Prepared,
+    config: RunConfig,
+    train: Any,
+    test: Any,
+    report: Reporter,
+    problems: ProblemLog,
+    public: dict[str, Any] | None,
+    check_record: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The sites dealt their data and their privacy checked, the run folder
+    written (not on a resume), then the rounds."""
+    task, corpus = prep.task, prep.corpus
+    clients, test_parts = _clients(config, task, corpus, train, test)
+    holdout = set_aside(config, task, train, clients)
+    clients = {c: holdout[c]["members"] if holdout else idx for c, idx in clients.items()}
+    strategy = make_strategy(config, task, prep.tokenizer, prep.cache_dir)
+    privacy: dict[str, SitePrivacy] = {}
+    for client, idx in clients.items():
+        layer = site_privacy(
+            config, task, client, train.select(idx), strategy, _place(config, client)
+        )
+        if layer is not None:
+            privacy[client] = layer
+            problems.problems.extend(layer.policy.warnings)
+    if privacy and not config.resume:
+        _check_round_one({c: layer.policy for c, layer in privacy.items()})
+    if not config.resume:
+        out = create_run_folder(config.out)
+        _write_start(
+            out,
+            config,
+            task,
+            corpus,
+            "in-process",
+            public,
+            check_record,
+            gazetteer_of(prep.model),
+        )
+        if holdout:
+            atomic_write_json(out / AUDIT_HOLDOUT, holdout_record(config, holdout))
+    _loaded(report, train, test, corpus, clients, problems)
+    return _federated(prep, config, train, test, clients, test_parts, report, privacy)
 
 
 def _check_round_one(policies: dict[str, PrivacyPolicy]) -> None:

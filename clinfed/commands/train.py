@@ -173,27 +173,10 @@ def train(
     Exit status: 0 done; 1 the run stopped early (too few sites, budgets
     spent); 2 bad settings or data (nothing trained); 130 interrupted (the
     command to resume is printed)."""
-    from clinfed.commands.options import given, merge
-    from clinfed.pipeline import RunConfig, run_training
+    from clinfed.commands.options import given
+    from clinfed.pipeline import run_training
 
-    flags = given(settings)
-    if flags.get("resume") and config_file is None and flags.get("out"):
-        # --resume --out RUN: the run's own settings; flags given must match
-        # them (checked with the data before anything runs).
-        saved = Path(flags["out"]) / "config.json"
-        if saved.is_file():
-            config_file = saved
-        else:
-            raise ClinfedError(f"--out {flags['out']}: no run to resume (no config.json there)")
-    values = merge(config_file, flags)
-    if config_file is not None and "data" not in flags and values.get("data"):
-        _check_recorded_data(Path(config_file), Path(str(values["data"])))
-    if values.get("clients") and "partition" not in values:
-        values["partition"] = "iid"  # N synthetic clients: dealt out at random
-    config = RunConfig.from_values(values, str(config_file) if config_file else "flags")
-    for required in ("data", "out"):
-        if not values.get(required):
-            raise ClinfedError(f"--{required} is required (a flag or a key of --config)")
+    config = _run_config(config_file, given(settings))
     if not config.dp and config.target_epsilon is not None:
         # --target-epsilon inf: said first, before anything else is printed.
         err.print(
@@ -215,32 +198,59 @@ def train(
     if as_json:
         _print_json(summary | {"wall_s": round(wall, 1), "run": str(out_dir)})
         raise typer.Exit(EXIT_STOPPED if summary.get("stopped") else 0)
-    if "mb_up" in summary:
-        _round_table(out_dir)
-        if "epsilon" in summary:
-            spent = ", ".join(f"{k} {v:.3f}" for k, v in summary["epsilon"].items())
-            out.print(f"privacy spent (epsilon at delta {summary['delta']:g}): {spent}")
-        word = "[bold yellow]stopped early[/]" if summary.get("stopped") else "[bold]done[/]"
-        out.print(
-            f"{word}: held-out f1 {_f1(summary)}; uploaded {summary['mb_up']:.1f} MB, "
-            f"downloaded {summary['mb_down']:.1f} MB "
-            f"({100 * summary['ratio_to_fedavg_up']:.3g}% of "
-            f"FedAvg's upload); run folder {out_dir}; {_duration(wall)}"
-        )
-        if summary.get("stopped"):
-            # Why it stopped is the last thing on the screen.
-            out.print(f"[yellow]{summary['stopped']}[/]")
-            raise typer.Exit(EXIT_STOPPED)
-    else:
-        word = "[bold yellow]stopped early[/]" if summary.get("stopped") else "[bold]done[/]"
+    _print_done(summary, out_dir, wall)
+    if summary.get("stopped"):
+        # Why it stopped is the last thing on the screen.
+        out.print(f"[yellow]{summary['stopped']}[/]")
+        raise typer.Exit(EXIT_STOPPED)
+
+
+def _run_config(config_file: Path | None, flags: dict[str, Any]) -> Any:
+    """The run's settings: the flags over ``--config`` (or, with ``--resume
+    --out RUN``, over the run's own config.json, which flags must match)."""
+    from clinfed.commands.options import merge
+    from clinfed.settings import RunConfig
+
+    if flags.get("resume") and config_file is None and flags.get("out"):
+        # --resume --out RUN: the run's own settings; flags given must match
+        # them (checked with the data before anything runs).
+        saved = Path(flags["out"]) / "config.json"
+        if saved.is_file():
+            config_file = saved
+        else:
+            raise ClinfedError(f"--out {flags['out']}: no run to resume (no config.json there)")
+    values = merge(config_file, flags)
+    if config_file is not None and "data" not in flags and values.get("data"):
+        _check_recorded_data(Path(config_file), Path(str(values["data"])))
+    if values.get("clients") and "partition" not in values:
+        values["partition"] = "iid"  # N synthetic clients: dealt out at random
+    config = RunConfig.from_values(values, str(config_file) if config_file else "flags")
+    for required in ("data", "out"):
+        if not values.get(required):
+            raise ClinfedError(f"--{required} is required (a flag or a key of --config)")
+    return config
+
+
+def _print_done(summary: dict[str, Any], out_dir: Path, wall: float) -> None:
+    """The run's last lines: F1, what it sent and spent, where it is."""
+    word = "[bold yellow]stopped early[/]" if summary.get("stopped") else "[bold]done[/]"
+    if "mb_up" not in summary:  # pooled: no federation, nothing sent
         out.print(
             f"{word}: held-out f1 {summary['f1']:.4f} "
             f"({summary['tokens_per_s']:.0f} training tokens/s); run folder {out_dir}; "
             f"{_duration(wall)}"
         )
-        if summary.get("stopped"):
-            out.print(f"[yellow]{summary['stopped']}[/]")
-            raise typer.Exit(EXIT_STOPPED)
+        return
+    _round_table(out_dir)
+    if "epsilon" in summary:
+        spent = ", ".join(f"{k} {v:.3f}" for k, v in summary["epsilon"].items())
+        out.print(f"privacy spent (epsilon at delta {summary['delta']:g}): {spent}")
+    out.print(
+        f"{word}: held-out f1 {_f1(summary)}; uploaded {summary['mb_up']:.1f} MB, "
+        f"downloaded {summary['mb_down']:.1f} MB "
+        f"({100 * summary['ratio_to_fedavg_up']:.3g}% of "
+        f"FedAvg's upload); run folder {out_dir}; {_duration(wall)}"
+    )
 
 
 # A run that stopped before its last round (as ``clinfed flower run``).
@@ -291,8 +301,7 @@ def sweep_cmd(
     """F1 at fixed epsilon budgets: one run per strategy x epsilon x seed,
     resumable, summarised in sweep.csv, sweep.md and sweep.png."""
     from clinfed.commands.options import given, merge
-    from clinfed.pipeline import RunConfig
-    from clinfed.settings import option_owners
+    from clinfed.settings import RunConfig, option_owners
     from clinfed.sweep import parse_epsilons, run_sweep
 
     values = merge(config_file, given(settings))

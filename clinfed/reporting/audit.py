@@ -42,6 +42,7 @@ from clinfed.device import device_of, to_device
 from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.federated.state import load_tensors
 from clinfed.models import load_saved_model
+from clinfed.reporting.holdout import AUDIT_HOLDOUT, AUDIT_UPDATES
 from clinfed.runs import atomic_write_json
 from clinfed.scratch import temporary_folder
 from clinfed.settings import RunConfig, read_run_config
@@ -191,13 +192,37 @@ def _attack(
     }
 
 
+def _read_holdout(run: Path, path: Path) -> tuple[dict[str, Any], dict[str, tuple[list, list]]]:
+    """The run's holdout record, and per site its member and non-member rows."""
+    if not path.is_file():
+        raise ClinfedError(
+            f"{run}: trained without --audit-holdout, so there are no held-out training rows "
+            "to compare with (the test split is another distribution); train with "
+            "--audit-holdout 0.1 to audit"
+        )
+    try:
+        holdout = json.loads(path.read_text())
+        sites = {
+            s: (list(v["members"]), list(v["non_members"])) for s, v in holdout["sites"].items()
+        }
+    except (ValueError, KeyError, TypeError):
+        raise ClinfedError(f"{path}: not an audit holdout record") from None
+    return holdout, sites
+
+
+def _sample(rows: list[int], cap: int, rng: np.random.Generator) -> list[int]:
+    """At most ``cap`` of ``rows``, at random, in order."""
+    if len(rows) <= cap:
+        return sorted(rows)
+    return sorted(rng.choice(rows, size=cap, replace=False).tolist())
+
+
 def audit(run: Path, max_examples: int = 400, seed: int = 0) -> dict[str, Any]:
     """Run both attacks on ``run``; write and return ``RUN/audit.json``.
 
     ``max_examples``: members and non-members each, at most, per target.
     """
     from clinfed.factories import make_model, make_task
-    from clinfed.pipeline import AUDIT_HOLDOUT, AUDIT_UPDATES
 
     run = Path(run)
     config_path, model_dir = run / "config.json", run / "model"
@@ -206,19 +231,7 @@ def audit(run: Path, max_examples: int = 400, seed: int = 0) -> dict[str, Any]:
     if max_examples < 2:
         raise ClinfedError(f"--max-examples must be at least 2, not {max_examples}")
     holdout_path = run / AUDIT_HOLDOUT
-    if not holdout_path.is_file():
-        raise ClinfedError(
-            f"{run}: trained without --audit-holdout, so there are no held-out training rows "
-            "to compare with (the test split is another distribution); train with "
-            "--audit-holdout 0.1 to audit"
-        )
-    try:
-        holdout = json.loads(holdout_path.read_text())
-        sites = {
-            s: (list(v["members"]), list(v["non_members"])) for s, v in holdout["sites"].items()
-        }
-    except (ValueError, KeyError, TypeError):
-        raise ClinfedError(f"{holdout_path}: not an audit holdout record") from None
+    holdout, sites = _read_holdout(run, holdout_path)
     config = RunConfig.from_values(read_run_config(run), str(config_path)).resolved()
     model, tokenizer, meta = load_saved_model(model_dir)
     rng = np.random.default_rng(seed)
@@ -233,10 +246,9 @@ def audit(run: Path, max_examples: int = 400, seed: int = 0) -> dict[str, Any]:
         if any(i >= len(examples) for m, n in sites.values() for i in m + n):
             raise ClinfedError(f"{holdout_path}: rows beyond the data's; was the data changed?")
 
-        def sample(rows: list[int], cap: int) -> list[int]:
-            if len(rows) <= cap:
-                return sorted(rows)
-            return sorted(rng.choice(rows, size=cap, replace=False).tolist())
+        def attack(target: Any, members: list[int], non_members: list[int]) -> dict[str, Any]:
+            chosen = [_sample(rows, max_examples, rng) for rows in (members, non_members)]
+            return _attack(target, initial, task, examples, *chosen, rng, config.privacy_unit)
 
         pooled_members = [i for m, _ in sites.values() for i in m]
         pooled_non = [i for _, n in sites.values() for i in n]
@@ -245,16 +257,7 @@ def audit(run: Path, max_examples: int = 400, seed: int = 0) -> dict[str, Any]:
         result: dict[str, Any] = {
             "holdout_share": holdout.get("share"),
             "starting_model": start,
-            "final_model": _attack(
-                model,
-                initial,
-                task,
-                examples,
-                sample(pooled_members, max_examples),
-                sample(pooled_non, max_examples),
-                rng,
-                config.privacy_unit,
-            ),
+            "final_model": attack(model, pooled_members, pooled_non),
             "site_updates": {},
         }
         site_model = make_model(config, task)
@@ -263,16 +266,7 @@ def audit(run: Path, max_examples: int = 400, seed: int = 0) -> dict[str, Any]:
             if not path.is_file() or not members or not non_members:
                 continue
             site_model.load_state_dict(load_tensors(path))
-            result["site_updates"][site] = _attack(
-                site_model,
-                initial,
-                task,
-                examples,
-                sample(members, max_examples),
-                sample(non_members, max_examples),
-                rng,
-                config.privacy_unit,
-            )
+            result["site_updates"][site] = attack(site_model, members, non_members)
     final = result["final_model"]["loss_threshold"]
     result |= {"auc": final["auc"], "members": result["final_model"]["members"]}
     result["non_members"] = result["final_model"]["non_members"]
