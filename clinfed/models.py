@@ -304,6 +304,20 @@ class ChunkedLabelAttentionClassifier(nn.Module):
 HEADS = {"token": TokenTagger, "multilabel": ChunkedLabelAttentionClassifier}
 
 
+def head_model(kind: str) -> type:
+    """The model class of a head kind: a built-in one (:data:`HEADS`), or
+    the ``head_class`` of the task that declares the kind (a task brings a
+    head of its own in its folder; nothing here changes)."""
+    if kind in HEADS:
+        return HEADS[kind]
+    from clinfed.tasks import TASKS
+
+    for task in TASKS.values():
+        if task.head == kind and task.head_class is not None:
+            return task.head_class
+    raise ValueError(f"unknown head {kind!r}")
+
+
 def build_model(
     head: str, spec: str, num_labels: int, seed: int = 0, labels: Sequence[str] | None = None
 ) -> nn.Module:
@@ -314,13 +328,12 @@ def build_model(
     it was trained for the same ``labels`` in the same order (a head for
     other labels would score the wrong ones, so it starts afresh).
     """
-    if head not in HEADS:
-        raise ValueError(f"unknown head {head!r}")
+    model_class = head_model(head)
     saved = saved_run_model(spec)
     if saved is not None:
         trained, _, meta = load_saved_model(saved)
         torch.manual_seed(seed)
-        model = HEADS[head](trained.encoder, num_labels)
+        model = model_class(trained.encoder, num_labels)
         if meta.get("head") == head and labels is not None and meta["labels"] == list(labels):
             model.head.load_state_dict(trained.head.state_dict())
         if gazetteer_of(trained) is not None:
@@ -329,7 +342,7 @@ def build_model(
         return model
     encoder = load_encoder(spec, seed)
     torch.manual_seed(seed)
-    return HEADS[head](encoder, num_labels)
+    return model_class(encoder, num_labels)
 
 
 def add_prompts(
@@ -392,7 +405,7 @@ def load_saved_model(folder: Path) -> tuple[nn.Module, Any, dict[str, Any]]:
         config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
         kwargs = {"add_pooling_layer": False} if config.model_type in _POOLER_TYPES else {}
         encoder = AutoModel.from_config(config, **kwargs)
-        model = HEADS[meta["head"]](encoder, len(meta["labels"]))
+        model = head_model(meta["head"])(encoder, len(meta["labels"]))
         if meta.get("prompt"):
             spec = meta["prompt"]
             add_prompts(model, spec["length"], spec["fusion"], depth=spec.get("depth", 1))

@@ -157,7 +157,11 @@ class Task(ABC):
     """A clinical task: formats in, examples, metrics and formats out."""
 
     name: ClassVar[str]
-    head: ClassVar[str]  # "token" or "multilabel": which model head it needs
+    head: ClassVar[str]  # which model head it needs: "token", "multilabel" or its own
+    # A head of the task's own: a model class taking (encoder, num_labels)
+    # with the encoder as ``.encoder`` and the head as ``.head``, for a
+    # ``head`` kind clinfed.models.HEADS does not hold.
+    head_class: ClassVar[type | None] = None
     labels: list[str]
     # Local-training defaults for settings the user leaves unset
     # (max_length, batch_size, lr, head_lr).

@@ -133,3 +133,30 @@ def test_save_and_load_reproduce_outputs(tmp_path):
 def test_bad_model_spec_is_a_clear_error(tmp_path):
     with pytest.raises(ClinfedError, match="not 'minilm', 'tiny', a folder"):
         build_model("token", str(tmp_path / "nope"), num_labels=3)
+
+
+class _WordHead(TokenTagger):
+    """A head kind of a task's own (here a token tagger under another name)."""
+
+
+class SpanTask:
+    """What clinfed reads of a task that brings its own head."""
+
+    head = "spans"
+    head_class = _WordHead
+
+
+def test_a_task_brings_a_head_kind_of_its_own(tmp_path, monkeypatch):
+    from clinfed.tasks import REGISTRY
+
+    with pytest.raises(ValueError, match="unknown head 'spans'"):
+        build_model("spans", "tiny", num_labels=3)
+    monkeypatch.setitem(REGISTRY, "spans", ("tests.test_models:SpanTask", ""))
+    model = build_model("spans", "tiny", num_labels=3, seed=1).eval()
+    assert type(model) is _WordHead
+    meta = {"task": "spans", "head": "spans", "labels": ["O", "B-x", "I-x"]}
+    save_model(model, tmp_path, meta, load_tokenizer("tiny"))
+    loaded, _, _ = load_saved_model(tmp_path)  # rebuilt by the task's class, not HEADS
+    ids = torch.tensor([[101, 2000, 102]])
+    assert type(loaded) is _WordHead
+    assert torch.equal(model(ids, torch.ones_like(ids)), loaded.eval()(ids, torch.ones_like(ids)))
