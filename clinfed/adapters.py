@@ -60,10 +60,12 @@ SHARED_HEAD_LAYERS = ("head.project.",)
 # (the usual LoRA rate for BERT-sized encoders; the head keeps its own).
 TRAINING_DEFAULTS = {"lr": 1e-3}
 LORA_FACTORS = ("b", "ab")
-# Every linear layer of a BERT-family encoder layer (attention and feed-forward).
+# Every linear layer of an encoder or decoder layer (attention and feed-forward).
 LORA_TARGETS = (
     *("query", "key", "value", "dense"),  # BERT, RoBERTa, ELECTRA
     *("q_lin", "k_lin", "v_lin", "out_lin", "lin1", "lin2"),  # DistilBERT
+    *("q_proj", "k_proj", "v_proj", "o_proj"),  # Llama, Qwen2, Mistral: attention
+    *("gate_proj", "up_proj", "down_proj"),  # ... and their gated feed-forward
 )
 
 

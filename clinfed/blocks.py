@@ -19,11 +19,20 @@ _LAYER_PATTERNS = (
     re.compile(r"(?:^|\.)encoder\.layer\.(?P<layer>\d+)\.(?P<rest>.+)$"),
     # DistilBERT: transformer.layer.3.attention.q_lin.weight
     re.compile(r"(?:^|\.)transformer\.layer\.(?P<layer>\d+)\.(?P<rest>.+)$"),
+    # Llama / Qwen2 / Mistral: encoder.layers.3.self_attn.q_proj.weight
+    re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)\.(?P<rest>.+)$"),
 )
 _QUERY_KEY = re.compile(
-    r"(?:^|\.)(?:attention\.self\.(?:query|key)(?:_proj)?|attention\.(?:q_lin|k_lin))\."
+    r"(?:^|\.)(?:attention\.self\.(?:query|key)(?:_proj)?|attention\.(?:q_lin|k_lin)"
+    r"|self_attn\.[qk]_proj)\."
 )
-_VALUE = re.compile(r"(?:^|\.)(?:attention\.self\.value(?:_proj)?|attention\.v_lin)\.")
+_VALUE = re.compile(
+    r"(?:^|\.)(?:attention\.self\.value(?:_proj)?|attention\.v_lin|self_attn\.v_proj)\."
+)
+# A decoder's token table, and its final norm (applied to the top layer's
+# output, read by the head alone).
+_DECODER_EMBEDDINGS = re.compile(r"(?:^|\.)embed_tokens\.")
+_DECODER_FINAL_NORM = re.compile(r"(?:^|\.)norm\.(?:weight|bias)$")
 # DeBERTa-v2: the relative-position table every layer reads (and its norm).
 _RELATIVE = re.compile(r"(?:^|\.)encoder\.(?:rel_embeddings|LayerNorm)\.")
 
@@ -61,8 +70,10 @@ def block_of(name: str) -> Block:
         return GLOBAL_PROMPT
     if name.startswith("prompt."):
         return LOCAL_PROMPT  # pfeddc's local prompt and fusion block: never leave a site
-    if ".embeddings." in f".{name}" or _RELATIVE.search(name):
+    if ".embeddings." in f".{name}" or _RELATIVE.search(name) or _DECODER_EMBEDDINGS.search(name):
         return EMBEDDINGS
+    if _DECODER_FINAL_NORM.search(name):
+        return HEAD
     for pattern in _LAYER_PATTERNS:
         match = pattern.search(name)
         if match:

@@ -21,7 +21,13 @@ from clinfed.errors import ClinfedError
 from clinfed.federated.strategies import STRATEGIES, Strategy, StrategyContext
 from clinfed.federated.summation import PlainSummation, Summation
 from clinfed.gazetteer import Gazetteer
-from clinfed.models import attach_gazetteer, build_model, gazetteer_of, load_tokenizer
+from clinfed.models import (
+    attach_gazetteer,
+    build_model,
+    gazetteer_of,
+    load_tokenizer,
+    model_window,
+)
 from clinfed.privacy.count import count_path
 from clinfed.privacy.policy import PrivacyPolicy
 from clinfed.settings import RunConfig
@@ -35,6 +41,12 @@ def make_model(config: RunConfig, task: Task) -> nn.Module:
     model = build_model(
         task.head, config.model, len(task.labels), seed=config.seed, labels=task.labels
     )
+    window = model_window(model)
+    if config.max_length is not None and config.max_length > window:
+        raise ClinfedError(
+            f"--max-length {config.max_length}: --model {config.model} reads at most {window} "
+            "tokens at once"
+        )
     if config.gazetteer:
         gazetteer = Gazetteer.read(config.gazetteer, per_list=config.gazetteer_marks == "per-list")
         earlier = gazetteer_of(model)

@@ -94,6 +94,16 @@ def load_tokenizer(spec: str):
     return AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
 
+def pad_token_id(tokenizer) -> int:
+    """The id padding is written with: the tokenizer's pad token, or (a
+    decoder such as Llama ships none) its end-of-text token. Padded
+    positions are masked out of attention and labels either way."""
+    for token_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if token_id is not None:
+            return int(token_id)
+    return 0
+
+
 def special_tokens(tokenizer) -> tuple[list[int], list[int]]:
     """Ids a single sequence is wrapped in: ``([CLS], [SEP])`` for BERT,
     ``(<s>, </s>)`` for RoBERTa. Read off a probe encoding, so it works for
@@ -114,7 +124,9 @@ def load_encoder(spec: str, seed: int = 0) -> nn.Module:
         return BertModel(BertConfig(vocab_size=vocab, **TINY_CONFIG), add_pooling_layer=False)
     path = checkpoint_dir(spec)
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    kwargs: dict[str, Any] = {"local_files_only": True}
+    # Trained in fp32 whatever the checkpoint's dtype on disk (decoders ship
+    # bf16): DP's clipping and noise are exact in fp32 only.
+    kwargs: dict[str, Any] = {"local_files_only": True, "dtype": torch.float32}
     if config.model_type in _POOLER_TYPES:
         kwargs["add_pooling_layer"] = False
     return AutoModel.from_pretrained(path, **kwargs)
@@ -204,6 +216,7 @@ class TokenTagger(nn.Module):
         self.head = nn.Linear(encoder.config.hidden_size, num_labels)
         self._inputs = _EncoderInputs(encoder)
         self.prompt: DualPrompt | None = None  # pfeddc: see add_prompts
+        teach_dp(encoder)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Logits ``(batch, tokens, labels)``."""
@@ -267,6 +280,16 @@ def _labelwise_per_example(
 bookkeeping.register(LabelwiseLinear, _labelwise_per_example)
 
 
+def teach_dp(encoder: nn.Module) -> None:
+    """Register the per-example gradient of the RMSNorm of a decoder family
+    (Llama, Qwen2, Mistral, Gemma: each its own class, one formula) with
+    DP-SGD's clipping; its linear layers and token table are covered already."""
+    for module in encoder.modules():
+        kind = type(module)
+        if kind.__name__.endswith("RMSNorm") and kind not in bookkeeping.RULES:
+            bookkeeping.register_rms_norm(kind)
+
+
 class ChunkedLabelAttentionClassifier(nn.Module):
     """Multi-label classifier for notes longer than the encoder's window.
 
@@ -283,6 +306,7 @@ class ChunkedLabelAttentionClassifier(nn.Module):
         self.head = LabelAttention(encoder.config.hidden_size, num_labels)
         self._inputs = _EncoderInputs(encoder)
         self.prompt: DualPrompt | None = None  # pfeddc: see add_prompts
+        teach_dp(encoder)
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, chunk_mask: torch.Tensor
@@ -302,6 +326,16 @@ class ChunkedLabelAttentionClassifier(nn.Module):
 
 
 HEADS = {"token": TokenTagger, "multilabel": ChunkedLabelAttentionClassifier}
+
+
+def model_window(model: nn.Module) -> int:
+    """The most tokens the model's encoder reads at once (its position
+    table; RoBERTa's starts after the padding index)."""
+    config = model.encoder.config
+    window = int(getattr(config, "max_position_embeddings", 512))
+    if config.model_type in _OFFSET_POSITIONS:
+        window -= config.pad_token_id + 1
+    return window
 
 
 def head_model(kind: str) -> type:

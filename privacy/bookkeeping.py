@@ -18,7 +18,8 @@ large model at small cost", the FastDP library) runs it once:
    as the non-private weight gradient.
 
 Layer types covered: ``nn.Linear`` (peft's LoRA factors are linear layers),
-``nn.LayerNorm``, ``nn.Embedding``, one :class:`LayerRule` each, and any
+``nn.LayerNorm``, ``nn.Embedding``, a decoder family's RMSNorm
+(:func:`register_rms_norm`), one :class:`LayerRule` each, and any
 layer registered with its per-example gradient (:func:`register`; clinfed's
 ``LabelwiseLinear`` registers itself). A model with any other trainable
 parameter (pfeddc's prompts) uses hooks. Rows of one
@@ -264,6 +265,43 @@ class LayerNormRule(LayerRule):
             self.kept["weight"] = (g * a).sum(1)
         if _trains(module, "bias"):
             self.kept["bias"] = g.sum(1)
+
+
+def _rms_normalised(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class RMSNormRule(LayerRule):
+    """A decoder's RMSNorm (Llama, Qwen2, Mistral; Gemma's scales by
+    ``1 + weight``, the same gradient): the weight multiplies ``x / rms(x)``,
+    so an example's gradient is ``sum_t g_t * x_t / rms(x_t)``."""
+
+    def __init__(self, module, calls, units):
+        super().__init__(module, calls, units)
+        if _trains(module, "weight"):
+            n = units.examples
+            g = _end_to_end([g.float() for _, g in calls], n)
+            a = _end_to_end([_rms_normalised(module, x) for x, _ in calls], n)
+            self.kept["weight"] = (g * a).sum(1)
+
+
+def rms_norm_per_example(
+    module: nn.Module, x: torch.Tensor, backprop: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """RMSNorm's gradient per row of a call (Opacus's hooks)."""
+    if not module.weight.requires_grad:
+        return {}
+    tokens = tuple(range(1, x.dim() - 1))
+    return {"weight": (backprop.float() * _rms_normalised(module, x)).sum(tokens)}
+
+
+def register_rms_norm(layer: type[nn.Module]) -> None:
+    """Teach DP-SGD a model family's RMSNorm class (each decoder family
+    has its own; clinfed.models registers those it meets)."""
+    RULES[layer] = RMSNormRule
+    GRAD_SAMPLERS[layer] = rms_norm_per_example
 
 
 class EmbeddingRule(LayerRule):

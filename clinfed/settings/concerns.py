@@ -39,7 +39,11 @@ class _DataBase:
         choices=("strict", "skip"),
     )
     max_length: int | None = setting(
-        None, "Encoder window in tokens (default: the task's).", minimum=8, maximum=512
+        None,
+        "Model window in tokens (default: the task's; at most what the model reads: 512 for "
+        "BERT-family encoders, the context of a decoder).",
+        minimum=8,
+        maximum=131_072,
     )
 
 

@@ -21,6 +21,7 @@ import torch
 from torch.nn import functional as F
 
 from clinfed.errors import ClinfedError, ProblemLog
+from clinfed.models import pad_token_id
 from clinfed.tasks.base import PUBLIC_SITE, SPLIT_KEY, Corpus, ScoreTable, Task
 from clinfed.tasks.i2b2.bio import allowed_transitions, best_valid_tags
 from clinfed.tasks.i2b2.brat import read_brat
@@ -410,7 +411,7 @@ class I2b2Task(Task):
             site: [int(i == OUTSIDE_ID or i in ids) for i in range(len(self.labels))]
             for site, ids in self._open_labels().items()
         }
-        self.pad_id = tokenizer.pad_token_id
+        self.pad_id = pad_token_id(tokenizer)
         return encode_lines(records, self.labels, may_be, tokenizer, max_length, cache_dir)
 
     def _open_labels(self) -> dict[str, list[int]]:

@@ -31,7 +31,7 @@ import torch
 from torch.nn import functional as F
 
 from clinfed.errors import ClinfedError, ProblemLog
-from clinfed.models import special_tokens
+from clinfed.models import pad_token_id, special_tokens
 from clinfed.runs import atomic_write_text
 from clinfed.tasks.base import (
     PUBLIC_SITE,
@@ -365,7 +365,7 @@ class Mimic3Task(Task):
     def encode(
         self, records: datasets.Dataset, tokenizer, max_length: int, cache_dir: str | None
     ) -> datasets.Dataset:
-        self.pad_id = tokenizer.pad_token_id
+        self.pad_id = pad_token_id(tokenizer)
         prefix, suffix = special_tokens(tokenizer)
         window = max_length - len(prefix) - len(suffix)
         budget = window * self.max_chunks
