@@ -25,7 +25,8 @@ from clinfed.privacy.site import SitePrivacy
 from clinfed.runs import read_jsonl
 from clinfed.settings import RunConfig
 
-BASE = {"task": "i2b2", "model": "tiny", "strategy": "fedavg", "max_length": 32}
+# One local epoch: these probe what leaves a site, not what training reaches.
+BASE = {"task": "i2b2", "model": "tiny", "strategy": "fedavg", "max_length": 32, "local_epochs": 1}
 
 
 def _run(tmp_path, **settings) -> RunConfig:

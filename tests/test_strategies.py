@@ -39,7 +39,13 @@ def test_ditto_keeps_a_personal_model_and_charges_both_trainings(i2b2_corpus, tm
     # DP-SGD takes book-keeping clipping (hooks on the embedding matrix made
     # this test take 106 s).
     summary = _run(
-        i2b2_corpus, tmp_path / "run", "ditto", ditto_lambda=0.5, target_epsilon=8.0, max_length=64
+        i2b2_corpus,
+        tmp_path / "run",
+        "ditto",
+        ditto_lambda=0.5,
+        target_epsilon=8.0,
+        max_length=64,
+        local_epochs=1,
     )
     records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     rounds = [r for r in records if "client" not in r]
