@@ -297,6 +297,7 @@ def test_config_file_evaluate_and_predict(i2b2_corpus, tmp_path):
         f'task = "i2b2"\ndata = "{i2b2_corpus}"\nmax_length = 32\n'
         '[federation]\nstrategy = "fedavg"\nrounds = 1\n'
         '[model]\nmodel = "tiny"\n[training]\nbatch_size = 8\n'
+        "[machine]\nthreads = 1\n"  # beside the other test worker: one thread each
     )
     run = tmp_path / "run"
     result = run_cli("train", "--config", str(config), "--rounds", "2", "--out", str(run))

@@ -198,7 +198,7 @@ def test_icd_coding_reads_a_note_past_512_tokens_whole_on_a_decoder(
     assert encoded[longest]["n_tokens"] > 512 and len(encoded[longest]["input_ids"]) == 1
     out = tmp_path / "run"
     result = _train(mimic_corpus, out, decoder, "--task", "mimic3", "--max-length", "2048",
-                    "--target-epsilon", "8")  # fmt: skip
+                    "--target-epsilon", "8", "--rounds", "1", "--local-epochs", "1")  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert "f1" in json.loads((out / "summary.json").read_text())
     assert json.loads((out / "config.json").read_text())["data"]["max_length"] == 2048

@@ -231,10 +231,9 @@ def _node_site(i2b2_corpus, tmp_path, node_options=None, **settings):
     from clinfed.flower.deploy import flower_run_config
     from clinfed.flower.node import NodeConfig, NodeSite
 
-    config = flower_run_config(
-        {"task": "i2b2", "model": "tiny", "strategy": "fedavg", "max_length": 32} | settings,
-        tmp_path / "run",
-    )
+    # One local epoch: these check what a node does, not what training reaches.
+    base = {"task": "i2b2", "model": "tiny", "strategy": "fedavg", "max_length": 32}
+    config = flower_run_config(base | {"local_epochs": 1} | settings, tmp_path / "run")
     options = {"site": "beth", "max_epsilon": 10.0} | (node_options or {})
     return NodeSite(config, NodeConfig(i2b2_corpus, tmp_path / "state", **options), "run")
 
@@ -518,7 +517,7 @@ def uninterrupted(i2b2_corpus, tmp_path_factory):
 # embedding matrix's, with hooks clipping): 19 s with the bias plan.
 KILL_ARGS = ("train", "--task", "i2b2", "--strategy", "fedavg", "--model", "tiny",
              "--adapter", "bias", "--rounds", "3", "--max-length", "32", "--threads", "1",
-             "--target-epsilon", "4", "--reproducible-noise")  # fmt: skip
+             "--target-epsilon", "4", "--reproducible-noise", "--local-epochs", "1")  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -627,7 +626,7 @@ def charging(self, round_number, mechanisms):
 Ledger.charge = charging
 config = flower_run_config(
     {"task": "i2b2", "model": "tiny", "strategy": "fedavg", "max_length": 32,
-     "target_epsilon": 8.0, "rounds": 3},
+     "target_epsilon": 8.0, "rounds": 3, "local_epochs": 1},
     tmp / "run",
 )
 site = NodeSite(config, NodeConfig(data, tmp / "state", site="beth", max_epsilon=10.0), "run")
