@@ -67,6 +67,8 @@ def test_qk_bit_identical_after_warmup_and_never_uploaded(i2b2_corpus, tmp_path,
             model="tiny",
             rounds=4,
             freeze_from="2",
+            max_length=32,
+            threads=1,  # beside the other test worker: one thread each
         ),
         report,
     )

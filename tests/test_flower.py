@@ -402,10 +402,9 @@ def test_a_killed_node_is_tolerated_and_rejoins_with_its_ledger(tmp_path):
 
 
 def _site(i2b2_corpus, tmp_path, max_epsilon, run_name="run", node_options=None, **settings):
-    config = flower_run_config(
-        {"task": "i2b2", "model": "tiny", "strategy": "fedavg", "max_length": 32} | settings,
-        tmp_path / "run",
-    )
+    # One local epoch: these check what a node allows and charges.
+    base = {"task": "i2b2", "model": "tiny", "strategy": "fedavg", "max_length": 32}
+    config = flower_run_config(base | {"local_epochs": 1} | settings, tmp_path / "run")
     node = NodeConfig(
         i2b2_corpus,
         tmp_path / "state",
@@ -470,7 +469,7 @@ def test_every_run_at_a_node_charges_one_ledger_per_dataset(i2b2_corpus, tmp_pat
     note.write_bytes(note.read_bytes() + b"\n")
     config = flower_run_config(
         {"task": "i2b2", "model": "tiny", "strategy": "fedavg", "max_length": 32}
-        | {"target_epsilon": 8.0, "rounds": 1},
+        | {"target_epsilon": 8.0, "rounds": 1, "local_epochs": 1},
         tmp_path / "run",
     )
     third = NodeSite(config, NodeConfig(other, tmp_path / "state", "beth", 10.0), "run-b")

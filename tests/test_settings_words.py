@@ -158,7 +158,8 @@ def test_a_run_s_config_names_the_data_it_trained_on(i2b2_corpus, tmp_path):
     first = tmp_path / "first"
     result = run_cli(
         "train", "--task", "i2b2", "--data", "data", "--model", "tiny", "--strategy", "fedavg",
-        "--rounds", "1", "--max-length", "32", "--out", str(first), cwd=tmp_path,
+        "--rounds", "1", "--max-length", "32", "--threads", "1", "--out", str(first),
+        cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     saved = json.loads((first / "config.json").read_text())
