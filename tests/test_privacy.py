@@ -237,7 +237,7 @@ def test_a_run_s_pass_cap_reaches_every_private_pass(i2b2_corpus, tmp_path, monk
         return groups
 
     monkeypatch.setattr(dpsgd, "microbatches", recorded)
-    result = train_tiny(i2b2_corpus, tmp_path / "run", "--rounds", "1",
+    result = train_tiny(i2b2_corpus, tmp_path / "run", "--rounds", "1", "--local-epochs", "1",
                         "--target-epsilon", "8", "--dp-pass-units", "2")  # fmt: skip
     assert result.returncode == 0, result.stderr
     # Uncapped, this run's passes hold up to 39 units; capped, none more than 2.

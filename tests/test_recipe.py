@@ -98,12 +98,12 @@ def test_a_private_run_takes_the_recipes_epochs_and_schedule_unless_given(
 
     # replace-one: both runs' steps derive from the same exact count.
     tiny_run(
-        out=tmp_path / "recipe", noise_multiplier=5.0, batch_size=8, neighbours="replace-one",
+        out=tmp_path / "recipe", noise_multiplier=5.0, batch_size=32, neighbours="replace-one",
         local_epochs=None,
     )  # fmt: skip
     assert schedules == [DP_LR_DECAY] * 3  # each site trains on the recipe's schedule
     tiny_run(
-        out=tmp_path / "given", noise_multiplier=5.0, batch_size=8, local_epochs=1,
+        out=tmp_path / "given", noise_multiplier=5.0, batch_size=32, local_epochs=1,
         neighbours="replace-one",
     )  # fmt: skip
     recorded = json.loads((tmp_path / "recipe" / "config.json").read_text())

@@ -36,7 +36,7 @@ def _train(corpus: Path, out: Path, *extra: str):
         "train", "--task", "i2b2", "--data", str(corpus), "--model", "tiny", "--strategy",
         "fedavg", "--rounds", "1", "--max-length", "32", "--threads", "1",
         "--target-epsilon", "8", "--device", "cpu", "--neighbours", "replace-one",
-        "--out", str(out), *extra,
+        "--local-epochs", "1", "--out", str(out), *extra,
     )  # fmt: skip
 
 
@@ -264,7 +264,8 @@ def _train_mimic3(corpus: Path, out: Path, *extra: str):
     return run_cli(
         "train", "--task", "mimic3", "--data", str(corpus), "--model", "tiny", "--strategy",
         "fedavg", "--rounds", "1", "--top-k", "10", "--max-length", "32", "--max-chunks", "2",
-        "--threads", "1", "--target-epsilon", "8", "--device", "cpu", "--out", str(out), *extra,
+        "--threads", "1", "--target-epsilon", "8", "--device", "cpu", "--local-epochs", "1",
+        "--out", str(out), *extra,
     )  # fmt: skip
 
 
