@@ -186,8 +186,9 @@ def test_safl_on_a_decoder_sends_its_selected_layers_and_fedfrozen_never_query_o
     assert late and all(not any("query_key" in b for b in r["sent_blocks"]) for r in late)
 
 
+@pytest.mark.parametrize("plan", [(), ("--strategy", "safl", "--adapter", "lora")])
 def test_icd_coding_reads_a_note_past_512_tokens_whole_on_a_decoder(
-    decoder, mimic_corpus, tmp_path
+    decoder, plan, mimic_corpus, tmp_path
 ):
     from clinfed.tasks.mimic3.adapter import Mimic3Task
 
@@ -198,7 +199,8 @@ def test_icd_coding_reads_a_note_past_512_tokens_whole_on_a_decoder(
     assert encoded[longest]["n_tokens"] > 512 and len(encoded[longest]["input_ids"]) == 1
     out = tmp_path / "run"
     result = _train(mimic_corpus, out, decoder, "--task", "mimic3", "--max-length", "2048",
-                    "--target-epsilon", "8", "--rounds", "1", "--local-epochs", "1")  # fmt: skip
+                    "--target-epsilon", "8", "--rounds", "1", "--local-epochs", "1",
+                    *plan)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert "f1" in json.loads((out / "summary.json").read_text())
     assert json.loads((out / "config.json").read_text())["data"]["max_length"] == 2048
