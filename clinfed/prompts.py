@@ -147,9 +147,10 @@ def encode_with_prompt(
 
 
 def encoder_layers(encoder: nn.Module) -> list[nn.Module]:
-    """The transformer layers of a BERT-style (``encoder.layer``) or
-    DistilBERT-style (``transformer.layer``) encoder, in order."""
-    for path in ("encoder.layer", "transformer.layer"):
+    """The transformer layers of a BERT-style (``encoder.layer``),
+    DistilBERT-style (``transformer.layer``) or decoder (Llama, Qwen2,
+    Mistral: ``layers``) model, in order."""
+    for path in ("encoder.layer", "transformer.layer", "layers"):
         module = encoder
         for part in path.split("."):
             module = getattr(module, part, None)
@@ -157,4 +158,4 @@ def encoder_layers(encoder: nn.Module) -> list[nn.Module]:
                 break
         if module is not None:
             return list(module)
-    raise ValueError("deep prompts need an encoder with encoder.layer or transformer.layer")
+    raise ValueError("deep prompts need a model with encoder.layer, transformer.layer or layers")

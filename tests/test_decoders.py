@@ -16,7 +16,8 @@ from clinfed.blocks import block_of
 from clinfed.errors import ProblemLog
 from clinfed.federated.client import apply_plan
 from clinfed.federated.plan import Plan
-from clinfed.models import build_model, load_tokenizer, pad_token_id
+from clinfed.federated.strategies.pfeddc import PFedDC
+from clinfed.models import add_prompts, build_model, load_tokenizer, pad_token_id
 from clinfed.privacy.dpsgd import make_private
 from clinfed.privacy.randomness import reproducible
 from clinfed.privacy.site import DPSettings
@@ -101,7 +102,8 @@ def test_a_decoder_loads_in_fp32_with_its_pad_and_blocks(decoder):
 
 
 @pytest.mark.parametrize(
-    ("trainable", "clipping"), [("all", "bk"), ("all", "hooks"), ("lora", "bk")]
+    ("trainable", "clipping"),
+    [("all", "bk"), ("all", "hooks"), ("lora", "bk"), ("prompts", "hooks")],
 )
 def test_a_decoder_s_dp_step_clips_each_unit_exactly(
     decoder, trainable, clipping, i2b2_corpus, tmp_path
@@ -119,9 +121,16 @@ def test_a_decoder_s_dp_step_clips_each_unit_exactly(
             for name, param in model.named_parameters():
                 if ".lora_B." in name:
                     param.normal_(std=0.1)
+    if trainable == "prompts":  # pfeddc's deep prompts through the decoder's layers
+        add_prompts(model, 3, "attention", depth=2)
+        with torch.no_grad():  # the fusion's output starts at zero: give P_l a gradient
+            model.prompt.fusion.output.weight.normal_(std=0.1)
     _no_dropout(model)
     names = [n for n, _ in model.named_parameters()]
     chosen = frozenset(shared_names(model) if trainable == "lora" else names)
+    if trainable == "prompts":
+        chosen = PFedDC().plan(1, "s", names).trainable
+        assert any(n.startswith("prompt.local_prompt.") for n in chosen)
     apply_plan(model, Plan(chosen, chosen, frozenset(names)))
     units = task.unit_rows(examples, "example")
     params = [p for p in model.parameters() if p.requires_grad]
@@ -149,13 +158,17 @@ def _train(corpus, out, model, *flags):
 
     return run_cli(
         "train", "--data", str(corpus), "--out", str(out), "--model", model, "--rounds", "2",
-        "--max-length", "32", "--threads", "1", *flags,
+        "--max-length", "32", "--threads", "1", "--local-epochs", "1", *flags,
     )  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "plan",
-    [("--strategy", "fedavg"), ("--strategy", "safl", "--adapter", "lora", "--top-layers", "1")],
+    [
+        ("--strategy", "fedavg"),
+        ("--strategy", "safl", "--adapter", "lora", "--top-layers", "1"),
+        ("--strategy", "pfeddc"),  # deep prompts through the decoder's layers
+    ],
 )
 def test_a_decoder_trains_under_dp_predicts_and_scores(decoder, plan, i2b2_corpus, tmp_path):
     out = tmp_path / "run"
@@ -199,8 +212,7 @@ def test_icd_coding_reads_a_note_past_512_tokens_whole_on_a_decoder(
     assert encoded[longest]["n_tokens"] > 512 and len(encoded[longest]["input_ids"]) == 1
     out = tmp_path / "run"
     result = _train(mimic_corpus, out, decoder, "--task", "mimic3", "--max-length", "2048",
-                    "--target-epsilon", "8", "--rounds", "1", "--local-epochs", "1",
-                    *plan)  # fmt: skip
+                    "--target-epsilon", "8", "--rounds", "1", *plan)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert "f1" in json.loads((out / "summary.json").read_text())
     assert json.loads((out / "config.json").read_text())["data"]["max_length"] == 2048
