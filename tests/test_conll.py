@@ -125,3 +125,25 @@ def test_safl_profiles_its_public_probe_whatever_the_input_format(tmp_path):
     task = I2b2Task(format="conll", types=TYPES)
     probe = task.public_probe(load_tokenizer("tiny"), 32, str(tmp_path))
     assert len(probe) > 0  # the project's own generator writes i2b2 files
+
+
+def test_every_shipped_public_file_is_recorded_with_its_hash_and_licence():
+    # Text shipped in the wheel carries its provenance: each file's sha256
+    # prefix in public/SOURCES.md, the GENIA licence text beside the BioNLP
+    # corpora (their licence asks for it), and no file of BC5CDR, the
+    # benchmark's private corpus (a public folder holding it could be the
+    # sites' own text).
+    import hashlib
+
+    import clinfed
+
+    public = Path(clinfed.__file__).parent / "public"
+    sources = (public / "SOURCES.md").read_text()
+    shipped = sorted(public.glob("*.tsv"))
+    assert shipped
+    for path in shipped:
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        assert f"`{path.name}`" in sources and digest in sources, path.name
+        assert "bc5cdr" not in path.name.lower()
+    if any(p.name.startswith("bionlp") for p in shipped):
+        assert "Corpus annotations (c) GENIA Project" in (public / "GENIA-LICENSE.txt").read_text()
