@@ -324,10 +324,15 @@ class EmbeddingRule(LayerRule):
         same = ids.unsqueeze(2) == ids.unsqueeze(1)
         return (torch.bmm(g, g.transpose(1, 2)) * same).sum((1, 2))
 
-    def product_sums(self, factors: torch.Tensor) -> dict[str, torch.Tensor]:
+    def accumulate(self, factors: torch.Tensor) -> None:
+        # Scattered straight into .grad: a table-sized buffer per pass (the
+        # whole vocabulary for a few hundred looked-up rows) cost more than
+        # the lookups' own work on a whole-model step.
         weighted = (self.g * factors.view(-1, 1, 1)).reshape(-1, self.g.shape[-1])
-        rows = torch.zeros_like(self.module.weight).index_add_(0, self.a.reshape(-1), weighted)
-        return {"weight": rows}
+        weight = self.module.weight
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        weight.grad.index_add_(0, self.a.reshape(-1), weighted.to(weight.grad.dtype))
 
     @staticmethod
     def applies(module: nn.Module) -> bool:

@@ -77,9 +77,6 @@ def secure_gaussian(std: float, size: int, generator: torch.Generator) -> torch.
     Each chunk's generator is seeded from ``generator`` (the site's secret
     one), so the noise is exactly as secret as that generator's state, and
     exactly as reproducible in ``--reproducible-noise`` runs."""
-    # Imported here, not with the module: see clinfed.privacy.clipping.
-    from opacus.optimizers.optimizer import _generate_noise
-
     out = torch.empty(size)
     chunks = out.split(NOISE_CHUNK)
     seeds = torch.randint(2**62, (len(chunks),), generator=generator).tolist()
@@ -87,7 +84,7 @@ def secure_gaussian(std: float, size: int, generator: torch.Generator) -> torch.
     def fill(chunk: torch.Tensor, seed: int) -> None:
         own = torch.Generator()
         own.manual_seed(seed)
-        chunk.copy_(_generate_noise(std, chunk, own, True))
+        secure_fill(chunk, std, own)
 
     workers = min(len(chunks), torch.get_num_threads())
     if workers <= 1:
@@ -97,3 +94,19 @@ def secure_gaussian(std: float, size: int, generator: torch.Generator) -> torch.
         with ThreadPoolExecutor(workers) as pool:
             list(pool.map(fill, chunks, seeds))
     return out
+
+
+def secure_fill(out: torch.Tensor, std: float, generator: torch.Generator) -> None:
+    """Fill ``out`` with Opacus's secure Gaussian noise (``secure_mode``),
+    value for value what its ``_generate_noise`` returns from the same
+    generator state: one draw discarded (no carry-over of a Box-Muller
+    variate from an earlier draw), then the sum of four ``N(0, std^2)``
+    draws halved (Holohan and Braghin 2021, "Secure random sampling in
+    differential privacy"). Drawn in place: Opacus's version allocates six
+    buffers the size of ``out``, a quarter of its time on a whole model."""
+    torch.normal(0.0, std, size=(1, 1), generator=generator)
+    out.normal_(0.0, std, generator=generator)
+    draw = torch.empty_like(out)
+    for _ in range(3):
+        out.add_(draw.normal_(0.0, std, generator=generator))
+    out.mul_(0.5)
