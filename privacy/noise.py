@@ -103,7 +103,8 @@ def secure_fill(out: torch.Tensor, std: float, generator: torch.Generator) -> No
     variate from an earlier draw), then the sum of four ``N(0, std^2)``
     draws halved (Holohan and Braghin 2021, "Secure random sampling in
     differential privacy"). Drawn in place: Opacus's version allocates six
-    buffers the size of ``out``, a quarter of its time on a whole model."""
+    buffers the size of ``out``, a quarter of its time (24 against 31-33 ms
+    per 2M values on one core)."""
     torch.normal(0.0, std, size=(1, 1), generator=generator)
     out.normal_(0.0, std, generator=generator)
     draw = torch.empty_like(out)
