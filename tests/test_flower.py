@@ -24,6 +24,7 @@ from clinfed.federated.messages import Reply, encode_reply
 from clinfed.federated.replies import check_upload
 from clinfed.federated.strategies import get_strategy
 from clinfed.flower.deploy import (
+    environment,
     flower_run_config,
     make_certificates,
     make_node_key,
@@ -180,6 +181,17 @@ def test_node_config_errors_name_the_key(tmp_path):
 def test_flower_commands_refuse_to_run_without_tls_or_insecure(tmp_path, capsys):
     assert main(["flower", "superlink"]) == 2
     assert "--insecure" in capsys.readouterr().err
+
+
+def test_flower_processes_ask_for_work_often_and_an_operators_interval_wins(monkeypatch):
+    # Flower's SuperExec waits this long between asks for a new message
+    # (its default, 1 s, is half a second of every message on average);
+    # Flower refuses values outside 0.01-60 s.
+    monkeypatch.delenv("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", raising=False)
+    interval = float(environment()["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"])
+    assert 0.01 <= interval <= 0.2
+    monkeypatch.setenv("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "2")
+    assert environment()["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] == "2"
 
 
 def test_summed_site_counts_give_the_pooled_mimic_metrics():
