@@ -48,14 +48,19 @@ def test_no_note_text_is_left_in_tmp_or_home_after_a_signal(mimic_corpus, tmp_pa
              "--rounds", "5000", "--max-length", "32", "--max-chunks", "2", "--threads", "1",
              "--out", str(tmp_path / "run")]  # fmt: skip
     process = _clinfed(train, home, tmp)
-    deadline = time.monotonic() + 120
-    # Wait until tokenized notes are on disk in the scratch folder.
-    while time.monotonic() < deadline and process.poll() is None:
-        if _holding(tmp, CANARY.encode()):
-            break
-        time.sleep(0.2)
-    assert process.poll() is None, "the run ended before it could be stopped"
-    assert _holding(tmp, CANARY.encode())  # the canary really is in what was written
+    try:
+        deadline = time.monotonic() + 120
+        # Wait until tokenized notes are on disk in the scratch folder.
+        while time.monotonic() < deadline and process.poll() is None:
+            if _holding(tmp, CANARY.encode()):
+                break
+            time.sleep(0.2)
+        assert process.poll() is None, "the run ended before it could be stopped"
+        assert _holding(tmp, CANARY.encode())  # the canary really is in what was written
+    except BaseException:
+        process.kill()  # a 5,000-round run must not outlive a failed test
+        process.wait()
+        raise
     process.send_signal(signum)
     code = process.wait(timeout=60)
     if signum == signal.SIGTERM:
