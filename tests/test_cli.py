@@ -769,3 +769,11 @@ def test_train_help_shows_the_essentials_and_help_all_every_flag_uncut():
     warm = run_installed("warm-start", "--help", env={"COLUMNS": "80"})
     assert "--public-data" in warm.stdout and "--strategy" not in warm.stdout
     assert "--rounds" not in warm.stdout
+
+
+def test_an_error_naming_a_path_in_brackets_prints_it_verbatim(tmp_path, capsys):
+    """Brackets in an error are text (a file name, "clinfed[terminology]"),
+    never rich markup that silently drops them."""
+    missing = tmp_path / "notes[site1]"
+    assert main(["data", "check", str(missing), "--task", "i2b2"]) == 2
+    assert "notes[site1]" in capsys.readouterr().err

@@ -27,6 +27,8 @@ def _version_only(argv: list[str] | None) -> bool:
 
 # ----------------------------------------------------------------- main
 def _report_error(exc: Exception) -> None:
+    from rich.markup import escape
+
     from clinfed.commands.common import MAX_PROBLEMS_SHOWN, err
     from clinfed.errors import DataError, worded
 
@@ -34,7 +36,9 @@ def _report_error(exc: Exception) -> None:
         [str(p) for p in exc.problems] if isinstance(exc, DataError) else worded(exc).splitlines()
     )
     for line in lines[:MAX_PROBLEMS_SHOWN]:
-        err.print(f"[red]error:[/] {line}", highlight=False, soft_wrap=True)
+        # Escaped: a path or a hint in brackets ("clinfed[terminology]",
+        # "notes[1].txt") is text, not rich markup to swallow.
+        err.print(f"[red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
     if len(lines) > MAX_PROBLEMS_SHOWN:
         err.print(f"[red]error:[/] ... and {len(lines) - MAX_PROBLEMS_SHOWN} more problems")
 

