@@ -195,8 +195,11 @@ def run_training(config: RunConfig, report: Reporter = silent) -> dict[str, Any]
     """
     config.validate()
     # The warm start is a public phase without DP: it takes the rates a run
-    # without DP would, not the private rounds' (clinfed.privacy.recipe).
-    public_phase = replace(config, target_epsilon=None, noise_multiplier=None).resolved()
+    # without DP would, not the private rounds' (clinfed.privacy.recipe),
+    # for the model the private rounds train (their plan's parameters).
+    public_phase = replace(
+        config, adapter=config.trained_parameters(), target_epsilon=None, noise_multiplier=None
+    ).resolved()
     config = config.resolved()
     # One process per run folder, claimed before anything is read.
     with claimed_run_folder(config.out, config.resume):

@@ -169,6 +169,9 @@ class Task(ABC):
     # Rates (at ``defaults["batch_size"]``, scaled to a site's batch by
     # clinfed.privacy.recipe) for every weight under DP, where measured.
     dp_rates: ClassVar[dict[str, float]] = {}
+    # Which parameters train under DP when ``--adapter`` is not given: the
+    # plan measured best for the task at epsilon 8 (``none``: every weight).
+    dp_adapter: ClassVar[str] = "none"
     # Whether the label set may be fixed up front (``labels`` setting); a
     # task whose labels otherwise come from the data needs one on Flower,
     # where no server sees the data.

@@ -143,3 +143,28 @@ def test_only_a_target_epsilon_gives_the_measured_private_plan(i2b2_corpus, tmp_
     assert policy["relation"] == "add-remove"
     for site in policy["sites"].values():
         assert site["batch_size"] == dp_batch_size(site["examples"], 2)
+
+
+def test_icd_coding_under_dp_trains_its_measured_plan_unless_told_otherwise():
+    """ICD coding's private default is the head alone (measured over every
+    weight); a given --adapter wins, and without DP every weight trains."""
+    from clinfed.settings import RunConfig
+    from clinfed.tasks.mimic3.adapter import Mimic3Task
+
+    private = RunConfig.of(task="mimic3", strategy="fedavg", target_epsilon=8.0).resolved()
+    assert Mimic3Task.dp_adapter == "head"
+    assert private.adapter == "head"
+    assert private.local_epochs == dp_local_epochs("head")
+    told = RunConfig.of(task="mimic3", strategy="fedavg", target_epsilon=8.0, adapter="none")
+    assert told.resolved().adapter == "none"
+    assert told.resolved().local_epochs == WHOLE_MODEL_LOCAL_EPOCHS
+    assert RunConfig.of(task="mimic3", strategy="fedavg").resolved().adapter == "none"
+    # Strategies that choose what trains (their prompts, encoder layers) keep
+    # their own plan.
+    for strategy in ("pfeddc", "safl", "fedfrozen", "safl+fedfrozen"):
+        chosen = RunConfig.of(task="mimic3", strategy=strategy, target_epsilon=8.0).resolved()
+        assert chosen.adapter == "none", strategy
+    # Concept extraction's private plan stays every weight.
+    assert RunConfig.of(task="i2b2", strategy="fedavg", target_epsilon=8.0).resolved().adapter == (
+        "none"
+    )

@@ -80,8 +80,10 @@ class ModelSettings:
     """The encoder."""
 
     model: str = setting("minilm", "minilm (bundled), tiny (random, tests) or a checkpoint folder.")
-    adapter: str = setting(
-        "none",
+    adapter: str | None = setting(
+        None,
+        "Default: none, or under DP the task's measured private plan (ICD coding: head; "
+        "not for safl, fedfrozen or pfeddc, which choose what trains). "
         "none: plans move encoder weights; lora: the encoder stays frozen and only LoRA "
         "adapters and the head train and travel; bias: only the encoder's bias terms and the "
         "head (BitFit; with --gazetteer also the token-type table, the marks' rows); head: "

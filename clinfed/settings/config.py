@@ -108,6 +108,19 @@ class RunConfig(
         finite_target = self.target_epsilon is not None and not math.isinf(self.target_epsilon)
         return finite_target or self.noise_multiplier is not None
 
+    def trained_parameters(self) -> str:
+        """The plan's trained parameters (``--adapter``): as given, else under
+        DP the task's measured private plan (``Task.dp_adapter``) where the
+        strategy follows it, else every weight."""
+        from clinfed.federated.strategies import STRATEGIES
+        from clinfed.tasks import TASKS
+
+        if self.adapter is not None:
+            return self.adapter
+        if self.dp and STRATEGIES[self.strategy].follows_task_plan:
+            return TASKS[self.task].dp_adapter
+        return "none"
+
     def resolved(self) -> RunConfig:
         """A copy with every unset setting filled from the task's defaults and
         the strategy's (its options completed from their own defaults)."""
@@ -115,12 +128,13 @@ class RunConfig(
         from clinfed.tasks import TASKS
 
         strategy = STRATEGIES[self.strategy]
-        defaults = dict(TASKS[self.task].defaults)
-        if self.dp and self.adapter == "none":
+        adapter = self.trained_parameters()
+        defaults = {"adapter": adapter} | dict(TASKS[self.task].defaults)
+        if self.dp and adapter == "none":
             # Every weight under DP trains at the task's measured private rates.
             defaults |= TASKS[self.task].dp_rates
         defaults |= dict(strategy.training_defaults)
-        if self.adapter != "none":
+        if adapter != "none":
             from clinfed.adapters import TRAINING_DEFAULTS
 
             defaults |= TRAINING_DEFAULTS
@@ -131,7 +145,7 @@ class RunConfig(
         if self.local_epochs is None:
             from clinfed.privacy.recipe import dp_local_epochs
 
-            defaults["local_epochs"] = dp_local_epochs(self.adapter) if self.dp else 1
+            defaults["local_epochs"] = dp_local_epochs(adapter) if self.dp else 1
         if self.lr_decay is None:
             from clinfed.privacy.recipe import DP_LR_DECAY
 

@@ -123,6 +123,12 @@ class Strategy(ABC):
     selects_layers
         True when what travels is chosen from data each round (SAFL's
         top-K layers): the report explains how that choice was made.
+    follows_task_plan
+        Whether a task's private plan (``Task.dp_adapter``: ICD coding trains
+        the head alone under DP) applies when ``--adapter`` is not given.
+        False where the strategy decides what trains itself: which encoder
+        layers (SAFL, FedFrozen; the head alone would leave them nothing to
+        choose) or its own prompts (pfeddc).
     """
 
     name: ClassVar[str]
@@ -135,6 +141,7 @@ class Strategy(ABC):
     trainings_per_round: ClassVar[int] = 1
     uploads: ClassVar[bool] = True
     selects_layers: ClassVar[bool] = False
+    follows_task_plan: ClassVar[bool] = True
 
     # ------------------------------------------------------------- building
     @classmethod

@@ -73,6 +73,7 @@ class FedFrozen(Strategy):
     name = "fedfrozen"
     summary = "the whole model warms up, then attention query/key freeze and never travel"
     options = FedFrozenOptions
+    follows_task_plan = False  # its plan is which encoder weights freeze
 
     def __init__(self, options: FedFrozenOptions | None = None):
         super().__init__(options)

@@ -62,12 +62,13 @@ class PFedDC(Strategy):
 
     @classmethod
     def check_config(cls, config: Any) -> None:
-        if config.adapter != "none":
+        if config.adapter not in (None, "none"):
             raise ClinfedError("--adapter: pfeddc trains prompts on a frozen encoder already")
 
     summary = "personalized prompts on a frozen encoder; only shared prompts travel"
     options = PFedDCOptions
     shares_model = False  # each site keeps its own local prompt, fusion and head
+    follows_task_plan = False  # its prompts are its trained parameters
     # Prompts and a fresh head on a frozen encoder learn at prompt-tuning
     # rates, not fine-tuning ones.
     training_defaults = {"lr": 1e-2, "head_lr": 1e-2}

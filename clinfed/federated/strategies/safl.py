@@ -100,6 +100,7 @@ class SAFL(Strategy):
 
     name = "safl"
     selects_layers = True
+    follows_task_plan = False  # it chooses the encoder layers that train
     summary = "each round only the top-K layers by attention to task tokens (and the head) travel"
     options = SAFLOptions
 
