@@ -40,8 +40,8 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto`` (the default addopts) runs one worker more than the cores:
     the Flower, worker and crash tests spend much of their time waiting on
     other processes (Flower's polls, process starts), and a spare worker
-    fills it. Measured on 2 cores, fresh clone: 522 s with three workers
-    against 573-625 s with two."""
+    fills it. Measured on 2 cores, fresh clones: 522 s and 561 s with three
+    workers against 573 s and 625 s with two."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return (cores or 1) + 1
 
