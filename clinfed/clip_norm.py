@@ -101,7 +101,7 @@ def unit_gradient_norms(
 def clip_norm_from_public(
     model_path: Path,
     data: Path,
-    adapter: str = "none",
+    adapter: str | None = None,
     percentile: float = 75.0,
     max_units: int = 600,
     privacy_unit: str = "example",
@@ -120,7 +120,8 @@ def clip_norm_from_public(
         A folder of public annotated documents, in the model's task format.
     adapter
         The plan's trained parameters (``--adapter``): ``none`` (the whole
-        model), ``bias``, ``head`` or ``labels``.
+        model), ``bias``, ``head`` or ``labels``; by default the task's plan
+        under DP (``Task.dp_adapter``: ICD coding's head, else the whole model).
     percentile
         Which percentile of the unit norms to propose (0 to 100).
     max_units
@@ -140,7 +141,7 @@ def clip_norm_from_public(
     from clinfed.inference import saved_model_and_task
     from clinfed.scratch import temporary_folder
 
-    if adapter not in PLANS:
+    if adapter is not None and adapter not in PLANS:
         raise ClinfedError(
             f"--adapter {adapter}: choose one of {', '.join(PLANS)} (a LoRA factor's "
             "gradient depends on the run's seeded start: measure lora runs with bias or none)"
@@ -149,6 +150,7 @@ def clip_norm_from_public(
         raise ClinfedError(f"--percentile {percentile:g}: must be between 0 and 100")
     with temporary_folder("cache") as cache_dir:
         model, tokenizer, meta, task = saved_model_and_task(model_path, cache_dir)
+        adapter = adapter or task.dp_adapter
         if privacy_unit not in task.units:
             raise ClinfedError(
                 f"--privacy-unit {privacy_unit}: --task {task.name} offers {', '.join(task.units)}"

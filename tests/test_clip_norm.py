@@ -131,3 +131,25 @@ def test_a_folder_without_documents_or_a_model_exits_2(start, tmp_path):
     assert empty.returncode == 2 and str(tmp_path) in empty.stderr
     no_model = run_cli("privacy", "clip-norm", str(tmp_path), "--data", str(tmp_path))
     assert no_model.returncode == 2 and "Traceback" not in no_model.stderr
+
+
+def test_without_adapter_the_clip_norm_is_measured_over_the_task_s_private_plan(
+    tmp_path, mimic_corpus
+):
+    """ICD coding trains the head alone under DP by default, so its clip norm
+    is read off the head's gradients unless --adapter names another plan."""
+    from clinfed.clip_norm import clip_norm_from_public
+    from clinfed.pipeline import run_training
+    from clinfed.settings import RunConfig
+
+    from .conftest import TINY_RUN
+
+    start = tmp_path / "run"
+    settings = TINY_RUN | {"task": "mimic3", "top_k": 20, "max_chunks": 2}
+    run_training(RunConfig.of(data=str(mimic_corpus), out=str(start), **settings))
+    public = mimic_corpus / "site1"
+    default = clip_norm_from_public(start, public, max_units=4)
+    whole = clip_norm_from_public(start, public, adapter="none", max_units=4)
+    head = clip_norm_from_public(start, public, adapter="head", max_units=4)
+    assert default["adapter"] == "head"
+    assert default["parameters"] == head["parameters"] < whole["parameters"]

@@ -77,8 +77,11 @@ def privacy_clip_norm(
     data: Path = typer.Option(
         ..., "--data", help="PUBLIC annotated documents the model has not trained on."
     ),
-    adapter: str = typer.Option(
-        "none", "--adapter", help="The plan's trained parameters: none, bias, head or labels."
+    adapter: str | None = typer.Option(
+        None,
+        "--adapter",
+        help="The plan's trained parameters: none, bias, head or labels (default: the task's "
+        "private plan, every weight; ICD coding: head).",
     ),
     percentile: float = typer.Option(75.0, "--percentile", help="Percentile of the unit norms."),
     units: int = typer.Option(600, "--units", help="Measure at most this many units (0: all)."),
@@ -118,8 +121,9 @@ def privacy_clip_norm(
     out.print(
         f"clip norm {result['clip_norm']:.3g}: the {_ordinal(result['percentile'])} percentile of "
         f"{result['units']:,} public units' gradient norms over {result['parameters']:,} "
-        f"trained numbers (--adapter {adapter}); {result['share_clipped']:.0%} of them would "
-        f"be clipped. Percentiles: {quantiles}. Above the default 1.0: "
+        f"trained numbers (--adapter {result['adapter']}); "
+        f"{result['share_clipped']:.0%} of them would be clipped. Percentiles: {quantiles}. "
+        "Above the default 1.0: "
         f"{result['share_above']['1.0']:.0%}."
     )
 
