@@ -119,9 +119,8 @@ def clip_norm_from_public(
     data
         A folder of public annotated documents, in the model's task format.
     adapter
-        The plan's trained parameters (``--adapter``): ``none`` (the whole
-        model), ``bias``, ``head`` or ``labels``; by default the task's plan
-        under DP (``Task.dp_adapter``: ICD coding's head, else the whole model).
+        The plan's trained parameters (``--adapter``): ``none`` (every weight),
+        ``bias``, ``head``, ``labels``; default the task's (``Task.dp_adapter``).
     percentile
         Which percentile of the unit norms to propose (0 to 100).
     max_units
@@ -134,9 +133,9 @@ def clip_norm_from_public(
     Returns
     -------
     dict
-        ``clip_norm``, ``percentile``, ``units``, ``parameters``,
-        ``quantiles`` (10th to 90th), ``share_above`` (of the units, above
-        each of a few norms) and ``share_clipped`` (above the proposal).
+        ``clip_norm``, ``percentile``, ``units``, ``parameters``, ``adapter``,
+        ``quantiles`` (10th to 90th), ``share_above`` (of the units, above a
+        few norms) and ``share_clipped`` (above the proposal).
     """
     from clinfed.inference import saved_model_and_task
     from clinfed.scratch import temporary_folder
