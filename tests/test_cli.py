@@ -756,17 +756,21 @@ def test_version_answers_without_importing_torch():
     assert first.startswith("clinfed ") and "torch" in first and loaded == "False"
 
 
-def test_train_help_shows_the_essentials_and_help_all_every_flag_uncut():
-    short = run_installed("train", "--help", env={"COLUMNS": "80"})
+def test_train_help_shows_the_essentials_and_help_all_every_flag_uncut(monkeypatch):
+    # In this process (the installed script's help: test_help_on_every_command);
+    # rich reads the width from COLUMNS as a terminal would set it.
+    monkeypatch.setenv("COLUMNS", "80")
+    short = run_cli("train", "--help")
     assert short.returncode == 0
     for flag in ("--data", "--task", "--model", "--strategy", "--target-epsilon", "--rounds",
                  "--out", "--help-all"):  # fmt: skip
         assert flag in short.stdout
     assert "--lr " not in short.stdout and "--gazetteer" not in short.stdout
-    full = run_installed("train", "--help-all", env={"COLUMNS": "80"})
+    full = run_cli("train", "--help-all")
     assert full.returncode == 0 and "--lr " in full.stdout and "--gazetteer" in full.stdout
+    assert max(len(line) for line in full.stdout.splitlines()) <= 80
     assert "…" not in full.stdout  # no flag name (nor anything else) cut at 80 columns
-    warm = run_installed("warm-start", "--help", env={"COLUMNS": "80"})
+    warm = run_cli("warm-start", "--help")
     assert "--public-data" in warm.stdout and "--strategy" not in warm.stdout
     assert "--rounds" not in warm.stdout
 
