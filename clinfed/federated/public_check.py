@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from scipy.stats import binomtest
 
 # One-sided significance level of the sign test a proposal must pass.
 LEVEL = 0.05
@@ -81,6 +80,10 @@ def significant(better: int, worse: int, level: float = LEVEL) -> bool:
     a fair coin gives with probability ``level`` (one-sided sign test)."""
     if better <= worse:
         return False
+    # Imported here: scipy.stats costs a quarter second in every process
+    # that imports the round engine, and only the public check uses it.
+    from scipy.stats import binomtest
+
     tail = binomtest(better, better + worse, 0.5, alternative="greater").pvalue
     return bool(tail <= level)  # a Python bool: records are written as JSON
 
