@@ -21,13 +21,25 @@ holds on average): Opacus's ghost clipping needs one row per unit, so the
 comparison there is with hooks, which was clinfed's only mode for units
 spanning several rows before book-keeping covered them.
 
+``--profile`` then runs one more plain and one more DP epoch of each plan
+under cProfile and splits the DP epoch's time: the forward and backward
+passes (more of them than the plain step's: a Poisson batch runs as
+length-grouped passes, and the taps record each layer's activations and
+output gradients), the per-unit norms, the clipped sums, the noise, and
+the rest (collating the passes' batches, the optimizer). cProfile slows
+Python-heavy code, so read the split, not the totals. Writes
+``RESULTS/dp_overhead-profile.json`` and ``.md`` (``-document-profile``).
+
     .venv/bin/python benchmarks/dp_overhead.py --batch-sizes 64   # ~10 min on 2 cores
     .venv/bin/python benchmarks/dp_overhead.py --unit document --batch-sizes 2 --repeats 2
+    .venv/bin/python benchmarks/dp_overhead.py --batch-sizes 64 --repeats 1 --profile
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import tempfile
 from pathlib import Path
@@ -67,6 +79,9 @@ def main() -> None:
         "--unit", default="example", choices=("example", "document"), help="the privacy unit"
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
+    parser.add_argument(
+        "--profile", action="store_true", help="split each plan's DP epoch by where it spends"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -108,7 +123,7 @@ def main() -> None:
             id(m): {k: v.clone() for k, v in m.state_dict().items()}
             for m in (model, adapted, biased)
         }
-        results, lines = {}, []
+        results, lines, profiles = {}, [], {}
         units = len(task.unit_rows(examples, args.unit))
         print(f"{len(examples)} rows in {units} {args.unit} units", flush=True)
         for batch_size in (int(b) for b in args.batch_sizes.split(",")):
@@ -148,6 +163,16 @@ def main() -> None:
                     statistics.median(timings[m]) for m in ("plain", "dp", "opacus")
                 )
                 noised = sum(p.numel() for n, p in model.named_parameters() if n in plan.trainable)
+                if args.profile:
+                    for mode, dp in (("plain", None), ("dp", DPSettings(
+                        1.0, 1.0, "auto", unit=args.unit, batch_size=batch_size
+                    ))):  # fmt: skip
+                        model.load_state_dict(start)
+                        work = LocalWork(
+                            model, task, examples, plan, settings, np.random.default_rng(0), dp,
+                            randomness=secret() if dp is not None else None,
+                        )  # fmt: skip
+                        profiles[f"{label}, batch {batch_size}", mode] = profiled(work)
                 results[f"{label}, batch {batch_size}"] = {
                     "batch_size": batch_size,
                     "noised_parameters": noised,
@@ -174,6 +199,51 @@ def main() -> None:
     stem = "dp_overhead" if args.unit == "example" else f"dp_overhead-{args.unit}"
     atomic_write_json(args.results / f"{stem}.json", results)
     atomic_write_text(args.results / f"{stem}.md", table)
+    print(table)
+    if args.profile:
+        write_profile(profiles, args.results / f"{stem}-profile")
+
+
+# Where an epoch's time goes: (file, functions) whose cumulative time is the
+# part. The backward pass includes the taps' recording of output gradients.
+PARTS = {
+    "forward": ("clinfed/models.py", ("forward",)),
+    "backward": ("~", ("<method 'run_backward' of 'torch._C._EngineBase' objects>",)),
+    "norms": ("privacy/bookkeeping.py", ("norms",)),
+    "clipped sums": ("privacy/bookkeeping.py", ("accumulate",)),
+    "noise": ("privacy/noise.py", ("add_noise",)),
+}
+
+
+def profiled(work: LocalWork) -> dict[str, float]:
+    """One client update under cProfile: its seconds and each part's."""
+    profile = cProfile.Profile()
+    result = profile.runcall(client_update, work)
+    stats = pstats.Stats(profile).stats  # (file, line, function) -> (.., .., tt, ct, ..)
+    parts = {"epoch": result.seconds}
+    for part, (file, functions) in PARTS.items():
+        parts[part] = sum(
+            entry[3]
+            for (path, _, function), entry in stats.items()
+            if path.endswith(file) and function in functions
+        )
+    parts["rest"] = parts["epoch"] - sum(parts[p] for p in PARTS)
+    return parts
+
+
+def write_profile(profiles: dict, stem: Path) -> None:
+    columns = ["epoch", *PARTS, "rest"]
+    lines = [
+        "| plan | | " + " | ".join(columns) + " |",
+        "|---|---|" + "---|" * len(columns),
+    ]
+    for (label, mode), parts in profiles.items():
+        cells = " | ".join(f"{parts[c]:.2f}" for c in columns)
+        lines.append(f"| {label} | {mode} | {cells} |")
+    table = "seconds of one epoch under cProfile\n\n" + "\n".join(lines) + "\n"
+    flat = {f"{label} | {mode}": parts for (label, mode), parts in profiles.items()}
+    atomic_write_json(stem.with_suffix(".json"), flat)
+    atomic_write_text(stem.with_suffix(".md"), table)
     print(table)
 
 
