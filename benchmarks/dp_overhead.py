@@ -32,7 +32,7 @@ Python-heavy code, so read the split, not the totals. Writes
 
     .venv/bin/python benchmarks/dp_overhead.py --batch-sizes 64   # ~10 min on 2 cores
     .venv/bin/python benchmarks/dp_overhead.py --unit document --batch-sizes 2 --repeats 2
-    .venv/bin/python benchmarks/dp_overhead.py --batch-sizes 64 --repeats 1 --profile
+    .venv/bin/python benchmarks/dp_overhead.py --batch-sizes 64 --repeats 3 --profile
 """
 
 from __future__ import annotations
