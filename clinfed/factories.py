@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import json
 import math
-from collections import Counter
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from torch import nn
 
 from clinfed.adapters import add_bias, add_head, add_labels, add_lora
@@ -174,18 +172,9 @@ def privacy_policy(
     policy.ledger_budget, policy.ledger_mark, policy.run = ledger_budget, ledger_mark, run
     policy.unit, policy.unit_text = unit, task.units[unit]
     if unit == "example":
-        # k: how many units one note or patient holds (group privacy).
-        for site, data in train.items():
-            keys = task.group_keys(data)
-            if keys is None:
-                continue
-            owner = [keys[int(rows[0])] for rows in sites_units[site]]
-            per_group = sorted(Counter(owner).values())
-            policy.groups[site] = {
-                "of": "patient" if "patient" in task.units else "document",
-                "k_max": per_group[-1],
-                "k_median": float(np.median(per_group)),
-            }
+        # What groups the units, for the group bound; never how many a
+        # group holds (one note's length, exact).
+        policy.group_of = next((g for g in ("patient", "document") if g in task.units), None)
     return policy
 
 

@@ -51,9 +51,12 @@ RELATION_REASONS = {
 PATIENT_CAVEAT = (
     "The guarantee protects one unit. A note or patient with k units at a site is protected "
     "by group privacy only: (k epsilon, k e^((k-1) epsilon) delta), so delta grows fast with "
-    "k. The per-site k and that bound are listed below; --privacy-unit document or patient "
-    "protects a whole note or patient instead."
+    "k. No site sends how many units its notes hold (a note's length would leave the site "
+    "exactly), so the bound is listed below for several k; --privacy-unit document or "
+    "patient protects a whole note or patient instead."
 )
+# The group sizes the report gives the group bound for (public: no site's k).
+GROUP_SIZES = (2, 5, 10, 30)
 
 
 def group_bound(epsilon: float, delta: float, k: int) -> tuple[float, float]:
@@ -214,11 +217,12 @@ class PrivacyPolicy:
     ledger_budget: float | None = None
     # A node's high-water mark of its ledgers (outside the ledger folder).
     ledger_mark: Path | None = None
-    # The privacy unit: its name, what it is in words, and per site how
-    # many examples a document or patient holds (k, for group privacy).
+    # The privacy unit: its name, what it is in words, and what groups its
+    # units (document or patient; None when the unit is the whole group).
+    # How many units a group holds is never recorded: it is exact and private.
     unit: str = "example"
     unit_text: str = UNIT
-    groups: dict[str, dict[str, Any]] = field(default_factory=dict)
+    group_of: str | None = None
     # With a derived batch, each site's factor on its rates (recipe.lr_scale).
     lr_scales: dict[str, float] = field(default_factory=dict)
     # The neighbouring relation; under add-remove ``sizes`` are the sites'
@@ -404,6 +408,7 @@ class PrivacyPolicy:
             "unit": self.unit_text,
             "privacy_unit": self.unit,
             "patient_caveat": PATIENT_CAVEAT if self.unit == "example" else None,
+            "group_of": self.group_of if self.unit == "example" else None,
             "accountant": budget_accountant(self.relation).description,
             "relation": self.relation,
             "relation_reason": RELATION_REASONS[self.relation],
@@ -435,11 +440,4 @@ class PrivacyPolicy:
             "steps_per_round": sgd.steps,
             "planned_epsilon": planned,
         }
-        group = self.groups.get(site)
-        if group:
-            eps_k, delta_k = group_bound(planned, self.delta, group["k_max"])
-            described["group"] = group | {
-                "planned_epsilon_for_k_max": eps_k,
-                "delta_for_k_max": delta_k,
-            }
         return described

@@ -425,11 +425,6 @@ class Task(ABC):
         rate and accounting are over, and its update's weight)."""
         return len(self.unit_rows(examples, unit))
 
-    def group_keys(self, examples: datasets.Dataset) -> list[Any] | None:
-        """The document or patient of each row, for the group-privacy caveat
-        of the example level (``None``: the task has no such grouping)."""
-        return None
-
     def meta(self) -> dict[str, Any]:
         """What a saved model needs to be used again (labels, options)."""
         return {"task": self.name, "head": self.head, "labels": list(self.labels)}

@@ -696,7 +696,6 @@ def test_sweep_writes_a_table_and_skips_finished_cells(i2b2_corpus, tmp_path):
 
 
 def test_units_are_what_sampling_and_accounting_count(i2b2_corpus, tmp_path):
-    from collections import Counter
 
     from clinfed.factories import make_strategy, privacy_policy
 
@@ -723,14 +722,12 @@ def test_units_are_what_sampling_and_accounting_count(i2b2_corpus, tmp_path):
     assert note_level.round_mechanisms("beth")[0].sample_rate > (
         sentence_level.round_mechanisms("beth")[0].sample_rate
     )
-    # at the sentence level the report gets k (sentences per note) and the group bound
-    per_note = Counter(doc for doc, _ in set(rows))
-    group = sentence_level.describe_site("beth")["group"]
-    assert group["of"] == "document" and group["k_max"] == max(per_note.values())
-    planned = sentence_level.describe_site("beth")["planned_epsilon"]
-    assert group["planned_epsilon_for_k_max"] == pytest.approx(group["k_max"] * planned)
-    assert group["delta_for_k_max"] > sentence_level.delta
-    assert "group" not in note_level.describe_site("beth")
+    # at the sentence level the report gets what groups the units (notes),
+    # never how many units a note holds (one note's exact length)
+    described = sentence_level.describe()
+    assert described["group_of"] == "document" and described["patient_caveat"]
+    assert not any("k_" in key or "group" in key for key in described["sites"]["beth"])
+    assert note_level.describe()["group_of"] is None
     assert note_level.describe()["patient_caveat"] is None
     with pytest.raises(Exception, match="offers example, document"):
         RunConfig.of(task="i2b2", data=str(i2b2_corpus), privacy_unit="patient").validate()

@@ -68,7 +68,10 @@ def test_epsilon_is_explained_in_words_with_a_per_document_bound(dp_run):
     content = json.loads((dp_run / "report" / "privacy.json").read_text())
     words = " ".join(content["meaning"])
     assert "e^epsilon" in words and "one chance in 100,000" in words
-    assert "one document holds" in words  # the group (per-document) reading
+    # the group (per-document) reading, for several sizes: no site sends its k
+    assert "A whole document is protected by group privacy only" in words
+    assert "2 units: epsilon" in words and "30 units: no useful bound" in words
+    assert all("group" not in row for row in content["sites"])
 
 
 def test_versions_and_the_command_line_are_recorded(dp_run):

@@ -185,7 +185,7 @@ def test_the_in_process_transport_carries_the_wire_form_not_the_objects():
     class Site:
         def handle(self, message, release=True):
             received.append(message)
-            record = {"round": message.round, "pair": (1, 2)}
+            record = {"round": message.round, "layers": (1, 2)}
             return Reply(site="a", upload={"w": message.download["w"] * 2}, record=record)
 
     message = Message("train", 1, sent, full=True, evaluate=False, strategy_state={"k": (1,)})
@@ -193,5 +193,5 @@ def test_the_in_process_transport_carries_the_wire_form_not_the_objects():
     (got,) = received
     assert got is not message and got.download["w"] is not sent["w"]
     assert torch.equal(got.download["w"], sent["w"]) and got.strategy_state == {"k": [1]}
-    assert reply.record == {"round": 1, "pair": [1, 2]}  # JSON: tuples come back as lists
+    assert reply.record == {"round": 1, "layers": [1, 2]}  # JSON: tuples come back as lists
     assert torch.equal(reply.upload["w"], 2 * sent["w"])

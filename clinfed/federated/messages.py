@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import torch
 
 from clinfed.federated import payload
+from clinfed.privacy.releases import check_reply
 
 
 @dataclass
@@ -83,6 +84,9 @@ class Reply:
     # Digest of the shared model the site rebuilt from the message (the
     # previous global round, if all went well); None for a model of its own.
     received: str | None = None
+    # Whether the site trains under DP: the door then refuses what never
+    # leaves a private site (clinfed.privacy.releases). Never sent.
+    private: bool = field(default=True, compare=False)
 
 
 class Transport(Protocol):
@@ -174,6 +178,8 @@ def decode_message(wire: Wire) -> tuple[Message, dict[str, Any]]:
 
 
 def encode_reply(reply: Reply) -> Wire:
+    """A reply's wire form, through the one door: every field is checked
+    against :mod:`clinfed.privacy.releases` and nothing undeclared is sent."""
     info = {
         "site": reply.site,
         "record": reply.record,
@@ -182,6 +188,7 @@ def encode_reply(reply: Reply) -> Wire:
         "secure": reply.secure,
         "received": reply.received,
     }
+    check_reply(info | {"upload": sorted(reply.upload) or None}, reply.private, reply.site)
     return _pack(reply.upload, info)
 
 

@@ -168,7 +168,12 @@ class SiteRunner:
                 else f"the copy rebuilt is not global round {message.round - 1}",
             )
             ledger = self.privacy.report() if self.privacy is not None else None
-            return Reply(site=self.name, ledger=ledger, received=proof if rebuilt else "")
+            return Reply(
+                site=self.name,
+                ledger=ledger,
+                received=proof if rebuilt else "",
+                private=self.privacy is not None,
+            )
         evaluation = None
         if message.evaluate and self._meter(message.round - 1):
             evaluation = self.evaluate(message.write_predictions)
@@ -211,6 +216,7 @@ class SiteRunner:
             evaluation=evaluation,
             ledger=ledger,
             received=proof,
+            private=self.privacy is not None,
         )
 
     def release(self, round_number: int) -> dict[str, Any] | None:

@@ -11,8 +11,9 @@ from typing import Any
 
 from clinfed.errors import ClinfedError
 from clinfed.federated.strategies import STRATEGIES
+from clinfed.privacy import releases
 from clinfed.privacy.accountants import ACCOUNTANT, RELATION, Mechanism, reference_epsilon
-from clinfed.privacy.policy import PATIENT_CAVEAT, UNIT, group_bound
+from clinfed.privacy.policy import GROUP_SIZES, PATIENT_CAVEAT, UNIT, group_bound
 from clinfed.reporting.plots import make_plots, relation_of
 from clinfed.reporting.verify import load_run, read_json, verify_run
 
@@ -124,7 +125,6 @@ def _site_rows(run_data: dict[str, Any]) -> list[dict[str, Any]]:
                 "epsilon_rdp": (
                     reference_epsilon(mechanisms, delta, relation_of(lines)) if mechanisms else 0.0
                 ),
-                "group": policy.get("sites", {}).get(site, {}).get("group"),
                 "delta": delta,
                 "mb_sent": sum(r["bytes_up"] for r in sent) / 1e6,
                 "refused_rounds": [
@@ -249,9 +249,10 @@ def _verdicts(content: dict[str, Any], pooled: bool) -> list[str]:
         lines.append(
             "**Held-out notes are outside epsilon.** The epsilon above covers the units the "
             "sites trained on. Their held-out units answered evaluation queries with exact "
-            f"counts, not noised ({counts} queries in this run): declared and capped, one "
-            "query per global round, on Flower at most the node's max-evaluations per dataset "
-            "over every run."
+            f"counts, not noised ({counts} queries in this run), of weights the server "
+            "chose: a server can craft the weights it sends, so each answer is a query of its "
+            "design. Declared and capped: one query per global round, on Flower at most the "
+            "node's max-evaluations per dataset over every run."
         )
     if content.get("not_private"):
         lines.insert(0, f"**NOT PRIVATE.** {content['not_private']}.")
@@ -259,18 +260,25 @@ def _verdicts(content: dict[str, Any], pooled: bool) -> list[str]:
 
 
 def _meaning(content: dict[str, Any]) -> list[str]:
-    """Epsilon and delta in plain words, with the unit and the per-document
-    (or per-patient) bound."""
+    """Epsilon and delta in plain words, under the run's relation and plan,
+    with the unit and the group bound for several group sizes."""
     if not content["differential_privacy"] or not content["sites"]:
         return []
     worst = max(row["epsilon"] for row in content["sites"])
     delta = content["delta"]
     odds = math.exp(worst)
+    covered = "the model updates"
+    if content.get("private_selection"):
+        covered += " and SAFL's private layer choice"
+    if content.get("relation") == "add-remove":
+        covered += ", and the noisy count of units each site released once"
+        neighbours = "with that unit in the data as without it"
+    else:
+        neighbours = "with that unit in the data as with it replaced by another"
     paragraphs = [
         f"The unit of privacy is {content['unit']}. For any one such unit at a site, "
-        "what the accounting covers (the model updates, and SAFL's private layer choice) "
-        "is at most e^epsilon times as likely with that unit in the data as with it "
-        "replaced by another, except with probability delta. The other releases in the "
+        f"what the accounting covers ({covered}) is at most e^epsilon times as likely "
+        f"{neighbours}, except with probability delta. The other releases in the "
         "table of what left each hospital are declared or capped, not covered by epsilon. At the "
         f"largest epsilon spent here ({worst:.2f}), e^epsilon is {odds:,.1f}; delta is "
         f"{delta:g}, about one chance in {1 / delta:,.0f}.",
@@ -278,64 +286,32 @@ def _meaning(content: dict[str, Any]) -> list[str]:
         "published private deep learning and protects against realistic attacks far better "
         "than its worst-case meaning suggests; above 10 the worst-case guarantee is weak.",
     ]
-    for row in content["sites"]:
-        group = row.get("group")
-        if not group:
-            continue
-        k_med, k_max = group["k_median"], group["k_max"]
-        eps_k, delta_k = group_bound(row["epsilon"], row["delta"], int(k_max))
-        whole = group["of"]
-        if delta_k >= 1.0:
-            bound = f"group privacy gives no useful bound for a whole {whole} (delta reaches 1)"
-        else:
-            bound = f"a whole {whole} is protected at epsilon {eps_k:.3g}, delta {delta_k:.3g}"
+    whole = content.get("group_of")
+    if whole:
+        bounds = []
+        for k in GROUP_SIZES:
+            eps_k, delta_k = group_bound(worst, delta, k)
+            bounds.append(
+                f"{k} units: no useful bound (delta reaches 1)"
+                if delta_k >= 1.0
+                else f"{k} units: epsilon {eps_k:.3g}, delta {delta_k:.3g}"
+            )
         paragraphs.append(
-            f"At {row['site']}, one {whole} holds {k_med:g} units (median; at most {k_max}): "
-            f"{bound}. `--privacy-unit {whole}` protects whole {whole}s instead."
+            f"A whole {whole} is protected by group privacy only, by how many units it holds: "
+            f"{'; '.join(bounds)}. No site sends how many units its {whole}s hold (one "
+            f"{whole}'s length would leave the site exactly). `--privacy-unit {whole}` "
+            f"protects whole {whole}s instead."
         )
     return paragraphs
 
 
-# Every field of a site's record (what it sends the server with its update),
-# and the row of the release table that covers it. A new field needs a row:
-# tests/test_guarantees.py fails on a field not listed here.
-RECORD_FIELDS = {
-    "round": "model update",
-    "client": "model update",
-    "bytes_up": "model update",
-    "bytes_down": "model update",
-    "trainable_params": "model update",
-    "uploaded_params": "model update",
-    "sent_blocks": "model update",
-    "sent_share": "model update",
-    "num_layers": "model update",
-    "clipping": "model update",
-    "secure_dropped": "model update",
-    "secure": "model update",
-    "examples": "its weight",
-    "epsilon": "ledger lines",
-    "selection": "layer choice",
-    "layers": "layer choice",
-    "scores": "layer choice",
-    "selection_mechanism": "layer choice",
-    "refused": "refusals",
-    "epsilon_if_trained": "refusals",
-    # Released only without DP (release_filter drops them under DP).
-    "train_loss": "training loss",
-    "train_tokens": "training loss",
-    "wall_s": "training loss",
-}
-
-
-def _weight_cover(content: dict[str, Any]) -> str:
-    """How a DP run's weight left each site: under the relation it ran."""
-    if content.get("relation") == "add-remove":
-        return (
-            "accounted: a noisy count (std 20) released once per dataset, charged as the "
-            "ledger's unit-count line; the weight, sampling rate, steps and default delta cap "
-            "derive from it, never from the exact count (add/remove)"
-        )
-    return "declared: released exactly; the accounting assumes it public (replace-one)"
+def record_row(field: str) -> str | None:
+    """The release table's row (its first column) that covers ``field`` of a
+    site's line in ``metrics.jsonl``: declared in :mod:`clinfed.privacy.releases`
+    (a site's record field, or a figure the server adds)."""
+    row = releases.row_of(f"record.{field}")
+    key = row.key if row is not None else releases.SERVER_FIELDS.get(field)
+    return releases.ROW[key].what if key is not None else None
 
 
 def evaluation_queries(records: list[dict[str, Any]]) -> dict[str, int]:
@@ -351,80 +327,16 @@ def evaluation_queries(records: list[dict[str, Any]]) -> dict[str, int]:
 
 
 def _released(content: dict[str, Any], config: dict[str, Any], pooled: bool) -> list[list[str]]:
-    """What left each hospital: one row per kind of quantity."""
+    """What left each hospital: the rows of :mod:`clinfed.privacy.releases`."""
     if pooled:
         return []
-    dp = content["differential_privacy"]
-    secure = bool(config.get("secure_aggregation"))
-    update_cover = "DP-SGD, accounted in the ledger" if dp else "nothing (no DP)"
-    if secure:
-        update_cover += "; secure aggregation: the server saw only the sum over sites"
-    capped = (
-        "capped, not accounted: each global round's model once, never past the run's "
-        "rounds; on Flower at most the node's max-evaluations per dataset over every run"
+    return releases.release_table(
+        content["differential_privacy"],
+        str(content.get("relation") or RELATION),
+        secure=bool(config.get("secure_aggregation")),
+        selection=content["selection"],
+        label_source=content["label_source"],
     )
-    rows = [
-        [
-            "model update: the planned parameters (see the grid below)",
-            "each round it trained",
-            "accounted: " + update_cover if dp else update_cover,
-        ],
-        [
-            "its weight: the number of privacy units it trained on (never rows)",
-            "each round it trained",
-            _weight_cover(content) if dp else "declared, not protected",
-        ],
-        [
-            "evaluation counts (true/false positives on held-out examples), the F1 computed "
-            "from them, and the held-out size: exact, on held-out units outside epsilon",
-            "once per round",
-            capped,
-        ],
-        [
-            "evaluation time",
-            "never" if dp else "once per round",
-            "kept at the site under DP" if dp else "nothing (no DP)",
-        ],
-        ["layer choice (SAFL)", "each round", content["selection"]],
-        [
-            "reply timing (when each reply reaches the server)",
-            "each round",
-            "declared, not accounted: it follows the site's hardware and batch sizes",
-        ],
-        [
-            "refusals and their reasons (budget spent, policy)",
-            "when they happen",
-            "declared: they follow from the site's public policy and its ledger",
-        ],
-    ]
-    if dp:
-        rows.append(
-            [
-                "ledger lines (epsilon this run and over every run of the dataset, noise, "
-                "sample rate, steps)",
-                "each round",
-                "declared: they follow from public settings, the unit count and what the "
-                "dataset spent in other runs",
-            ]
-        )
-        rows.append(
-            [
-                "units per note or patient (k: median, largest) for the group bound",
-                "with every reply",
-                "declared: released exactly, not accounted",
-            ]
-        )
-        rows.append(
-            [
-                "training loss, tokens, wall time",
-                "never",
-                "kept at the site under DP",
-            ]
-        )
-    else:
-        rows.append(["training loss", "each round it trained", "nothing (no DP)"])
-    rows.append(["the label set", "once", content["label_source"]])
-    return rows
 
 
 def build(run: Path, reference: Path | None = None) -> dict[str, Any]:
@@ -476,10 +388,12 @@ def build(run: Path, reference: Path | None = None) -> dict[str, Any]:
         "audit": run_data["audit"],
         "sent": _sent_grid(run_data),
     }
-    for row in content["sites"]:
-        group = (policy or {}).get("sites", {}).get(row["site"], {}).get("group")
-        if group:
-            row["group"] = group
+    content["group_of"] = (policy or {}).get("group_of")
+    content["private_selection"] = (
+        private
+        and config.get("selection") == "private"
+        and (config.get("strategy") in STRATEGIES and STRATEGIES[config["strategy"]].selects_layers)
+    )
     content["evaluation_queries"] = evaluation_queries(run_data["records"])
     if not summary and not pooled:
         done = (run_data["state"] or {}).get("round", 0)

@@ -442,9 +442,6 @@ class I2b2Task(Task):
             return list(examples["doc"])
         return list(zip(examples["doc"], examples["line"]))
 
-    def group_keys(self, examples: datasets.Dataset) -> list[Any] | None:
-        return list(examples["doc"])
-
     def collate(self, batch: dict[str, list]) -> dict[str, torch.Tensor]:
         return collate_lines(batch, self.pad_id)
 

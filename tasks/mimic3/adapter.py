@@ -413,9 +413,6 @@ class Mimic3Task(Task):
             return list(examples["subject_id"])
         return list(range(len(examples)))
 
-    def group_keys(self, examples: datasets.Dataset) -> list[Any] | None:
-        return list(examples["subject_id"])
-
     def collate(self, batch: dict[str, list]) -> dict[str, torch.Tensor]:
         n = len(batch["input_ids"])
         n_chunks = max(len(chunks) for chunks in batch["input_ids"])
