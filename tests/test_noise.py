@@ -102,6 +102,29 @@ def test_a_replay_with_the_public_seed_does_not_reproduce_the_release(tmp_path, 
     assert "NOT private" in policy["noise"] and NOT_PRIVATE in policy["warnings"]
 
 
+def test_noise_is_secret_even_with_the_sampling_pinned(tmp_path, tiny_run, monkeypatch):
+    # The Poisson batches pinned to the same draws in both runs, and the same
+    # public settings and seed: only the DP noise can tell the runs apart,
+    # so noise drawn from the public stream would give the same weights.
+    from clinfed.federated import site as site_module
+    from clinfed.privacy.randomness import SiteRandomness
+
+    def pinned_sampling() -> SiteRandomness:
+        drawn = secret()
+        return SiteRandomness(np.random.default_rng(7), drawn.noise, drawn.reproducible)
+
+    monkeypatch.setattr(site_module, "secret", pinned_sampling)
+    noisy = {
+        "batch_size": 8, "noise_multiplier": 50.0, "adapter": "bias",
+        "neighbours": "replace-one",  # no count drawn: the sampling and the noise are all
+    }  # fmt: skip
+    tiny_run(tmp_path / "a", **noisy)
+    tiny_run(tmp_path / "b", **noisy)
+    a = load_file(str(tmp_path / "a" / "model" / "model.safetensors"))
+    b = load_file(str(tmp_path / "b" / "model" / "model.safetensors"))
+    assert not all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.parametrize("size, std", [(1, 1.0), (1000, 0.37), (1 << 21, 2.5)])
 def test_the_in_place_secure_sampler_gives_opacus_s_values_exactly(size, std):
     # clinfed draws Opacus's secure_mode noise in place for speed; the

@@ -378,3 +378,57 @@ def test_a_two_note_site_sends_nothing_its_exact_count_follows_from(tmp_path, ti
             values = value if isinstance(value, list) else [value]
             clash = [v for v in values if isinstance(v, int | float) and v in forbidden]
             assert not (clash and path != "record.round" and "round" not in path), (path, value)
+
+
+# ------------------------------------------------------- at a Flower node
+def _node_replies(data: Path, state: Path, relation: str, monkeypatch) -> list[dict]:
+    """A node's replies to the same two training messages (the starting
+    model, whole), through the ClientApp's own handler."""
+    from clinfed.factories import make_model, make_task
+    from clinfed.federated.engine import Message
+    from clinfed.flower.deploy import flower_run_config
+    from clinfed.flower.handler import SiteCache, answer
+    from clinfed.flower.records import message_records
+
+    tokens = itertools.count()
+    monkeypatch.setattr(
+        "clinfed.privacy.ledger.secrets.token_hex", lambda n=8: f"{next(tokens):016x}"
+    )
+    values = {
+        "task": "i2b2", "model": "tiny", "strategy": "fedavg", "adapter": "bias",
+        "max_length": 32, "rounds": 2, "batch_size": 1000, "threads": 1, "local_epochs": 1,
+        "target_epsilon": 8.0, "reproducible_noise": True, "neighbours": relation,
+    }  # fmt: skip
+    config = flower_run_config(values, state.parent / "run")
+    start = make_model(config, make_task(config, "")).state_dict()
+    node = {"data": str(data), "state": str(state), "site": SITE, "allow-no-dp": True,
+            "max-epsilon": 20.0}  # fmt: skip
+    cache, sent = SiteCache(), []
+    try:
+        for round_number in (1, 2):
+            message = Message("train", round_number, start, full=True, evaluate=True)
+            records = message_records(message, {"name": "run", "config": config.to_dict()})
+            reply = answer(records, node, cache)
+            info = json.loads(str(reply.config_records["info"]["json"]))
+            arrays = reply.array_records["tensors"]
+            info["upload"] = hashlib.sha256(
+                b"".join(a.numpy().tobytes() for a in arrays.values())
+            ).hexdigest()
+            sent.append(info)
+    finally:
+        cache.drop()
+    return sent
+
+
+@pytest.mark.parametrize("relation", ["add-remove", "replace-one"])
+def test_a_flower_node_s_replies_move_only_in_accounted_fields(
+    relation, corpora, tmp_path, monkeypatch
+):
+    neighbour = "removed" if relation == "add-remove" else "replaced"
+    base = _node_replies(corpora["base"], tmp_path / "a" / "state", relation, monkeypatch)
+    other = _node_replies(corpora[neighbour], tmp_path / "b" / "state", relation, monkeypatch)
+    assert base and all(info.get("ledger") for info in base)  # the node shares its ledger
+    moved = _differing(base, other)
+    assert moved
+    uncovered = {p: releases.cover_of(p, relation) for p in moved}
+    assert all(c == releases.ACCOUNTED for c in uncovered.values()), uncovered
