@@ -43,6 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from clinfed.privacy.errors import SettingError
+
 
 def clip_factors(squared_norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
     """Each unit's clip factor from its squared gradient norm: Opacus's
@@ -50,8 +52,27 @@ def clip_factors(squared_norms: torch.Tensor, max_grad_norm: float) -> torch.Ten
     return (max_grad_norm / (squared_norms.sqrt() + 1e-6)).clamp(max=1.0)
 
 
+def shared_parameters(model: nn.Module) -> dict[str, list[str]]:
+    """Trainable parameters that more than one module uses (tied weights,
+    such as an output layer that reuses the word embeddings), with the
+    modules that use each. Book-keeping takes a squared norm per module, so
+    a tied weight's per-unit gradient (the sum over its uses) is not what it
+    would clip: such a model uses Opacus's hooks, which add the uses up."""
+    users: dict[int, list[str]] = {}
+    names: dict[int, str] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            if param.requires_grad:
+                users.setdefault(id(param), []).append(module_name or "(model)")
+                names.setdefault(id(param), f"{module_name}.{name}" if module_name else name)
+    return {names[key]: sorted(set(found)) for key, found in users.items() if len(set(found)) > 1}
+
+
 def supports(model: nn.Module) -> bool:
-    """Whether every trainable parameter belongs to a layer type with a rule."""
+    """Whether every trainable parameter belongs to a layer type with a rule,
+    and to one module only."""
+    if shared_parameters(model):
+        return False
     for module in model.modules():
         own = [p for p in module.parameters(recurse=False) if p.requires_grad]
         if own and _rule(module) is None:
@@ -400,6 +421,14 @@ class BookKeepingClipping:
     optimizer_class = None
 
     def __init__(self, model: nn.Module, max_grad_norm: float):
+        shared = shared_parameters(model)
+        if shared:
+            name, users = next(iter(shared.items()))
+            raise SettingError(
+                "clipping",
+                f"bk cannot clip {name}: it is used by {' and '.join(users)}, and book-keeping "
+                "would clip each use apart; use hooks (or auto)",
+            )
         self.model, self.max_grad_norm = model, max_grad_norm
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.anchor = torch.zeros((), requires_grad=True)

@@ -18,7 +18,9 @@ gradient norm over every trainable parameter jointly.
 
 ``auto`` picks bk wherever its layer rules cover the trainable parameters
 (measured fastest on every plan, see ``benchmarks/dp_overhead.py``), else
-ghost when embeddings train and every unit is one row, else hooks.
+ghost when embeddings train and every unit is one row, else hooks. A
+parameter used by several modules (tied weights) is clipped exactly only
+by hooks, which add its uses before the norm: bk and ghost refuse it.
 """
 
 from __future__ import annotations
@@ -75,6 +77,16 @@ def choose_clipping(
             "ghost needs one encoder row per privacy unit; here a unit spans several rows: "
             "use hooks (or auto)",
         )
+    shared = bookkeeping.shared_parameters(model)
+    if requested in ("bk", "ghost") and shared:
+        # Both take a squared norm per module: a weight used by two modules
+        # would be clipped at up to sqrt(2) C. Opacus's hooks add its uses.
+        name, users = next(iter(shared.items()))
+        raise SettingError(
+            "clipping",
+            f"{requested} cannot clip {name}, used by {' and '.join(users)} (its norm would be "
+            "taken per use): use hooks (or auto)",
+        )
     if requested == "bk" and not bookkeeping.supports(model):
         raise SettingError(
             "clipping",
@@ -89,8 +101,8 @@ def choose_clipping(
         isinstance(m, nn.Embedding) and m.weight.requires_grad for m in model.modules()
     )
     # Measured on MiniLM (DESIGN.md 6): ghost wins with a trainable
-    # embedding matrix, hooks without.
-    return "ghost" if embeddings and one_row_per_unit else "hooks"
+    # embedding matrix, hooks without; tied weights need hooks.
+    return "ghost" if embeddings and one_row_per_unit and not shared else "hooks"
 
 
 def _fold_rows(params: list[nn.Parameter], owner: torch.Tensor) -> None:

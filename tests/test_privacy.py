@@ -820,3 +820,70 @@ def test_the_privacy_package_is_a_leaf_library():
                 if not (name.startswith("clinfed.privacy") or top in allowed):
                     outside.append(f"{path.name}: {name}")
     assert not outside, outside
+
+
+class _TiedLM(nn.Module):
+    """Word embeddings reused as the output layer's weight (tied)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(12, 6)
+        self.mix = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 12, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.mix(self.embed(tokens))))
+
+
+def _clipped_sum(model: nn.Module, tokens: torch.Tensor, mode: str, clip: float) -> dict:
+    from clinfed.privacy.dpsgd import DPSettings, PrivateStep
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    step = PrivateStep(model, optimizer, mode, DPSettings(0.0, clip, mode), 1, torch.Generator())
+    try:
+        step.zero_grad()
+        logits = model(tokens[:, :-1])
+        losses = nn.functional.cross_entropy(
+            logits.transpose(1, 2), tokens[:, 1:], reduction="none"
+        ).sum(1)
+        step.backward(losses, torch.arange(len(tokens)), last=True)
+        step.step()
+    finally:
+        step.detach()
+    return {n: before[n] - p.detach() for n, p in model.named_parameters()}
+
+
+def test_a_tied_weight_is_clipped_as_the_sum_of_its_uses(monkeypatch):
+    from clinfed.privacy import bookkeeping
+    from clinfed.privacy.clipping import choose_clipping
+    from clinfed.privacy.errors import SettingError
+
+    torch.manual_seed(0)
+    model, tokens, clip = _TiedLM(), torch.randint(0, 12, (5, 7)), 0.05
+    start = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    # The exact per-unit clipped sum: each example's whole gradient (both
+    # uses of the tied weight added), clipped, then summed.
+    expected = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    for row in tokens:
+        model.zero_grad()
+        logits = model(row[None, :-1])
+        nn.functional.cross_entropy(logits[0], row[1:], reduction="sum").backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads.values()))
+        factor = min(1.0, clip / (float(norm) + 1e-6))
+        for n in grads:
+            expected[n] += factor * grads[n]
+    assert bookkeeping.shared_parameters(model) == {"embed.weight": ["embed", "out"]}
+    assert choose_clipping(model, "auto") == "hooks"
+    model.load_state_dict(start)
+    got = _clipped_sum(model, tokens, "hooks", clip)
+    for name in expected:
+        assert torch.allclose(got[name], expected[name], atol=1e-6), name
+    # Book-keeping and ghost norms are per module: both refuse the tied weight by name.
+    for mode in ("bk", "ghost"):
+        with pytest.raises(SettingError, match="embed.weight"):
+            choose_clipping(model, mode)
+    with pytest.raises(SettingError, match="embed.weight"):
+        bookkeeping.BookKeepingClipping(model, clip)
