@@ -86,7 +86,8 @@ def data_fingerprint(data: Path, cache: Path | None = None) -> str:
 def check_public_input(flag: str, public: str | Path, data: str | Path) -> None:
     """Refuse a public input (warm-start text, public check notes, name
     lists) that is, or holds, private data: a folder inside ``data`` or
-    containing it, or a file with the same bytes as one of ``data``'s. What
+    containing it, a file with the same bytes as one of ``data``'s, or
+    private content in another form (:mod:`clinfed.overlap`). What
     is public is spent freely, so a private note passed as public would be
     released with no accounting at all. Names no file and no content.
 
@@ -132,3 +133,12 @@ def check_public_input(flag: str, public: str | Path, data: str | Path) -> None:
                 f"{flag} {public}: holds a file with the same bytes as a file of the private "
                 f"data folder {data}; public inputs must not be private data"
             )
+    from clinfed.overlap import private_content
+
+    # Public by content, not by bytes: a converted or edited copy, notes
+    # concatenated, names cut from the private annotations (clinfed.overlap).
+    reason = private_content(public, data)
+    if reason is not None:
+        raise ClinfedError(
+            f"{flag} {public}: {reason} ({data}); public inputs must not be private data"
+        )
