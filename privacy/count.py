@@ -1,14 +1,14 @@
 """A site's unit count, released once under its own noise, so that the
 rest of its releases are accounted under add/remove neighbours.
 
-Under replace-one (the default) a site releases its exact number of privacy
-units: the aggregation weight, and through the sampling rate and the number
-of steps, everything it trains. Neighbouring datasets then have the same
-size and differ in one replaced unit, which costs about twice the
-sensitivity of adding or removing one.
+Under replace-one (``--neighbours replace-one``) a site releases its exact
+number of privacy units: the aggregation weight, and through the sampling
+rate and the number of steps, everything it trains. Neighbouring datasets
+then have the same size and differ in one replaced unit, which costs about
+twice the sensitivity of adding or removing one.
 
-With ``--neighbours add-remove`` a site instead releases ``n + N(0, s^2)``
-(``s`` = :data:`COUNT_NOISE`), rounded, drawn once per dataset from its
+Under add/remove (the default) a site instead releases ``n + N(0, s^2)``
+(``s`` = :data:`COUNT_NOISE`), rounded, drawn once per ledger from its
 secret randomness, and derives everything from that: its sampling rate
 ``batch / n_released``, its steps, its noise calibration, its aggregation
 weight and its default delta cap. Nothing derived from the exact count
@@ -18,15 +18,18 @@ DP-SGD's subsampled Gaussian steps, each accounted under add/remove. The
 count costs little: its Renyi divergence at order ``a`` is ``a / (2 s^2)``,
 about 0.03 at the orders that decide epsilon 1-8.
 
-One draw per dataset: the released count is kept beside the site's ledger
-(``<ledger>.count.json``) and every later run and message reuses it, so a
-server that asks many times gets the same value each time (fresh draws
-would average away). A Flower node charges it on its ledger the first time
+One draw per ledger: the released count is kept beside the site's ledger
+(``<ledger>.count.json``) and every later message reuses it, so a server
+that asks many times gets the same value each time (fresh draws would
+average away). A Flower node keeps one ledger per dataset over every run,
+so it draws once per dataset; an in-process run keeps its ledgers in its
+own run folder, so each run draws (and charges) its own count, which its
+report shows. A Flower node charges it on its ledger the first time
 it is drawn, before any message could carry it (:meth:`Ledger.charge_once`);
 an in-process run, whose ledger is the run's, charges it with its first
-round. What a site still releases exactly is listed in ``docs/privacy.md``
-(its held-out size and evaluation counts, declared and metered; the number
-of units per document or patient, ``k``).
+round. What a site still releases exactly is declared in
+:mod:`clinfed.privacy.releases` (its held-out size and evaluation counts,
+declared and metered).
 """
 
 from __future__ import annotations

@@ -459,7 +459,14 @@ class Ledger:
         self.released.add((self.run, round_number, attempt))
 
     def _run_history(self) -> list[Mechanism]:
-        return [_mechanism(line) for line in self.lines if line.get("run") == self.run]
+        """This run's charges, and what every run of the dataset rests on:
+        the releases made once per dataset (the noisy unit count), charged
+        under whichever run came first, are part of each run's epsilon."""
+        return [
+            _mechanism(line)
+            for line in self.lines
+            if line.get("run") == self.run or line["round"] == ONCE_ROUND
+        ]
 
     @property
     def spent(self) -> float:
@@ -524,8 +531,13 @@ class Ledger:
         return eps
 
     def run_lines(self) -> list[dict]:
-        """This run's charges (what a site reports for a run)."""
-        return [line for line in self.lines if line.get("run") == self.run]
+        """This run's charges (what a site reports for a run), with the
+        once-per-dataset releases it rests on (:meth:`_run_history`)."""
+        return [
+            line
+            for line in self.lines
+            if line.get("run") == self.run or line["round"] == ONCE_ROUND
+        ]
 
     def rounds(self) -> list[int]:
         return sorted({r["round"] for r in self.lines})

@@ -40,7 +40,8 @@ RELATION_REASONS = {
         "datasets have the same size and differ in one example"
     ),
     "add-remove": (
-        "add/remove: each site releases its number of training units once per dataset, with "
+        "add/remove: each site releases its number of training units once per ledger (at a "
+        "Flower node once per dataset; in process once per run), with "
         "Gaussian noise (std 20, accounted as the ledger's unit-count line), and derives its "
         "sampling rate, steps, noise, aggregation weight and default delta cap from that; no "
         "accounted release depends on the exact count, so neighbouring datasets differ in "

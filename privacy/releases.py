@@ -71,9 +71,10 @@ class Row:
 
 
 _COUNT_WORDS = (
-    "accounted: a noisy count (std 20) released once per dataset, charged as the ledger's "
-    "unit-count line; the weight, sampling rate, steps and default delta cap derive from "
-    "it, never from the exact count (add/remove)"
+    "accounted: a noisy count (std 20) drawn once per ledger (a Flower node: once per "
+    "dataset, over every run; in process: once per run, whose folder holds the ledger), "
+    "charged as the ledger's unit-count line; the weight, sampling rate, steps and default "
+    "delta cap derive from it, never from the exact count (add/remove)"
 )
 
 ROWS: tuple[Row, ...] = (

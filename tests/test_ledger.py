@@ -206,3 +206,28 @@ def test_a_dataset_that_trained_without_a_guarantee_can_claim_none_later(tmp_pat
     # A run that is itself not private (reproducible noise) still trains.
     again = Ledger(path, "beth", 1e-5, budget=100.0, run="t", not_private="reproducible")
     assert again.charge(1, ROUND) is not None
+
+
+def test_a_later_run_s_epsilon_includes_the_count_it_rests_on(tmp_path):
+    # A node charges the dataset's noisy count once, under its first run;
+    # every later run's epsilon (its report, its model card) includes it.
+    from clinfed.privacy.accountants import budget_accountant, epsilon
+    from clinfed.privacy.count import count_mechanism
+
+    sgd = Mechanism("dp-sgd", 1.1, 0.05, 20)
+    path = tmp_path / "beth.jsonl"
+
+    def ledger(run: str) -> Ledger:
+        return Ledger(path, "beth", 1e-5, 50.0, accountant=budget_accountant("add-remove"), run=run)
+
+    first = ledger("first")
+    assert first.charge_once(count_mechanism())
+    first.charge(1, [sgd])
+    first.release(1)
+    later = ledger("later")
+    assert later.charge_once(count_mechanism())  # already charged: nothing new
+    later.charge(1, [sgd])
+    with_count = epsilon([count_mechanism(), sgd], 1e-5, "add-remove")
+    assert later.run_spent == pytest.approx(with_count)
+    assert later.run_spent > epsilon([sgd], 1e-5, "add-remove")
+    assert [line["mechanism"] for line in later.run_lines()] == ["unit-count", "dp-sgd"]
