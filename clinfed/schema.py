@@ -25,3 +25,18 @@ def setting(default: Any = None, help: str = "", **meta: Any) -> Any:  # noqa: A
             default_factory=lambda: type(default)(default), metadata={"help": help, **meta}
         )
     return field(default=default, metadata={"help": help, **meta})
+
+
+def strict_bool(value: Any, where: str) -> bool:
+    """A boolean setting read strictly: a boolean, 1 or 0, or the words
+    true/false/1/0 in any case; anything else (an empty value included) is
+    refused by ``where``'s name, never read as truthy or as the default."""
+    from clinfed.errors import ClinfedError
+
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "1", "false", "0"):
+        return value.strip().lower() in ("true", "1")
+    raise ClinfedError(f"{where} must be true or false (or 1 or 0), not {value!r}")

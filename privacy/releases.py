@@ -342,7 +342,11 @@ def release_table(
         if not private:
             words = row.no_dp
         if row.key == "update" and secure:
-            words += "; secure aggregation: the server saw only the sum over sites"
+            words += (
+                "; secure aggregation: a server that follows the protocol sees only the sum "
+                "over sites, but one that forges secure-min-sites - 1 keys recovers one site's "
+                "update and weight at the mask stage (DP still covers them)"
+            )
         if row.key == "selection" and selection is not None:
             words = selection
         if row.key == "ledger" and not private:

@@ -109,8 +109,20 @@ def test_node_booleans_are_read_strictly(tmp_path, key):
     assert getattr(NodeConfig.parse(base | {key: "0"}), name) is False
     assert getattr(NodeConfig.parse(base | {key: "true"}), name) is True
     assert getattr(NodeConfig.parse(base | {key: True}), name) is True
-    with pytest.raises(ClinfedError, match=f"{key} must be true or false"):
-        NodeConfig.parse(base | {key: "no"})
+    for unclear in ("no", "", " "):  # an empty value is no default: it says neither
+        with pytest.raises(ClinfedError, match=f"{key} must be true or false"):
+            NodeConfig.parse(base | {key: unclear})
+
+
+def test_the_client_app_reads_the_worker_setting_strictly(tmp_path):
+    # Before the node's config is parsed, the ClientApp decides whether to
+    # hand the message to the worker: "no" is refused, never read as on.
+    from clinfed.flower import client
+
+    values = {"data": str(tmp_path), "state": str(tmp_path / "state")}
+    for unclear in ("no", "off", ""):
+        with pytest.raises(ClinfedError, match="worker must be true or false"):
+            client.answer(None, values | {"worker": unclear})
 
 
 # ---------------------------------------------- exact counts under add/remove

@@ -28,6 +28,7 @@ from flwr.common.constant import ErrorCode
 
 from clinfed.errors import USER_ERRORS
 from clinfed.flower import worker
+from clinfed.schema import strict_bool
 
 app = ClientApp()
 log = logging.getLogger("clinfed.node")
@@ -63,7 +64,7 @@ def answer(content: RecordDict, node_values: Mapping[str, Any]) -> RecordDict:
     """The reply records to one message's ``content`` at a node with
     ``node_values`` (its node config): from the node's long-lived worker,
     or handled here where the worker is off or unavailable."""
-    if str(node_values.get("worker", True)).lower() not in ("false", "0"):
+    if strict_bool(node_values.get("worker", True), "--node-config worker"):
         try:
             return worker.ask(node_values, content)
         except worker.Unavailable as exc:

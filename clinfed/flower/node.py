@@ -122,7 +122,7 @@ from clinfed.flower.cache import (
 )
 from clinfed.models import MINILM, TINY, checkpoint_dir, load_tokenizer
 from clinfed.provenance import data_fingerprint
-from clinfed.schema import setting
+from clinfed.schema import setting, strict_bool
 from clinfed.scratch import temporary_folder
 from clinfed.settings import RunConfig
 from clinfed.tasks.base import SPLIT_KEY
@@ -177,8 +177,10 @@ class NodeConfig:
         read = {
             f.name: _node_value(key, f, hints[f.name], values[key])
             for key, f in declared.items()
-            # An empty value is the default, except an empty list of types.
-            if values.get(key) is not None and (values[key] != "" or key == "annotated-types")
+            # An empty value is the default, except an empty list of types
+            # and a boolean (refused: it says neither true nor false).
+            if values.get(key) is not None
+            and (values[key] != "" or key == "annotated-types" or hints[f.name] is bool)
         }
         node = cls(**read)
         if not node.data.is_dir():
@@ -276,13 +278,7 @@ def _node_value(key: str, f: Any, hint: Any, value: Any) -> Any:
     kinds = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
     kind, where = kinds[0], f"--node-config {key}"
     if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, int) and value in (0, 1):
-            return bool(value)
-        if isinstance(value, str) and value.strip().lower() in ("true", "1", "false", "0"):
-            return value.strip().lower() in ("true", "1")
-        raise ClinfedError(f"{where} must be true or false (or 1 or 0)")
+        return strict_bool(value, where)
     try:
         if kind is Path:
             return Path(str(value))
