@@ -536,7 +536,13 @@ def test_every_run_at_a_node_charges_one_ledger_per_dataset(i2b2_corpus, tmp_pat
     # A new run name does not open a fresh ledger: the data's does not afford it.
     second = _site(i2b2_corpus, tmp_path, 10.0, run_name="run-b", target_epsilon=8.0, rounds=1)
     record = _train_and_release(second, 1)
-    assert record["refused"] == "privacy budget" and record["epsilon"] == 0.0
+    # Its epsilon is the dataset's count it rests on (charged under run-a), no training.
+    from clinfed.privacy.accountants import epsilon
+    from clinfed.privacy.count import count_mechanism
+
+    count_only = epsilon([count_mechanism()], 1e-5, "add-remove")
+    assert record["refused"] == "privacy budget"
+    assert record["epsilon"] == pytest.approx(count_only)
     (ledger,) = (tmp_path / "state" / "ledger").glob("beth-*.jsonl")
     charges = [line for line in read_jsonl(ledger) if line.get("mechanism") == "dp-sgd"]
     assert [line["run"] for line in charges] == ["run-a"]
