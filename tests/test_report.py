@@ -72,6 +72,9 @@ def test_epsilon_is_explained_in_words_with_a_per_document_bound(dp_run):
     assert "A whole document is protected by group privacy only" in words
     assert "2 units: epsilon" in words and "30 units: no useful bound" in words
     assert all("group" not in row for row in content["sites"])
+    # An add/remove run (the default): no word of replacing a unit anywhere.
+    assert content["relation"] == "add-remove"
+    assert "replaced" not in (dp_run / "report" / "report.md").read_text()
 
 
 def test_versions_and_the_command_line_are_recorded(dp_run):
