@@ -91,8 +91,11 @@ def _meaning(content: dict[str, Any]) -> list[str]:
 def _per_site(content: dict[str, Any], images: dict[str, str]) -> list[str]:
     lines = ["", "## Per site", "", content["ledger_source"], ""]
     if content["sites"]:
+        # Under add/remove the units a site released are its noisy count
+        # (drawn once per ledger: per run in process, per dataset at a node).
+        units = "units (noisy count)" if content.get("relation") == "add-remove" else "units"
         lines += [
-            "| site | units | noise multiplier | sample rate | steps / round | rounds "
+            f"| site | {units} | noise multiplier | sample rate | steps / round | rounds "
             "| epsilon | epsilon (RDP bound) | MB sent | refused rounds |",
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
