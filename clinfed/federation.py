@@ -4,6 +4,7 @@ run folder (or continues it) as ``clinfed train`` does."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -34,7 +35,14 @@ def run_federation(
     config = config.resolved()
     with claimed_run_folder(config.out, config.resume):
         if config.resume:
-            check_resume(config)
+            plan = check_resume(config)
+            plan.carry_out()
+            if plan.finished:
+                log(f"{config.out}: the run finished all {config.rounds} rounds; verified, "
+                    "nothing written")  # fmt: skip
+                return json.loads((Path(config.out) / "summary.json").read_text()) | {
+                    "finished_before": True
+                }
         return _serve(config, deployment, transport, log)
 
 

@@ -21,6 +21,7 @@ over Flower (:func:`run_federation`).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -56,7 +57,6 @@ from clinfed.federated.inprocess import InProcessTransport
 from clinfed.federated.partition import partition
 from clinfed.federated.public_check import PublicCheck
 from clinfed.federated.secure_site import with_secure_aggregation
-from clinfed.federated.state import check_metrics
 from clinfed.federated.strategies import STRATEGIES
 from clinfed.gazetteer import Gazetteer
 from clinfed.models import (
@@ -67,6 +67,7 @@ from clinfed.models import (
 from clinfed.privacy.policy import PrivacyPolicy
 from clinfed.privacy.site import SitePrivacy
 from clinfed.reporting.holdout import AUDIT_HOLDOUT, AUDIT_UPDATES, holdout_record, set_aside
+from clinfed.resume import ResumePlan, plan_resume
 from clinfed.runs import (
     append_jsonl,
     atomic_write_json,
@@ -99,18 +100,17 @@ def config_record(config: RunConfig, runner: str) -> dict[str, Any]:
 ROUNDING_SETTINGS = ("threads", "device")
 
 
-def check_resume(config: RunConfig) -> None:
-    """A resumed run must be the same run: same settings, same data."""
+def check_resume(config: RunConfig) -> ResumePlan:
+    """A resumed run must be the same run: same settings, same data, its
+    folder whole (:mod:`clinfed.resume`: every check before any write)."""
     out = Path(config.out)
-    saved_path = out / "config.json"
-    if not saved_path.is_file():
-        raise ClinfedError(f"{out}: no run to resume (no config.json)")
     if STRATEGIES[config.strategy].pooled:
         raise ClinfedError(
             f"--resume applies to federated strategies (rounds), not {config.strategy}"
         )
-    check_metrics(out)
-    check_same_settings(config, out, "--resume of")
+    if (out / "config.json").is_file():
+        check_same_settings(config, out, "--resume of")
+    return plan_resume(out, config.rounds)
 
 
 def check_same_settings(config: RunConfig, out: Path, doing: str) -> None:
@@ -141,7 +141,10 @@ def check_same_settings(config: RunConfig, out: Path, doing: str) -> None:
                 same = before == value
             if not same:
                 raise ClinfedError(
-                    f"{doing} {out} with a different config: {key} was {before!r}, now {value!r}"
+                    f"{doing} {out} with a different config: {key} was {before!r}, now "
+                    f"{value!r}; a run keeps its settings: to change {key}, start a new run: "
+                    f"clinfed train --config {Path(out) / 'config.json'} "
+                    f"--{key.replace('_', '-')} VALUE --out NEW"
                 )
 
 
@@ -204,7 +207,16 @@ def run_training(config: RunConfig, report: Reporter = silent) -> dict[str, Any]
     # One process per run folder, claimed before anything is read.
     with claimed_run_folder(config.out, config.resume):
         if config.resume:
-            check_resume(config)
+            plan = check_resume(config)
+            plan.carry_out()
+            if plan.finished:
+                # Verified; nothing is trained, predicted or written again.
+                summary = json.loads((Path(config.out) / "summary.json").read_text())
+                logging.getLogger("clinfed").warning(
+                    "%s: the run finished all %d rounds; verified, nothing written",
+                    config.out, config.rounds,
+                )  # fmt: skip
+                return summary | {"finished_before": True}
         from clinfed.tracking import Tracked
 
         reporter = Tracked(report, config.report_to, Path(config.out), asdict(config))

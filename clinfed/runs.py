@@ -8,6 +8,7 @@ file or the new one, never a torn one. ``metrics.jsonl`` is append-only.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -103,6 +104,7 @@ def claimed_run_folder(path: Path | str, resume: bool) -> Iterator[Path]:
         _refuse_if_used(path)  # before the lock file is made: a refused folder is untouched
     created = not path.exists()
     lock_existed = (path / RUN_LOCK).exists()
+
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -119,6 +121,12 @@ def claimed_run_folder(path: Path | str, resume: bool) -> Iterator[Path]:
                 if not lock_existed:
                     (path / RUN_LOCK).unlink(missing_ok=True)
                 raise
+            if lock_existed:
+                # Killed right after its claim, before it wrote anything.
+                logging.getLogger("clinfed").warning(
+                    "%s: holds only the claim of a run that never started; this run takes it over",
+                    path,
+                )
         for stale in path.rglob(".*.tmp"):
             stale.unlink(missing_ok=True)  # a write a killed process never finished
         try:

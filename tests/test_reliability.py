@@ -134,6 +134,8 @@ def test_a_run_that_died_before_its_first_commit_starts_over_on_resume(i2b2_corp
     # metrics.jsonl, a write that never finished.
     (run / "state.json").unlink()
     (run / "summary.json").unlink()
+    for output in ("model", "predictions", "checkpoints"):
+        shutil.rmtree(run / output)  # written only at a commit or at the end
     records = (run / "metrics.jsonl").read_text().splitlines()
     (run / "metrics.jsonl").write_text(records[0] + "\n")
     (run / ".summary.json.12345.tmp").write_text("half")

@@ -218,6 +218,9 @@ def _run_config(config_file: Path | None, flags: dict[str, Any]) -> Any:
         if saved.is_file():
             config_file = saved
         else:
+            from clinfed.resume import refuse_unstarted
+
+            refuse_unstarted(Path(flags["out"]))
             raise ClinfedError(f"--out {flags['out']}: no run to resume (no config.json there)")
     values = merge(config_file, flags)
     if config_file is not None and "data" not in flags and values.get("data"):
@@ -234,6 +237,9 @@ def _run_config(config_file: Path | None, flags: dict[str, Any]) -> Any:
 def _print_done(summary: dict[str, Any], out_dir: Path, wall: float) -> None:
     """The run's last lines: F1, what it sent and spent, where it is."""
     word = "[bold yellow]stopped early[/]" if summary.get("stopped") else "[bold]done[/]"
+    if summary.get("finished_before"):
+        # --resume of a finished run: verified, nothing written again.
+        word = "[bold]already finished[/] (verified; nothing was trained or written)"
     if "mb_up" not in summary:  # pooled: no federation, nothing sent
         out.print(
             f"{word}: held-out f1 {summary['f1']:.4f} "

@@ -184,8 +184,8 @@ class RoundEngine:
     # ---------------------------------------------------------- durability
     def resume(self) -> None:
         """Continue from the last commit of ``self.out`` (a run that died
-        before its first commit starts over)."""
-        state.check_metrics(self.out)
+        before its first commit starts over). Every check, and the repairs
+        it states, ran before (:mod:`clinfed.resume`)."""
         if not (self.out / state.STATE).exists():
             state.cut_metrics(self.out, 0)
             self.log(f"{self.out}: no round was committed; starting over from round 1")

@@ -20,6 +20,7 @@ personal tensors, its ledger) lives with the site, not here.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -69,6 +70,10 @@ class RunState:
     changed: dict[str, int] = field(default_factory=dict)
     digests: dict[str, str] = field(default_factory=dict)
     schema: int = SCHEMA
+    # SHA-256 of what the commit covers: metrics.jsonl's first metrics_bytes
+    # and config.json ("" in commits written before they were recorded).
+    metrics_sha256: str = ""
+    config_sha256: str = ""
 
 
 def commit(
@@ -103,6 +108,8 @@ def commit(
         dict(ledgers or {}),
         dict(changed or {}),
         dict(digests or {}),
+        metrics_sha256=_sha256(metrics) if metrics.exists() else "",
+        config_sha256=_sha256(out / "config.json") if (out / "config.json").exists() else "",
     )
     atomic_write_json(out / STATE, asdict(state))
     keep = {Path(name).name, Path(tensors_name).name if tensors_name else None}
@@ -110,6 +117,10 @@ def commit(
         if old.name not in keep:
             old.unlink()
     return state
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def load(out: Path) -> RunState:
@@ -124,45 +135,6 @@ def load(out: Path) -> RunState:
     if state.schema != SCHEMA:
         raise ClinfedError(f"{path}: state schema {state.schema}, this clinfed reads {SCHEMA}")
     return state
-
-
-def check_metrics(out: Path) -> None:
-    """Before a resume does any work: ``metrics.jsonl`` holds every record
-    the last commit counts, each a JSON object. A torn last line (a crash
-    mid-append) is cut back to the last complete line, as a ledger's is;
-    anything else is a :class:`ClinfedError` naming the file and line."""
-    path = out / "metrics.jsonl"
-    committed = load(out).metrics_bytes if (out / STATE).exists() else 0
-    if not path.exists():
-        if committed:
-            raise ClinfedError(
-                f"{path}: missing, but the last commit records {committed} bytes of it; "
-                "cannot resume"
-            )
-        return
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        keep = data.rfind(b"\n") + 1
-        with open(path, "r+b") as fh:
-            fh.truncate(keep)
-            fh.flush()
-            os.fsync(fh.fileno())
-        log.warning("%s: torn last line (%d bytes) cut back", path, len(data) - keep)
-        data = data[:keep]
-    for number, raw in enumerate(data.splitlines(), start=1):
-        try:
-            record = json.loads(raw)
-        except ValueError as exc:
-            raise ClinfedError(
-                f"{path}:{number}: not a JSON record ({exc.msg}); cannot resume"
-            ) from None
-        if not isinstance(record, dict):
-            raise ClinfedError(f"{path}:{number}: not a JSON object; cannot resume")
-    if len(data) < committed:
-        raise ClinfedError(
-            f"{path}: {len(data)} bytes, but the last commit records {committed}: records were "
-            "lost; cannot resume"
-        )
 
 
 def cut_metrics(out: Path, size: int) -> None:

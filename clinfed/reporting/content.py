@@ -15,7 +15,8 @@ from clinfed.privacy import releases
 from clinfed.privacy.accountants import ACCOUNTANT, RELATION, Mechanism, reference_epsilon
 from clinfed.privacy.policy import GROUP_SIZES, PATIENT_CAVEAT, UNIT, group_bound
 from clinfed.reporting.plots import make_plots, relation_of
-from clinfed.reporting.verify import load_run, read_json, verify_run
+from clinfed.reporting.verify import load_run, read_json, read_records, verify_run
+from clinfed.resume import REPAIRS
 
 
 def _starting_model(raw: dict[str, Any]) -> str:
@@ -403,6 +404,13 @@ def build(run: Path, reference: Path | None = None) -> dict[str, Any]:
             "of the commit). Resume it with clinfed train --resume --out RUN."
         )
     content["verdicts"] = _verdicts(content, pooled)
+    repaired = run / REPAIRS
+    if repaired.is_file():
+        # What a resume repaired (clinfed.resume), said where it is read first.
+        said = "; ".join(
+            f"round {r.get('round')}: {r.get('repair')}" for r in read_records(repaired)
+        )
+        content["verdicts"].append(f"**Repaired on resume.** {said}.")
     if content.get("unfinished"):
         content["verdicts"].insert(0, f"**UNFINISHED RUN.** {content['unfinished']}")
     content["meaning"] = _meaning(content)
