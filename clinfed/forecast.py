@@ -81,6 +81,9 @@ def noise_plan(config: RunConfig, sizes: dict[str, int], epsilons: list[float]) 
                 "noise_multiplier": policy.noise[site],
                 "noise_on_mean_step": policy.noise[site] * run.max_grad_norm / batch,
                 "epsilon_by_round": by_round,
+                "delta": run.delta,
+                "unit": run.privacy_unit,
+                "relation": run.neighbours,
             })  # fmt: skip
     return rows
 

@@ -553,6 +553,8 @@ def test_privacy_calculator_commands():
         "1000",
         "--delta",
         "1e-5",
+        "--neighbours",
+        "replace-one",
         "--json",
     )
     assert eps.returncode == 0, eps.stderr
@@ -569,6 +571,8 @@ def test_privacy_calculator_commands():
         "0.01",
         "--steps",
         "1000",
+        "--neighbours",
+        "replace-one",
         "--json",
     )
     assert noise.returncode == 0, noise.stderr
@@ -578,6 +582,25 @@ def test_privacy_calculator_commands():
     bad = run_cli("privacy", "epsilon", "--sample-rate", "0", "--noise-multiplier", "1",
                   "--steps", "1", "--delta", "1e-5")  # fmt: skip
     assert bad.returncode == 2 and "--sample-rate must be in (0, 1]" in bad.stderr
+
+
+@pytest.mark.parametrize("relation", ["add-remove", "replace-one"])
+def test_the_calculator_prints_a_finished_run_s_ledger_epsilon(tiny_run, tmp_path, relation):
+    # The run's own settings (rate, noise, its steps over every round) give
+    # the epsilon its ledger states, to the digits the command prints; the
+    # default relation is the run's (add/remove, with its count).
+    tiny_run(tmp_path / "run", adapter="bias", target_epsilon=8.0, rounds=2, neighbours=relation)
+    ledger = read_jsonl(tmp_path / "run" / "sites" / "beth" / "privacy" / "beth.jsonl")
+    sgd = [line for line in ledger if line.get("mechanism") == "dp-sgd"]
+    args = ["privacy", "epsilon", "--sample-rate", repr(sgd[0]["sample_rate"]),
+            "--noise-multiplier", repr(sgd[0]["noise_multiplier"]),
+            "--steps", str(sum(line["steps"] for line in sgd))]  # fmt: skip
+    if relation == "replace-one":
+        args += ["--neighbours", relation]
+    printed = run_cli(*args)
+    assert printed.returncode == 0, printed.stderr
+    assert f"epsilon {sgd[-1]['epsilon']:.4f} " in printed.stdout
+    assert f"{relation} neighbours" in printed.stdout
 
 
 def test_dp_run_report_and_audit_never_contain_note_text(mimic_corpus, tmp_path):

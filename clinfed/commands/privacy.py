@@ -27,24 +27,47 @@ privacy_app = typer.Typer(
 app.add_typer(privacy_app, name="privacy")
 
 
+COUNT = typer.Option(
+    True,
+    "--count/--no-count",
+    help="Under add-remove, include the noisy unit count a run releases once.",
+)
+# The relation and the unit are the run's settings, flags as clinfed train's.
+AS_A_RUN = ("neighbours", "privacy_unit")
+
+
+def _as_a_run(settings: dict) -> tuple[str, str]:
+    """The relation and unit given, else clinfed train's defaults."""
+    from clinfed.settings import schema_fields
+
+    fields = schema_fields()
+    return tuple(  # type: ignore[return-value]
+        str(settings.get(name) or fields[name].default) for name in AS_A_RUN
+    )
+
+
 @privacy_app.command("epsilon")
 def privacy_epsilon(
     sample_rate: float = typer.Option(..., "--sample-rate", help="Poisson rate q = batch / n."),
     noise_multiplier: float = typer.Option(..., "--noise-multiplier", help="Noise over clip."),
-    steps: int = typer.Option(..., "--steps", help="DP-SGD steps."),
+    steps: int = typer.Option(..., "--steps", help="DP-SGD steps (a run's: per round x rounds)."),
     delta: float = typer.Option(1e-5, "--delta", help="Target delta (as clinfed train's)."),
+    count: bool = COUNT,
     as_json: bool = typer.Option(False, "--json", help="Print JSON (key: epsilon)."),
+    **settings,
 ) -> None:
-    """Epsilon spent by STEPS steps of DP-SGD at rate Q and noise S."""
+    """Epsilon spent by STEPS steps of DP-SGD at rate Q and noise S, as a
+    run's ledger states it (add/remove, with its count, by default)."""
     from clinfed.reporting.calculator import epsilon_for
 
-    result = epsilon_for(sample_rate, noise_multiplier, steps, delta)
+    relation, unit = _as_a_run(settings)
+    result = epsilon_for(sample_rate, noise_multiplier, steps, delta, relation, count, unit)
     if as_json:
         _print_json(result)
     else:
         out.print(
-            f"epsilon {result['epsilon']:.4f} at delta {delta:g} "
-            f"(looser RDP bound: {result['epsilon_rdp']:.4f}); {result['accountant']}"
+            f"epsilon {result['epsilon']:.4f} at delta {delta:g} (looser RDP bound: "
+            f"{result['epsilon_rdp']:.4f}); {_terms(result)}"
         )
 
 
@@ -53,22 +76,36 @@ def privacy_noise(
     target_epsilon: float = typer.Option(..., "--target-epsilon", help="Budget epsilon."),
     delta: float = typer.Option(1e-5, "--delta", help="Target delta (as clinfed train's)."),
     sample_rate: float = typer.Option(..., "--sample-rate", help="Poisson rate q = batch / n."),
-    steps: int = typer.Option(..., "--steps", help="DP-SGD steps."),
+    steps: int = typer.Option(..., "--steps", help="DP-SGD steps (a run's: per round x rounds)."),
+    count: bool = COUNT,
     as_json: bool = typer.Option(
         False, "--json", help="Print JSON (keys: noise_multiplier, epsilon)."
     ),
+    **settings,
 ) -> None:
-    """The smallest noise multiplier that keeps STEPS steps within the target."""
+    """The smallest noise multiplier that keeps STEPS steps within the target
+    (add/remove, with the count, by default: as clinfed train calibrates)."""
     from clinfed.reporting.calculator import noise_for
 
-    result = noise_for(target_epsilon, delta, sample_rate, steps)
+    relation, unit = _as_a_run(settings)
+    result = noise_for(target_epsilon, delta, sample_rate, steps, relation, count, unit)
     if as_json:
         _print_json(result)
     else:
         out.print(
             f"noise multiplier {result['noise_multiplier']:.4f} gives epsilon "
-            f"{result['epsilon']:.4f} at delta {delta:g}"
+            f"{result['epsilon']:.4f} at delta {delta:g}; {_terms(result)}"
         )
+
+
+def _terms(result: dict) -> str:
+    """Under what the figure holds, in words."""
+    count = ", with the noisy unit count released once" if result["count_included"] else ""
+    return f"{result['relation']} neighbours{count}, unit: {result['unit']}; {result['accountant']}"
+
+
+with_parameters(privacy_epsilon, settings_parameters(only=AS_A_RUN))
+with_parameters(privacy_noise, settings_parameters(only=AS_A_RUN))
 
 
 @privacy_app.command("clip-norm")
@@ -242,11 +279,13 @@ def plan_cmd(
     out.print("[bold]the plan[/] (from the sites' sizes alone; no data read):")
     for row in rows:
         by_round = ", ".join(f"{e:.2f}" for e in row["epsilon_by_round"])
+        count = " (the noisy count included)" if row["relation"] == "add-remove" else ""
         out.print(
-            f"  epsilon {row['target_epsilon']:g}, {row['site']} ({row['units']:,} units): "
-            f"batch {row['batch_size']}, {row['steps_per_round']} steps a round, noise "
-            f"multiplier {row['noise_multiplier']:.3f} ({row['noise_on_mean_step']:.4f} on the "
-            f"mean step); epsilon after each round {by_round}",
+            f"  epsilon {row['target_epsilon']:g} at delta {row['delta']:g}, {row['site']} "
+            f"({row['units']:,} units; unit: {row['unit']}; {row['relation']} neighbours"
+            f"{count}): batch {row['batch_size']}, {row['steps_per_round']} steps a round, "
+            f"noise multiplier {row['noise_multiplier']:.3f} ({row['noise_on_mean_step']:.4f} "
+            f"on the mean step); epsilon after each round {by_round}",
             soft_wrap=True,
         )
     if forecast_dir is not None:

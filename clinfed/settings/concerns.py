@@ -285,7 +285,8 @@ class PrivacySettings:
     max_grad_norm: float = setting(1.0, "DP-SGD per-example clipping norm.", above=0.0)
     neighbours: str = setting(
         "add-remove",
-        "add-remove: each site releases its unit count once per dataset with Gaussian noise "
+        "add-remove: each site releases its unit count once per ledger (per dataset at a "
+        "node, per run in process) with Gaussian noise "
         "(std 20, accounted) and everything derives from it, so neighbours differ in one unit "
         "added or removed (less noise for the same epsilon: measured 3-4 F1 points at epsilon "
         "8). replace-one: each site releases its exact unit count (aggregation weight, "
