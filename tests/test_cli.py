@@ -781,3 +781,27 @@ def test_an_error_naming_a_path_in_brackets_prints_it_verbatim(tmp_path, capsys)
     missing = tmp_path / "notes[site1]"
     assert main(["data", "check", str(missing), "--task", "i2b2"]) == 2
     assert "notes[site1]" in capsys.readouterr().err
+
+
+def test_a_private_run_logged_to_a_file_says_where_it_is_and_warns_of_nothing(
+    i2b2_corpus, tmp_path
+):
+    # The README's first run (synthetic hospitals, --target-epsilon 8), on
+    # the tiny model, its log going to a file: each round says when it
+    # starts and, as the next starts, its time and the time left; no warning.
+    result = run_cli(
+        "train", "--data", str(i2b2_corpus), "--model", "tiny", "--max-length", "32",
+        "--rounds", "2", "--local-epochs", "1", "--threads", "1", "--target-epsilon", "8",
+        "--out", str(tmp_path / "first"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert "warning" not in result.stderr.lower(), result.stderr
+
+    def first(text: str) -> int:
+        return next(i for i, line in enumerate(lines) if text in line)
+
+    left = first("round 1/2 trained in ")
+    assert "left" in lines[left] and first("round 1/2 started") < left
+    assert left < first("round 2 beth:")  # before round 2 ends
+    assert first("round 2/2 trained and evaluated in") > left

@@ -9,6 +9,11 @@ stderr, exit status 2, no traceback, and never any note text.
 from __future__ import annotations
 
 import sys
+import time
+
+# When the command started: wall times printed at the end count from here
+# (imports and loading included), not from when training began.
+STARTED = time.perf_counter()
 
 
 def _version_only(argv: list[str] | None) -> bool:

@@ -50,6 +50,27 @@ class _ProgressReporter:
         self.progress, self.epochs, self.rounds = progress, epochs, rounds
         self.bar: Any = None
         self.round_bar: Any = None
+        # The round at work, when it and the first round seen started (for
+        # each round's time and the time left, in logs as on the bars).
+        self.current: int | None = None
+        self.round_started = self.first_started = 0.0
+        self.first_round = 1
+
+    def _round_starts(self, round_number: int) -> None:
+        """A line when a round starts, and one for the round it ends: its
+        time and, from the mean round so far, the time left."""
+        now = time.perf_counter()
+        if self.current is not None:
+            done = self.current - self.first_round + 1
+            left = (now - self.first_started) / done * (self.rounds - self.current)
+            log.info(
+                f"round {self.current}/{self.rounds} trained in {_span(now - self.round_started)}; "
+                f"about {_span(left)} left"
+            )
+        else:
+            self.first_started, self.first_round = now, round_number
+        self.current, self.round_started = round_number, now
+        log.info(f"round {round_number}/{self.rounds} started")
 
     def _work(self, description: str, total: float | None) -> None:
         if self.bar is not None:
@@ -75,6 +96,8 @@ class _ProgressReporter:
                 f"{info['tokens_per_s']:.0f} tokens/s"
             )
         elif event == "site_start":
+            if info["round"] != self.current:
+                self._round_starts(info["round"])
             if self.round_bar is None:
                 self.round_bar = p.add_task("rounds", total=self.rounds)
                 p.update(self.round_bar, completed=info["round"] - 1)
@@ -103,6 +126,12 @@ class _ProgressReporter:
         elif event == "stopped":
             log.warning(info["reason"])
         elif event == "round_end":
+            if info["round"] == self.rounds and self.current == self.rounds:
+                now = time.perf_counter()
+                log.info(
+                    f"round {self.rounds}/{self.rounds} trained and evaluated in "
+                    f"{_span(now - self.round_started)}"
+                )
             log.info(f"round {info['round']}: f1 {_f1(info)}")
             if self.round_bar is not None:
                 p.update(self.round_bar, completed=info["round"])
@@ -184,7 +213,9 @@ def train(
             "privacy; nothing this run releases is protected"
         )
     out_dir = Path(config.out)
-    started = time.perf_counter()
+    # The wall time counts from the command's start (imports included).
+    from clinfed.commands import STARTED as started
+
     try:
         with Progress(
             *_columns(), **PROGRESS, console=err, transient=True, disable=progress_disabled()
@@ -262,6 +293,15 @@ def _print_done(summary: dict[str, Any], out_dir: Path, wall: float) -> None:
 # A run that stopped before its last round (as ``clinfed flower run``).
 EXIT_STOPPED = 1
 EXIT_INTERRUPTED = 130
+
+
+def _span(seconds: float) -> str:
+    """A short duration: 4.2 s, 3 min 05 s, 1 h 02 min."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min" if hours else f"{minutes} min {secs:02d} s"
 
 
 def _duration(seconds: float) -> str:

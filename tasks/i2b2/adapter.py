@@ -300,10 +300,13 @@ class I2b2Task(Task):
         for site in sites:
             if site in self.annotated or "*" in self.annotated:
                 declared[site] = set(self.annotated.get(site, self.annotated.get("*", ())))
-        if self.partial_labels and len(declared) < len(sites):
-            log.info(
-                "partial labels under DP need each site's annotated types declared "
-                "(--annotated-types); without them these sites train O tokens as plain O: %s",
+        # A site that declares nothing annotates every type of the run (its
+        # O tokens are O), as i2b2's guideline and a --types map say. Said
+        # only when some sites declared and others did not: likely an omission.
+        if self.partial_labels and 0 < len(declared) < len(sites):
+            log.warning(
+                "--annotated-types names some sites but not %s: they are taken to annotate "
+                "every type (O tokens trained as O); name them to say otherwise",
                 ", ".join(s for s in sites if s not in declared),
             )
         return declared
