@@ -115,8 +115,8 @@ def flower_supernode(
     insecure: bool = INSECURE,
     key: Path = typer.Option(None, "--key", help="Private key for SuperNode authentication."),
     port: int = typer.Option(9094, "--port", help="Local port of the node's own runtime API."),
-    share_ledger: bool = typer.Option(
-        True, "--share-ledger/--keep-ledger", help="Report ledger lines to the server's report."
+    keep_ledger: bool = typer.Option(
+        False, "--keep-ledger", help="Keep ledger lines from the server's report (shared: default)."
     ),
     threads: int = typer.Option(0, "--threads", help="CPU threads (0: all cores)."),
     max_delta: float = typer.Option(
@@ -132,6 +132,7 @@ def flower_supernode(
         "--privacy-unit",
         help="Weakest unit accepted: example < document < patient.",
         click_type=click.Choice(["example", "document", "patient"]),
+        metavar="UNIT",
     ),
     max_grad_norm: float = typer.Option(
         None, "--max-grad-norm", help="Largest clipping norm accepted (default: any)."
@@ -139,10 +140,10 @@ def flower_supernode(
     max_length: int = typer.Option(
         None, "--max-length", help="Longest window in tokens accepted (default: any)."
     ),
-    worker: bool = typer.Option(
-        True,
-        "--worker/--no-worker",
-        help="Keep model and encoded data in one long-lived process between messages.",
+    no_worker: bool = typer.Option(
+        False,
+        "--no-worker",
+        help="A process per message, no long-lived worker keeping the model and data.",
     ),
     require_secure_aggregation: bool = typer.Option(
         False,
@@ -164,14 +165,14 @@ def flower_supernode(
         insecure,
         key,
         port,
-        share_ledger,
+        not keep_ledger,
         threads,
         max_delta,
         allow_no_dp,
         privacy_unit,
         max_grad_norm,
         max_length,
-        worker,
+        not no_worker,
         require_secure_aggregation,
     )
     state.mkdir(parents=True, exist_ok=True)

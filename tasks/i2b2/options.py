@@ -26,8 +26,9 @@ class I2b2Options:
     )
     types: str | None = setting(
         None,
-        "i2b2: the entity types to predict, declared: Disease=problem,Chemical=treatment maps "
-        'names, Disease,Chemical keeps them, or a .toml file of NAME = "TYPE" pairs. '
+        "i2b2: the entity types to predict, declared: NAME=TYPE pairs, comma-separated "
+        "(Disease=problem, with no spaces), map names; names alone (Disease) keep them; or "
+        'a .toml file of NAME = "TYPE" pairs. '
         "Default: the i2b2 preset for .con files, the training split's types for CoNLL/BRAT.",
     )
     partial_labels: bool = setting(
