@@ -85,18 +85,33 @@ def export_run(run: Path, out: Path) -> dict[str, Any]:
             f"{type(exported).__name__} ({(missing + unexpected)[0]})"
         )
     _check_same_logits(model, exported, tokenizer)
-    from clinfed.reporting.report import build
+    from clinfed.reporting.report import build, write_report
 
-    card = model_card(build(run), labels)  # verified before anything is written
+    content = build(run)  # verified before anything is written
+    provenance = _provenance(run, meta)
+    card = model_card(content, labels, provenance)
     create_run_folder(out)
     exported.save_pretrained(out, safe_serialization=True)
+    # The windows it was trained on, so a pipeline cuts text the same way.
+    if meta.get("max_length"):
+        tokenizer.model_max_length = int(meta["max_length"])
     tokenizer.save_pretrained(out)
+    # The privacy report beside the weights: the card says no more than it.
+    report = out / "privacy-report"
+    if not (run / "report" / "report.html").is_file():
+        write_report(run)
+    report.mkdir()
+    for page in (run / "report").iterdir():
+        if page.is_file():
+            (report / page.name).write_bytes(page.read_bytes())
     record = {
         "run": str(run.resolve()),
         "task": meta.get("task"),
         "labels": labels,
         "class": type(exported).__name__,
         "max_length": meta.get("max_length"),
+        "base_model": provenance["base_model"],
+        "synthetic_data": provenance["synthetic"],
         "versions": {
             "clinfed": __version__,
             "torch": torch.__version__,
@@ -108,67 +123,156 @@ def export_run(run: Path, out: Path) -> dict[str, Any]:
     return record
 
 
-def model_card(content: dict[str, Any], labels: list[str]) -> Any:
+# The bundled encoders: what a card names as the base model, and its licence.
+BASE_MODELS = {
+    "minilm": ("sentence-transformers/all-MiniLM-L6-v2", "apache-2.0"),
+    "tiny": ("a tiny randomly initialised BERT (clinfed's tests)", None),
+}
+
+
+def _provenance(run: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """The base model (followed through warm-started folders to the encoder
+    they began from), its licence, and whether the data was synthetic."""
+    import json
+
+    encoder, seen = str(meta.get("encoder", "")), set()
+    while encoder not in BASE_MODELS and encoder not in seen:
+        seen.add(encoder)
+        saved = Path(encoder) / "model.json"
+        if not saved.is_file():
+            break
+        encoder = str(json.loads(saved.read_text()).get("encoder", ""))
+    base, licence = BASE_MODELS.get(encoder, (encoder or "unknown", None))
+    config = json.loads((run / "config.json").read_text())
+    return {
+        "base_model": base,
+        "license": licence,
+        "synthetic": bool(config.get("synthetic_data")),
+        "max_length": meta.get("max_length"),
+    }
+
+
+def model_card(content: dict[str, Any], labels: list[str], provenance: dict[str, Any]) -> Any:
     """A Hugging Face model card from a run's report content (what the
-    report states, no more): the guarantee in words, per site."""
+    report states, no more): the base model and its licence, intended use,
+    how to use it, where the data came from, and the guarantee per site."""
     from huggingface_hub import ModelCard, ModelCardData
 
+    base, licence = provenance["base_model"], provenance["license"]
     data = ModelCardData(
         library_name="transformers",
         pipeline_tag="token-classification",
+        license=licence or "other",
+        base_model=base if "/" in base else None,
         tags=["clinical", "federated-learning", "clinfed"]
-        + (["differential-privacy"] if content["differential_privacy"] else []),
+        + (["differential-privacy"] if content["differential_privacy"] else [])
+        + (["synthetic-data"] if provenance["synthetic"] else []),
     )
     header = dict(content["header"])
     lines = [
         f"# {content['task']} model trained with clinfed",
         "",
+        *(_SYNTHETIC if provenance["synthetic"] else []),
         f"Task: {header.get('Task', content['task'])}. Labels: {', '.join(labels)}.",
         "",
+        "## Base model and licence",
+        "",
+        f"Fine-tuned from {base}"
+        + (f" (licence: {licence})." if licence else " (see its own licence)."),
+        " The hospitals' terms for their notes apply to these weights as well.",
+        "",
+        *_usage(provenance),
         "## How it was trained",
         "",
-        f"- Starting model: {header.get('Model', '-')}; {header.get('Starting model', '-')}.",
+        f"- Starting model: {header.get('Starting model', '-')} (encoder {base}).",
         f"- Strategy: {content['strategy']}"
         + (f"; {header['Sites']} sites" if "Sites" in header else "")
         + (f"; rounds: {header['Rounds']}" if "Rounds" in header else "")
-        + ".",
+        + f"; windows of {provenance['max_length']} tokens.",
+        "- Data: "
+        + (
+            "synthetic notes from clinfed data synth."
+            if provenance["synthetic"]
+            else "each site's own notes, which never left it."
+        ),
         f"- Held-out F1 at the end of training: {_fmt(content['final_f1'])}.",
         "",
         "## Privacy guarantee",
         "",
     ]
+    lines += _guarantee(content)
+    lines += [
+        "",
+        "The run's privacy report is beside these weights (`privacy-report/report.html`); "
+        f"the run folder was `{content['run']}`.",
+    ]
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n")
+
+
+_SYNTHETIC = [
+    "> **Trained on synthetic data** (`clinfed data synth`): a demonstration, not a "
+    "clinical model. Do not use it on patients' notes.",
+    "",
+]
+
+
+def _usage(provenance: dict[str, Any]) -> list[str]:
+    """Intended use, limits, and the example that returns whole entities."""
+    return [
+        "## Intended use and limits",
+        "",
+        "Concept extraction (problems, tests, treatments, or the run's own types) from "
+        "clinical text like the notes it was trained on, as a step a person checks. Not "
+        "for diagnosis or any decision about a patient without review. It has seen only "
+        "its sites' notes: expect lower accuracy on other institutions, note types and "
+        f"languages, and text is read in windows of {provenance['max_length']} tokens.",
+        "",
+        "## How to use it",
+        "",
+        "```python",
+        "from transformers import pipeline",
+        "",
+        'tagger = pipeline("token-classification", model="PATH", aggregation_strategy="first")',
+        'tagger("Patient denies chest pain ; started on aspirin .")',
+        "```",
+        "",
+        '`aggregation_strategy="first"` joins word pieces into whole words and B-/I- tags '
+        "into whole entities; without it the pipeline returns word pieces.",
+        "",
+    ]
+
+
+def _guarantee(content: dict[str, Any]) -> list[str]:
+    """The guarantee in plain words, per site, as the report states it."""
     if content["pooled"]:
-        lines.append("None: the training data was pooled in one place, without DP.")
-    elif not content["differential_privacy"]:
-        lines.append(
+        return ["None: the training data was pooled in one place, without DP."]
+    if not content["differential_privacy"]:
+        return [
             "None: the sites trained without differential privacy; the weights can reveal "
             "their training notes."
-        )
-    else:
-        if content.get("not_private"):
-            lines += [f"**NOT PRIVATE.** {content['not_private']}.", ""]
-        lines += [
-            f"Each site trained under DP-SGD. The unit of privacy is {content['unit']}; "
-            f"neighbouring datasets differ in one unit ({content['relation']}). For any one "
-            "unit, anything computed from these weights is almost as likely whether or not "
-            "that unit was in its site's data: by a factor of at most e^epsilon, except with "
-            f"probability delta = {content['delta']:g}.",
-            "",
-            "| site | epsilon (PLD) | delta |",
-            "|---|---|---|",
         ]
-        lines += [
-            f"| {row['site']} | {row['epsilon']:.3f} | {row['delta']:g} |"
-            for row in content["sites"]
-        ]
-        lines += [
-            "",
-            "Held-out notes used for evaluation are outside epsilon (exact counts, declared "
-            "and capped). A note or patient with k units is protected by group privacy only; "
-            "the run's privacy report gives k and that bound.",
-        ]
-    lines += ["", f"Run folder: `{content['run']}` (its report: `report/report.html`)."]
-    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n")
+    lines = (
+        [f"**NOT PRIVATE.** {content['not_private']}.", ""] if content.get("not_private") else []
+    )
+    lines += [
+        f"Each site trained under DP-SGD. The unit of privacy is {content['unit']}; "
+        f"neighbouring datasets differ in one unit ({content['relation']}). For any one "
+        "unit, anything computed from these weights is almost as likely whether or not "
+        "that unit was in its site's data: by a factor of at most e^epsilon, except with "
+        f"probability delta = {content['delta']:g}.",
+        "",
+        "| site | epsilon (PLD) | delta |",
+        "|---|---|---|",
+    ]
+    lines += [
+        f"| {row['site']} | {row['epsilon']:.3f} | {row['delta']:g} |" for row in content["sites"]
+    ]
+    return lines + [
+        "",
+        "Held-out notes used for evaluation are outside epsilon (exact counts, declared "
+        "and capped). A note or patient with k units is protected by group privacy only; "
+        "the privacy report gives that bound for several k.",
+    ]
 
 
 def _fmt(value: Any) -> str:

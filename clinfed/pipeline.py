@@ -76,7 +76,7 @@ from clinfed.runs import (
 )
 from clinfed.scratch import temporary_folder
 from clinfed.settings import RunConfig, load_file
-from clinfed.tasks.base import Corpus, Task
+from clinfed.tasks.base import SYNTHETIC_MARK, Corpus, Task
 from clinfed.training import linear_schedule, make_optimizer, predict, train_epoch
 
 __all__ = ["RunConfig", "run_training", "make_model", "make_task", "make_strategy"]
@@ -389,6 +389,8 @@ def _write_start(
     if config.data and Path(config.data).is_dir():
         # Which data the run read, without naming a note: SHA-256 over its files.
         record["data_fingerprint"] = data_fingerprint(Path(config.data))
+        if (Path(config.data) / SYNTHETIC_MARK).is_file():
+            record["synthetic_data"] = True  # clinfed data synth wrote it: no patient's data
     atomic_write_json(out / "config.json", record)
     atomic_write_json(
         out / "labels.json",

@@ -34,6 +34,18 @@ PROBLEMS_FILE = "clinfed-problems.json"
 SPLIT_KEY = "0"
 
 
+# Beside a corpus ``clinfed data synth`` wrote: it holds no patient's data.
+# A run records it (config.json ``synthetic_data``) and its model card says so.
+SYNTHETIC_MARK = "clinfed-synthetic.json"
+
+
+def mark_synthetic(out: Path, generator: str, seed: int) -> None:
+    """Mark ``out`` as a synthetic corpus (what made it, with which seed)."""
+    (Path(out) / SYNTHETIC_MARK).write_text(
+        json.dumps({"synthetic": True, "generator": generator, "seed": seed}) + "\n"
+    )
+
+
 def _tracked(generator, **kwargs):
     """Run ``generator``, marking its ProblemLog as really read (not cached)."""
     kwargs["problems"].generated = True

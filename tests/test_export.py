@@ -74,3 +74,42 @@ def test_the_exported_model_carries_its_privacy_guarantee_as_a_model_card(i2b2_c
     for site, epsilon in summary["epsilon"].items():
         assert f"| {site} | {epsilon:.3f} |" in card.text
     assert "add-remove" in card.text and "outside epsilon" in card.text
+
+
+def test_the_card_names_base_licence_use_and_provenance_and_its_example_gives_whole_words(
+    i2b2_corpus, tmp_path
+):
+    import re
+
+    from huggingface_hub import ModelCard
+    from transformers import pipeline
+
+    run = tmp_path / "run"
+    trained = run_cli("train", "--task", "i2b2", "--model", "tiny", "--adapter", "bias",
+                      "--rounds", "1", "--max-length", "32", "--threads", "1",
+                      "--target-epsilon", "8", "--data", str(i2b2_corpus),
+                      "--out", str(run))  # fmt: skip
+    assert trained.returncode == 0, trained.stderr
+    out = tmp_path / "hf"
+    assert run_cli("export", str(run), "--out", str(out)).returncode == 0
+    card = ModelCard.load(out / "README.md")
+    text = card.text
+    assert "Base model and licence" in text and "tiny randomly initialised BERT" in text
+    assert "Intended use and limits" in text and "synthetic-data" in card.data.tags
+    assert "Trained on synthetic data" in text  # the corpus came from clinfed data synth
+    assert (out / "privacy-report" / "report.html").is_file()
+    assert json.loads((out / "tokenizer_config.json").read_text())["model_max_length"] == 32
+    # The card's example, as written, on this model with every word made a
+    # problem: whole words and whole entities, never word pieces.
+    example = re.search(r'tagger\("([^"]+)"\)', text).group(1)
+    model = AutoModelForTokenClassification.from_pretrained(out)
+    with torch.no_grad():
+        model.classifier.bias[model.config.label2id["B-problem"]] = 100.0
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    tagger = pipeline("token-classification", model=model, tokenizer=tokenizer,
+                      aggregation_strategy="first")  # fmt: skip
+    entities = tagger(example)
+    assert [e["word"] for e in entities] == example.lower().split()
+    assert {e["entity_group"] for e in entities} == {"problem"}
+    pieces = pipeline("token-classification", model=model, tokenizer=tokenizer)(example)
+    assert any(p["word"].startswith("##") for p in pieces)  # what the card warns of

@@ -416,4 +416,5 @@ METADATA_KEYS = {
     "command",
     "written",
     "data_fingerprint",
+    "synthetic_data",
 }

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from clinfed.runs import atomic_write_text
+from clinfed.tasks.base import mark_synthetic
 
 # The lexicon (tasks/i2b2/vocabulary.py): each entry is a surface form; "|"
 # separates a full form from the abbreviation an abbreviating site writes.
@@ -415,4 +416,5 @@ def generate(
             else:
                 atomic_write_text(folder / "concepts" / f"{stem}.con", con)
             counts[split] += 1
+    mark_synthetic(out, "clinfed data synth i2b2", seed)
     return counts

@@ -29,6 +29,7 @@ import random
 from pathlib import Path
 
 from clinfed.runs import atomic_write_text
+from clinfed.tasks.base import mark_synthetic
 
 # (code, surface forms (last = held out), evidence)
 from clinfed.tasks.mimic3.vocabulary import (  # noqa: F401  (word lists, re-exported)
@@ -251,6 +252,7 @@ def generate(
         # Even sites write the full release's quoting, odd ones the demo's.
         tables = {"NOTEEVENTS": notes, "DIAGNOSES_ICD": diagnoses, "PROCEDURES_ICD": procedures}
         _write_site(out / f"site{s + 1}", tables, split_ids, full=s % 2 == 0)
+    mark_synthetic(out, "clinfed data synth mimic3", seed)
     return counts
 
 
