@@ -64,6 +64,18 @@ def test_a_page_that_drops_a_layer_is_caught(dp_run):
     assert problems(cut, model_layers(dp_run), ["beth"]) != []
 
 
+def test_the_first_screen_says_in_plain_words_what_is_protected_and_what_to_add(dp_run):
+    markdown = (dp_run / "report" / "report.md").read_text()
+    short = markdown.split("## In short", 1)[1].split("## Verdict", 1)[0]
+    assert markdown.index("## In short") < markdown.index("## Verdict")
+    assert "protected unit by unit" in short and "epsilon 7." in short
+    assert "A whole document is protected only by group privacy" in short
+    assert "queries, on weights it chose" in short
+    # what the run lacks, and the commands that add it
+    assert "--target-epsilon inf" in short and "--reference" in short
+    assert "--audit-holdout" in short and "clinfed audit RUN" in short
+
+
 def test_epsilon_is_explained_in_words_with_a_per_document_bound(dp_run):
     content = json.loads((dp_run / "report" / "privacy.json").read_text())
     words = " ".join(content["meaning"])

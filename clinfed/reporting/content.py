@@ -306,6 +306,51 @@ def _meaning(content: dict[str, Any]) -> list[str]:
     return paragraphs
 
 
+def _summary(content: dict[str, Any]) -> list[str]:
+    """The first screen in plain words, for the person who signs it: what is
+    protected and at what epsilon, what is not, what the server could learn
+    outside epsilon, and how to add the comparison and the audit."""
+    if content["pooled"]:
+        return ["The sites' data was pooled in one place, without DP: nothing is protected."]
+    if not content["differential_privacy"] or not content["sites"]:
+        return ["The sites trained without differential privacy: nothing they sent is protected."]
+    worst = max(row["epsilon"] for row in content["sites"])
+    relation = content.get("relation") or RELATION
+    whole = content.get("group_of")
+    queries = sum((content.get("evaluation_queries") or {}).values())
+    said = [
+        f"Each hospital's training data is protected unit by unit, the unit being "
+        f"{content['unit']}: at epsilon {worst:.2f} or less (delta {content['delta']:g}), what "
+        "the server received is nearly as likely with any one unit in a hospital's data as "
+        + ("without it. " if relation == "add-remove" else "with it replaced by another. ")
+        + (
+            f"A whole {whole} is protected only by group privacy (a much weaker bound, below); "
+            f"`--privacy-unit {whole}` protects whole {whole}s. "
+            if whole
+            else ""
+        )
+        + "Outside epsilon the server learned the exact evaluation counts of the held-out "
+        f"notes ({queries} queries, on weights it chose) and when each reply came"
+        + (", and each hospital's exact number of units" if relation == "replace-one" else "")
+        + "."
+    ]
+    if content.get("not_private"):
+        said[0] = f"**This run is not private.** {content['not_private']}. " + said[0]
+    steps = []
+    if content.get("reference_f1") is None:
+        steps.append(
+            "the cost of privacy: train the same run with `--target-epsilon inf`, then "
+            "`clinfed report RUN --reference THAT_RUN`"
+        )
+    if not content.get("audit"):
+        steps.append(
+            "an empirical check: train with `--audit-holdout 0.1`, then `clinfed audit RUN`"
+        )
+    if steps:
+        said.append("Not in this report yet: " + "; ".join(steps) + ".")
+    return said
+
+
 def record_row(field: str) -> str | None:
     """The release table's row (its first column) that covers ``field`` of a
     site's line in ``metrics.jsonl``: declared in :mod:`clinfed.privacy.releases`
@@ -414,6 +459,7 @@ def build(run: Path, reference: Path | None = None) -> dict[str, Any]:
     if content.get("unfinished"):
         content["verdicts"].insert(0, f"**UNFINISHED RUN.** {content['unfinished']}")
     content["meaning"] = _meaning(content)
+    content["summary"] = _summary(content)
     content["released"] = _released(content, config, pooled)
     content["_plots"] = make_plots(run_data, reference_f1, content["sent"])
     return content

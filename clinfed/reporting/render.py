@@ -42,6 +42,10 @@ def markdown(content: dict[str, Any], images: dict[str, str]) -> str:
     """The report as Markdown; ``images``: each plot's Markdown image."""
     lines = ["# Privacy report", "", "| run | |", "|---|---|"]
     lines += [f"| {label} | {_cell(value)} |" for label, value in content["header"]]
+    if content.get("summary"):
+        lines += ["", "## In short"]
+        for paragraph in content["summary"]:
+            lines += ["", paragraph]
     lines += ["", "## Verdict", ""]
     lines += [f"- {line}" for line in content["verdicts"]]
     lines += _meaning(content)
