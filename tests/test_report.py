@@ -127,3 +127,17 @@ def test_chromium_renders_the_same_page(dp_run, tmp_path):
         == page_outline((dp_run / "report" / "report.html").read_text())["verdicts"]
     )
     assert (tmp_path / "shot.png").stat().st_size > 10_000
+
+
+def test_sites_with_the_same_curve_are_drawn_once_and_the_sent_legend_names_used_colours():
+    from clinfed.reporting.plots import epsilon_series, sent_legend
+
+    def ledger(sigma: float) -> list[dict]:
+        return [{"round": r, "mechanism": "dp-sgd", "noise_multiplier": sigma,
+                 "sample_rate": 0.1, "steps": 10, "epsilon": r * sigma, "delta": 1e-5}
+                for r in (1, 2)]  # fmt: skip
+
+    series = epsilon_series({"a": ledger(1.0), "b": ledger(1.0), "c": ledger(2.0)})
+    assert [who for who, *_ in series] == ["a, b (identical)", "c"]
+    assert sent_legend([[2, 0], [2, 0]]) == "dark: whole; grey: not"
+    assert "orange" not in sent_legend([[1, 2]]) and "light" in sent_legend([[1, 2]])

@@ -53,6 +53,36 @@ def relation_of(lines: list[dict[str, Any]]) -> str:
     return str(lines[-1].get("relation", RELATION)) if lines else RELATION
 
 
+# The sent grid's values and their colours' names, as its legend says them.
+SENT_COLOURS = {
+    0: "grey: not",
+    1: "light: without Q/K",
+    2: "dark: whole",
+    3: "orange: a small part",
+}
+
+
+def sent_legend(values: list[list[int]]) -> str:
+    """The sent grid's legend: the colours the map uses, no others."""
+    used = {int(v) for row in values for v in row}
+    return "; ".join(SENT_COLOURS[v] for v in (2, 1, 3, 0) if v in used)
+
+
+def epsilon_series(ledgers: dict[str, list[dict[str, Any]]]) -> list[tuple]:
+    """(who, rounds, PLD, RDP) per distinct curve: sites whose curves
+    coincide are drawn once and named together (three identical lines on
+    top of each other would read as one site)."""
+    curves: dict[tuple, list[str]] = {}
+    for site, lines in ledgers.items():
+        rounds, pld, rdp = _epsilon_curves(lines)
+        key = (tuple(rounds), tuple(round(e, 6) for e in pld), tuple(round(e, 6) for e in rdp))
+        curves.setdefault(key, []).append(site)
+    return [
+        (", ".join(sites) + (" (identical)" if len(sites) > 1 else ""), *key)
+        for key, sites in curves.items()
+    ]
+
+
 def make_plots(
     run_data: dict[str, Any], reference_f1: float | None, grid: dict[str, Any] | None
 ) -> dict[str, bytes]:
@@ -64,12 +94,11 @@ def make_plots(
     if run_data["ledgers"]:
         fig, ax = plt.subplots(figsize=(6.4, 3.4))
         all_rounds: list[int] = []
-        for index, (site, lines) in enumerate(run_data["ledgers"].items()):
-            rounds, pld, rdp = _epsilon_curves(lines)
-            all_rounds += rounds
+        for index, (who, rounds, pld, rdp) in enumerate(epsilon_series(run_data["ledgers"])):
+            all_rounds += list(rounds)
             color = f"C{index}"
-            ax.plot(rounds, pld, marker="o", color=color, label=f"{site} (PLD, the budget's)")
-            ax.plot(rounds, rdp, linestyle=":", color=color, label=f"{site} (RDP bound)")
+            ax.plot(rounds, pld, marker="o", color=color, label=f"{who}: PLD, the budget's")
+            ax.plot(rounds, rdp, linestyle=":", color=color, label=f"{who}: RDP bound")
         target = (run_data["policy"] or {}).get("target_epsilon")
         if target:
             ax.axhline(target, color="red", linestyle="--", label=f"budget {target:g}")
@@ -101,10 +130,6 @@ def make_plots(
         ax.imshow(values, aspect="auto", cmap=cmap, vmin=0, vmax=3)
         ax.set_yticks(range(len(values)), [row["label"] for row in grid["rows"]], fontsize=7)
         ax.set_xticks(range(len(grid["columns"])), grid["columns"], fontsize=7, rotation=45)
-        ax.set_title(
-            "What each site sent (dark: whole; light: without Q/K; orange: a small part; "
-            "grey: not)",
-            fontsize=8,
-        )
+        ax.set_title(f"What each site sent ({sent_legend(values)})", fontsize=8)
         plots["layers"] = _png(fig)
     return plots
