@@ -832,3 +832,32 @@ def test_every_command_s_help_fits_80_columns_with_nothing_cut(monkeypatch):
         assert shown.returncode == 0, (path, shown.stderr)
         assert "…" not in shown.stdout, (path, [x for x in shown.stdout.splitlines() if "…" in x])
         assert max(len(line) for line in shown.stdout.splitlines()) <= 80, path
+
+
+def test_a_mistyped_command_or_flag_gets_one_error_style_and_one_suggestion():
+    typo = run_cli("trian")
+    assert typo.returncode == 2
+    assert (
+        typo.stderr.count("Did you mean") == 1 and "error: No such command 'trian'" in typo.stderr
+    )
+    assert "Error:" not in typo.stderr
+    flag = run_cli("train", "--rounds", "x")
+    assert flag.returncode == 2 and "error: Invalid value for '--rounds'" in flag.stderr
+    assert "Try 'clinfed train --help' for help." in flag.stderr
+
+
+def test_train_ends_with_its_size_and_the_next_command_and_report_prints_the_verdicts(
+    i2b2_corpus, tmp_path
+):
+    run = tmp_path / "run"
+    trained = run_cli("train", "--data", str(i2b2_corpus), "--model", "tiny", "--max-length",
+                      "32", "--rounds", "1", "--local-epochs", "1", "--threads", "1",
+                      "--adapter", "bias", "--target-epsilon", "8", "--out", str(run))  # fmt: skip
+    assert trained.returncode == 0, trained.stderr
+    last = trained.stdout.strip().splitlines()
+    assert last[-1].startswith(f"next: clinfed report {run}")
+    assert f"run folder {run} (" in trained.stdout and " MB)" in trained.stdout
+    report = run_cli("report", str(run))
+    assert report.returncode == 0, report.stderr
+    assert "- beth: within budget. Epsilon" in report.stdout
+    assert "**" not in report.stdout

@@ -48,12 +48,22 @@ def _report_error(exc: Exception) -> None:
         err.print(f"[red]error:[/] ... and {len(lines) - MAX_PROBLEMS_SHOWN} more problems")
 
 
+def _said_once(message: str) -> str:
+    """A message with a repeated sentence (a suggestion added twice) said once."""
+    import re
+
+    sentences = re.split(r"(?<=[.?!]) ", message)
+    kept = [s for i, s in enumerate(sentences) if s not in sentences[:i]]
+    return " ".join(kept)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit status."""
     if _version_only(argv):
         return 0
     import click
     import typer
+    from rich.markup import escape
 
     from clinfed.commands import data, demo, flower, privacy, train  # noqa: F401  (registration)
     from clinfed.commands.common import app, err
@@ -82,7 +92,14 @@ def main(argv: list[str] | None = None) -> int:
     except click.exceptions.Exit as exc:
         return exc.exit_code
     except click.ClickException as exc:
-        exc.show()
+        # Flag and command mistakes in clinfed's one error style; the usage
+        # line first, as click would, and its suggestion said once (click
+        # and Typer each add one).
+        context = getattr(exc, "ctx", None)
+        if context is not None:
+            err.print(escape(context.get_usage()), highlight=False, soft_wrap=True)
+            err.print(f"Try '{context.command_path} --help' for help.", highlight=False)
+        _report_error(ClinfedError(_said_once(exc.format_message())))
         return exc.exit_code
     except click.exceptions.Abort:
         err.print("aborted")

@@ -193,9 +193,15 @@ def report_cmd(
     from clinfed.reporting.report import write_report
 
     folder = write_report(run, reference)
+    content = json.loads((folder / "privacy.json").read_text())
     if as_json:
-        _print_json(json.loads((folder / "privacy.json").read_text()))
+        _print_json(content)
         return
+    from rich.markup import escape
+
+    # The verdicts first, as the page's first screen says them.
+    for verdict in content.get("verdicts", []):
+        out.print(f"- {escape(verdict.replace('**', ''))}", soft_wrap=True, highlight=False)
     out.print(f"[bold]report[/]: {folder / 'report.html'}")
 
 

@@ -286,13 +286,25 @@ def _print_done(summary: dict[str, Any], out_dir: Path, wall: float) -> None:
         f"{word}: held-out f1 {_f1(summary)}; uploaded {summary['mb_up']:.1f} MB, "
         f"downloaded {summary['mb_down']:.1f} MB "
         f"({100 * summary['ratio_to_fedavg_up']:.3g}% of "
-        f"FedAvg's upload); run folder {out_dir}; {_duration(wall)}"
+        f"FedAvg's upload); run folder {out_dir} ({_folder_size(out_dir)}); {_duration(wall)}"
     )
+    # What a person does next with it.
+    out.print(f"next: clinfed report {out_dir}   (and clinfed export {out_dir} --out MODEL)")
 
 
 # A run that stopped before its last round (as ``clinfed flower run``).
 EXIT_STOPPED = 1
 EXIT_INTERRUPTED = 130
+
+
+def _folder_size(folder: Path) -> str:
+    """A run folder's size on disk, said on the run's last line."""
+    size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    for unit in ("bytes", "kB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{size:.1f} GB"
 
 
 def _span(seconds: float) -> str:
