@@ -229,7 +229,7 @@ def test_an_existing_run_folder_is_never_touched(i2b2_corpus, tmp_path):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--strategy", "fedsomething"], "--strategy must be one of"),
+        (["--strategy", "fedsomething"], "Invalid value for '--strategy': 'fedsomething'"),
         (["--epochs", "0"], "--epochs must be at least 1"),
         (["--max-length", "4"], "--max-length must be at least 8"),
         (["--lr", "nan"], "--lr must be a finite number"),

@@ -71,6 +71,20 @@ HELP_ALL = inspect.Parameter(
 )
 
 
+def _registered(name: str) -> list[str] | None:
+    """The choices of a setting whose values are a registry's names (the
+    strategies, the tasks): real choices for the shell to complete."""
+    if name == "strategy":
+        from clinfed.federated.strategies import STRATEGIES
+
+        return list(STRATEGIES)
+    if name == "task":
+        from clinfed.tasks import TASKS
+
+        return list(TASKS)
+    return None
+
+
 def _option(
     name: str, f: Field, panel: str, owners: list[str] | None, hidden: bool = False
 ) -> inspect.Parameter:
@@ -99,7 +113,7 @@ def _option(
             show = None
     else:
         annotation = kind | None
-        choices = f.metadata.get("choices")
+        choices = f.metadata.get("choices") or _registered(name)
         # Short metavars leave the flag names their full width at 80 columns
         # (a choice's values go to the end of its help).
         extra["metavar"] = {int: "N", float: "X"}.get(kind, "TEXT")
