@@ -132,3 +132,61 @@ def synthesize(
             raise ClinfedError(f"task must be one of {', '.join(TASKS)}, not {task!r}")
         TASKS[task].synthesize(Path(out), sites=sites, docs=docs, seed=seed)
         return Path(out)
+
+
+def warm_start(
+    public_data: str | Path, out: str | Path, *, task: str = "i2b2", **settings: Any
+) -> dict[str, Any]:
+    """Train a starting model on public text alone and save it to the new
+    folder ``out`` (no site's data, no privacy spent); runs start from it
+    with ``model=out``. Returns the warm start's record. ``settings``: as
+    ``clinfed warm-start``'s (``model``, ``public_types``, ``gazetteer``,
+    ``public_epochs``, ``data`` to check the public text is not private)."""
+    with _library_call():
+        from clinfed.settings import RunConfig
+        from clinfed.warmstart import warm_start_model
+
+        config = RunConfig.of(
+            public_data=str(public_data), out=str(out), task=task,
+            data=str(settings.pop("data", "") or ""), **settings,
+        )  # fmt: skip
+        return warm_start_model(config)
+
+
+def export(run: str | Path, out: str | Path) -> dict[str, Any]:
+    """Write a finished concept-extraction run's model to the new folder
+    ``out`` as a plain transformers model, with its model card and privacy
+    report; returns what ``out/clinfed-export.json`` says."""
+    with _library_call():
+        from clinfed.exporter import export_run
+
+        return export_run(Path(run), Path(out))
+
+
+def audit(run: str | Path, max_examples: int = 400) -> dict[str, Any]:
+    """Membership inference against a finished run trained with
+    ``audit_holdout``; writes and returns ``run/audit.json``."""
+    with _library_call():
+        from clinfed.reporting.audit import audit as run_audit
+
+        return run_audit(Path(run), max_examples)
+
+
+def plan(
+    units: list[int] | dict[str, int],
+    epsilons: tuple[float, ...] = (1.0, 4.0, 8.0),
+    **settings: Any,
+) -> list[dict[str, Any]]:
+    """What each budget buys before any is spent: per budget and site, the
+    batch, steps, noise multiplier and epsilon after each round, from the
+    sites' sizes alone (``units``: a count per site) and the run's
+    ``settings`` (``rounds``, ``neighbours``, ``privacy_unit`` ...)."""
+    with _library_call():
+        from clinfed.forecast import noise_plan
+        from clinfed.settings import RunConfig
+
+        sizes = units if isinstance(units, dict) else {
+            f"site{i}": int(n) for i, n in enumerate(units, start=1)
+        }  # fmt: skip
+        config = RunConfig.of(data="(none)", out="plan", **settings)
+        return noise_plan(config, dict(sizes), list(epsilons))

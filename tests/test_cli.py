@@ -861,3 +861,24 @@ def test_train_ends_with_its_size_and_the_next_command_and_report_prints_the_ver
     assert report.returncode == 0, report.stderr
     assert "- beth: within budget. Epsilon" in report.stdout
     assert "**" not in report.stdout
+
+
+def test_the_python_api_covers_plan_warm_start_export_and_audit(tiny_run, public_i2b2, tmp_path):
+    import clinfed
+
+    shown = dir(clinfed)
+    for name in ("warm_start", "train", "report", "audit", "export", "plan"):
+        assert name in shown and callable(getattr(clinfed, name))
+    assert "Any" not in shown
+    rows = clinfed.plan([1520, 1400], epsilons=(8.0,), rounds=3)
+    assert [r["site"] for r in rows] == ["site1", "site2"]
+    assert rows[0]["epsilon_by_round"][-1] <= 8.0 and rows[0]["relation"] == "add-remove"
+    start = clinfed.warm_start(public_i2b2, tmp_path / "start", model="tiny", max_length=32,
+                               public_epochs=1, threads=1)  # fmt: skip
+    assert start["examples"] > 0 and (tmp_path / "start" / "model.json").is_file()
+    tiny_run(tmp_path / "run", model=str(tmp_path / "start"), audit_holdout=0.2)
+    assert clinfed.audit(tmp_path / "run", max_examples=20)["final_model"]
+    record = clinfed.export(tmp_path / "run", tmp_path / "hf")
+    assert record["labels"] and (tmp_path / "hf" / "README.md").is_file()
+    with pytest.raises(clinfed.api.ClinfedError, match="already exists|not empty"):
+        clinfed.export(tmp_path / "run", tmp_path / "hf")

@@ -453,7 +453,7 @@ def export_cmd(
 ) -> None:
     """The run's concept-extraction model as a transformers model folder
     (AutoModelForTokenClassification with its real labels, and its tokenizer)."""
-    from clinfed.export import export_run
+    from clinfed.exporter import export_run
 
     record = export_run(run, out_dir)
     if as_json:
