@@ -38,16 +38,55 @@ from clinfed.runs import atomic_write_json, create_run_folder, ensure_new_run_fo
 
 def export_run(run: Path, out: Path) -> dict[str, Any]:
     """Write ``run``'s model to ``out`` (a new folder) as a transformers
-    token-classification model; returns what ``clinfed-export.json`` says."""
+    token-classification model, with its model card and privacy report;
+    returns what ``clinfed-export.json`` says. The run is only read."""
     import transformers
-    from transformers import AutoConfig, AutoModelForTokenClassification
 
     from clinfed import __version__
     from clinfed.models import load_saved_model
+    from clinfed.reporting.report import build, write_report
 
     run, out = Path(run), Path(out)
     ensure_new_run_folder(out, "exported model", {"RUN": run})
     model, tokenizer, meta = load_saved_model(run / "model")
+    exported = _as_transformers(run, model, meta)
+    _check_same_logits(model, exported, tokenizer)
+    content = build(run)  # verified before anything is written
+    provenance = _provenance(run, meta)
+    labels = list(meta["labels"])
+    card = model_card(content, labels, provenance)
+    create_run_folder(out)
+    exported.save_pretrained(out, safe_serialization=True)
+    # The windows it was trained on, so a pipeline cuts text the same way.
+    if meta.get("max_length"):
+        tokenizer.model_max_length = int(meta["max_length"])
+    tokenizer.save_pretrained(out)
+    # The privacy report beside the weights: the card says no more than it.
+    write_report(run, folder=out / "privacy-report")
+    record = {
+        "run": str(run.resolve()),
+        "task": meta.get("task"),
+        "labels": labels,
+        "class": type(exported).__name__,
+        "max_length": meta.get("max_length"),
+        "base_model": provenance["base_model"],
+        "synthetic_data": provenance["synthetic"],
+        "versions": {
+            "clinfed": __version__,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
+    }
+    atomic_write_json(out / "clinfed-export.json", record)
+    card.save(out / "README.md")
+    return record
+
+
+def _as_transformers(run: Path, model: Any, meta: dict[str, Any]) -> Any:
+    """The run's model as an ``AutoModelForTokenClassification``, its
+    weights under transformers' names (refused where no such class fits)."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
     if meta.get("head") != "token":
         raise ClinfedError(
             f"{run}: a {meta.get('head')} model (label-wise attention) is not a transformers "
@@ -84,43 +123,7 @@ def export_run(run: Path, out: Path) -> dict[str, Any]:
             f"{run}: the encoder ({config.model_type}) does not map onto "
             f"{type(exported).__name__} ({(missing + unexpected)[0]})"
         )
-    _check_same_logits(model, exported, tokenizer)
-    from clinfed.reporting.report import build, write_report
-
-    content = build(run)  # verified before anything is written
-    provenance = _provenance(run, meta)
-    card = model_card(content, labels, provenance)
-    create_run_folder(out)
-    exported.save_pretrained(out, safe_serialization=True)
-    # The windows it was trained on, so a pipeline cuts text the same way.
-    if meta.get("max_length"):
-        tokenizer.model_max_length = int(meta["max_length"])
-    tokenizer.save_pretrained(out)
-    # The privacy report beside the weights: the card says no more than it.
-    report = out / "privacy-report"
-    if not (run / "report" / "report.html").is_file():
-        write_report(run)
-    report.mkdir()
-    for page in (run / "report").iterdir():
-        if page.is_file():
-            (report / page.name).write_bytes(page.read_bytes())
-    record = {
-        "run": str(run.resolve()),
-        "task": meta.get("task"),
-        "labels": labels,
-        "class": type(exported).__name__,
-        "max_length": meta.get("max_length"),
-        "base_model": provenance["base_model"],
-        "synthetic_data": provenance["synthetic"],
-        "versions": {
-            "clinfed": __version__,
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-        },
-    }
-    atomic_write_json(out / "clinfed-export.json", record)
-    card.save(out / "README.md")
-    return record
+    return exported
 
 
 # The bundled encoders: what a card names as the base model, and its licence.

@@ -98,6 +98,7 @@ def test_the_card_names_base_licence_use_and_provenance_and_its_example_gives_wh
     assert "Intended use and limits" in text and "synthetic-data" in card.data.tags
     assert "Trained on synthetic data" in text  # the corpus came from clinfed data synth
     assert (out / "privacy-report" / "report.html").is_file()
+    assert not (run / "report").exists()  # the run is only read
     assert json.loads((out / "tokenizer_config.json").read_text())["model_max_length"] == 32
     # The card's example, as written, on this model with every word made a
     # problem: whole words and whole entities, never word pieces.

@@ -23,15 +23,15 @@ from clinfed.runs import atomic_write_json, atomic_write_text
 __all__ = ["build", "evaluation_queries", "page_outline", "record_row", "write_report"]
 
 
-def write_report(run: Path, reference: Path | None = None) -> Path:
+def write_report(run: Path, reference: Path | None = None, folder: Path | None = None) -> Path:
     """Write ``RUN/report/`` (``report.html``, ``report.md`` with its PNGs,
     ``privacy.json``); return that folder. ``reference``: a run folder of
     the same run without DP, for the F1 plot (found beside ``run`` in a
-    sweep otherwise)."""
+    sweep otherwise). ``folder``: write there instead (an export's copy)."""
     run = Path(run)
     content = build(run, reference)
     plots = content.pop("_plots")
-    folder = run / "report"
+    folder = Path(folder) if folder is not None else run / "report"
     folder.mkdir(exist_ok=True)
     for name, png in plots.items():
         (folder / f"{name}.png").write_bytes(png)
