@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from transformers import AutoModelForTokenClassification, AutoTokenizer
 
@@ -53,15 +54,22 @@ def test_a_label_attention_model_is_not_exported_and_says_how_to_load_it(mimic_c
     assert not (tmp_path / "hf").exists()
 
 
-def test_the_exported_model_carries_its_privacy_guarantee_as_a_model_card(i2b2_corpus, tmp_path):
-    from huggingface_hub import ModelCard
-
-    run = tmp_path / "run"
+@pytest.fixture(scope="module")
+def private_run(i2b2_corpus, tmp_path_factory):
+    """A finished private run of the synthetic hospitals (the tiny model)."""
+    run = tmp_path_factory.mktemp("export") / "run"
     trained = run_cli("train", "--task", "i2b2", "--model", "tiny", "--adapter", "bias",
                       "--rounds", "1", "--max-length", "32", "--threads", "1",
                       "--target-epsilon", "8", "--data", str(i2b2_corpus),
                       "--out", str(run))  # fmt: skip
     assert trained.returncode == 0, trained.stderr
+    return run
+
+
+def test_the_exported_model_carries_its_privacy_guarantee_as_a_model_card(private_run, tmp_path):
+    from huggingface_hub import ModelCard
+
+    run = private_run
     # --target-epsilon alone: federated, under add/remove (the measured default).
     config = json.loads((run / "config.json").read_text())
     assert config["federation"]["strategy"] == "fedavg"
@@ -77,19 +85,14 @@ def test_the_exported_model_carries_its_privacy_guarantee_as_a_model_card(i2b2_c
 
 
 def test_the_card_names_base_licence_use_and_provenance_and_its_example_gives_whole_words(
-    i2b2_corpus, tmp_path
+    private_run, tmp_path
 ):
     import re
 
     from huggingface_hub import ModelCard
     from transformers import pipeline
 
-    run = tmp_path / "run"
-    trained = run_cli("train", "--task", "i2b2", "--model", "tiny", "--adapter", "bias",
-                      "--rounds", "1", "--max-length", "32", "--threads", "1",
-                      "--target-epsilon", "8", "--data", str(i2b2_corpus),
-                      "--out", str(run))  # fmt: skip
-    assert trained.returncode == 0, trained.stderr
+    run = private_run
     out = tmp_path / "hf"
     assert run_cli("export", str(run), "--out", str(out)).returncode == 0
     card = ModelCard.load(out / "README.md")
