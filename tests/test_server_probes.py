@@ -163,7 +163,10 @@ def test_a_delta_refusal_states_no_count_and_follows_the_released_one(i2b2_corpu
         assert (refused is None) == (delta <= 1 / (10 * released))
         # ... and no refusal says a count, or a cap derived from one.
         if refused is not None:
-            assert str(exact) not in refused and str(released) not in refused
+            # (The delta the run asked for is the server's own setting; its
+            # digits may hold a count's by chance, as 0.000716312 holds 163.)
+            said = refused.replace(f"{delta:g}", "<delta>")
+            assert str(exact) not in said and str(released) not in said
             assert "1/(10 n)" in refused
 
 
