@@ -783,7 +783,7 @@ def test_an_error_naming_a_path_in_brackets_prints_it_verbatim(tmp_path, capsys)
     assert "notes[site1]" in capsys.readouterr().err
 
 
-def test_a_private_run_logged_to_a_file_says_where_it_is_and_warns_of_nothing(
+def test_a_private_run_logged_to_a_file_says_where_it_is_and_what_next_and_warns_of_nothing(
     i2b2_corpus, tmp_path
 ):
     # The README's first run (synthetic hospitals, --target-epsilon 8), on
@@ -805,6 +805,14 @@ def test_a_private_run_logged_to_a_file_says_where_it_is_and_warns_of_nothing(
     assert "left" in lines[left] and first("round 1/2 started") < left
     assert left < first("round 2 beth:")  # before round 2 ends
     assert first("round 2/2 trained and evaluated in") > left
+    # It ends with the run folder's size and the next command, which prints
+    # the report's verdicts.
+    run = tmp_path / "first"
+    assert result.stdout.strip().splitlines()[-1].startswith(f"next: clinfed report {run}")
+    assert f"run folder {run} (" in result.stdout and " MB)" in result.stdout
+    report = run_cli("report", str(run))
+    assert report.returncode == 0, report.stderr
+    assert "- beth: within budget. Epsilon" in report.stdout and "**" not in report.stdout
 
 
 def test_every_command_s_help_fits_80_columns_with_nothing_cut(monkeypatch):
@@ -844,23 +852,6 @@ def test_a_mistyped_command_or_flag_gets_one_error_style_and_one_suggestion():
     flag = run_cli("train", "--rounds", "x")
     assert flag.returncode == 2 and "error: Invalid value for '--rounds'" in flag.stderr
     assert "Try 'clinfed train --help' for help." in flag.stderr
-
-
-def test_train_ends_with_its_size_and_the_next_command_and_report_prints_the_verdicts(
-    i2b2_corpus, tmp_path
-):
-    run = tmp_path / "run"
-    trained = run_cli("train", "--data", str(i2b2_corpus), "--model", "tiny", "--max-length",
-                      "32", "--rounds", "1", "--local-epochs", "1", "--threads", "1",
-                      "--adapter", "bias", "--target-epsilon", "8", "--out", str(run))  # fmt: skip
-    assert trained.returncode == 0, trained.stderr
-    last = trained.stdout.strip().splitlines()
-    assert last[-1].startswith(f"next: clinfed report {run}")
-    assert f"run folder {run} (" in trained.stdout and " MB)" in trained.stdout
-    report = run_cli("report", str(run))
-    assert report.returncode == 0, report.stderr
-    assert "- beth: within budget. Epsilon" in report.stdout
-    assert "**" not in report.stdout
 
 
 def test_the_python_api_covers_plan_warm_start_export_and_audit(tiny_run, public_i2b2, tmp_path):
