@@ -27,8 +27,11 @@ def saved_model_and_task(run: Path, cache_dir: str) -> tuple[Any, Any, dict[str,
     return model, tokenizer, meta, task
 
 
-def _outputs(run: Path, data: Path, problems: ProblemLog, cache_dir: str):
+def _outputs(run: Path, data: Path, problems: ProblemLog, cache_dir: str, device: str):
+    from clinfed.device import resolve_device
+
     model, tokenizer, meta, task = saved_model_and_task(run, cache_dir)
+    model = model.to(resolve_device(device))
     records = task.read_documents(Path(data), problems)
     examples = task.encode(records, tokenizer, meta["max_length"], cache_dir)
     if len(examples) == 0:
@@ -36,22 +39,27 @@ def _outputs(run: Path, data: Path, problems: ProblemLog, cache_dir: str):
     return task, records, examples, predict(model, task, examples)
 
 
-def evaluate_run(run: Path, data: Path, on_error: str = "strict") -> dict[str, Any]:
-    """Metrics of the run's final model on every annotated document of ``data``."""
+def evaluate_run(
+    run: Path, data: Path, on_error: str = "strict", device: str = "auto"
+) -> dict[str, Any]:
+    """Metrics of the run's final model on every annotated document of ``data``
+    (``device``: as ``--device``)."""
     problems = ProblemLog(on_error)
     with temporary_folder("cache") as cache:
-        task, records, examples, outputs = _outputs(run, data, problems, cache)
+        task, records, examples, outputs = _outputs(run, data, problems, cache, device)
         metrics = task.evaluate(records, examples, outputs)
     return metrics | {"warnings": [str(p) for p in problems.problems]}
 
 
-def predict_run(run: Path, data: Path, out: Path, on_error: str = "strict") -> int:
+def predict_run(
+    run: Path, data: Path, out: Path, on_error: str = "strict", device: str = "auto"
+) -> int:
     """Write predictions for every document of ``data`` to the new folder
     ``out`` in the task's format; return how many records were predicted."""
     ensure_new_run_folder(out, "predictions", {"--data": data, "RUN": run})
     problems = ProblemLog(on_error)
     with temporary_folder("cache") as cache:
-        task, records, examples, outputs = _outputs(run, data, problems, cache)
+        task, records, examples, outputs = _outputs(run, data, problems, cache, device)
         Path(out).mkdir(parents=True, exist_ok=True)
         task.write_predictions(records, examples, outputs, Path(out))
     return len(records)

@@ -873,3 +873,14 @@ def test_the_python_api_covers_plan_warm_start_export_and_audit(tiny_run, public
     assert record["labels"] and (tmp_path / "hf" / "README.md").is_file()
     with pytest.raises(clinfed.api.ClinfedError, match="already exists|not empty"):
         clinfed.export(tmp_path / "run", tmp_path / "hf")
+
+
+def test_every_command_that_computes_takes_the_machine_s_threads():
+    # A shared machine's thread count, as train's --threads; evaluate and
+    # predict also take --device.
+    for command in (["train"], ["warm-start"], ["sweep"], ["evaluate"], ["predict"],
+                    ["export"], ["audit"], ["privacy", "clip-norm"]):  # fmt: skip
+        shown = run_cli(*command, "--help-all" if command == ["train"] else "--help")
+        assert "--threads" in shown.stdout, command
+    for command in (["evaluate"], ["predict"]):
+        assert "--device" in run_cli(*command, "--help").stdout, command

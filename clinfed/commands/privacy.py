@@ -128,6 +128,7 @@ def privacy_clip_norm(
     seed: int = typer.Option(0, "--seed", help="Which public units are drawn."),
     on_error: OnError = ON_ERROR,
     as_json: bool = JSON,
+    **settings,
 ) -> None:
     """A clip norm (--max-grad-norm) from public units' gradient norms at the start.
 
@@ -137,6 +138,10 @@ def privacy_clip_norm(
     unaccounted.
     """
     from rich.progress import Progress
+
+    from clinfed.device import use_threads
+
+    use_threads(settings.get("threads"))
 
     from clinfed.clip_norm import clip_norm_from_public
     from clinfed.commands.train import PROGRESS, _columns
@@ -212,13 +217,16 @@ def audit_cmd(
         400, "--max-examples", help="Members and held-out non-members each, per target."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print audit.json."),
+    **settings,
 ) -> None:
     """Membership-inference attacks (loss threshold, and loss calibrated by the
     initial model) on the final model and each site's last update, members
     against the training rows the run set aside (--audit-holdout); writes
     RUN/audit.json (shown by clinfed report)."""
+    from clinfed.device import use_threads
     from clinfed.reporting.audit import audit
 
+    use_threads(settings.get("threads"))
     result = audit(run, max_examples)
     if as_json:
         _print_json(result)
@@ -314,3 +322,8 @@ with_parameters(
     ),
 )
 privacy_app.command("plan")(plan_cmd)
+
+
+# CPU work on a machine that may be shared: its thread count, as train's.
+with_parameters(privacy_clip_norm, settings_parameters(only=("threads",)))
+with_parameters(audit_cmd, settings_parameters(only=("threads",)))

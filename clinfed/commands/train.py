@@ -413,11 +413,12 @@ def evaluate(
     data: Path = typer.Option(..., "--data", help="Folder of annotated documents to score."),
     on_error: OnError = ON_ERROR,
     as_json: bool = JSON,
+    **settings: Any,
 ) -> None:
     """Score a run's final model on a folder of annotated data."""
     from clinfed.inference import evaluate_run
 
-    metrics = evaluate_run(run, data, on_error.value)
+    metrics = evaluate_run(run, data, on_error.value, _machine(settings))
     _warn(metrics.pop("warnings"))
     if as_json:
         _print_json(metrics)
@@ -437,11 +438,12 @@ def predict_cmd(
     data: Path = typer.Option(..., "--data", help="Folder of documents (i2b2) or CSVs (mimic3)."),
     out_dir: Path = typer.Option(..., "--out", help="New folder for the predictions."),
     on_error: OnError = ON_ERROR,
+    **settings: Any,
 ) -> None:
     """Write predictions in the real format: i2b2 .con files, mimic3 predictions.csv."""
     from clinfed.inference import predict_run
 
-    count = predict_run(run, data, out_dir, on_error.value)
+    count = predict_run(run, data, out_dir, on_error.value, _machine(settings))
     out.print(f"wrote predictions for {count} records to {out_dir}")
 
 
@@ -450,11 +452,14 @@ def export_cmd(
     run: Path = typer.Argument(..., help="A finished run folder."),
     out_dir: Path = typer.Option(..., "--out", help="New folder for the exported model."),
     as_json: bool = JSON,
+    **settings: Any,
 ) -> None:
     """The run's concept-extraction model as a transformers model folder
     (AutoModelForTokenClassification with its real labels, and its tokenizer)."""
+    from clinfed.device import use_threads
     from clinfed.exporter import export_run
 
+    use_threads(settings.get("threads"))
     record = export_run(run, out_dir)
     if as_json:
         _print_json(record)
@@ -463,6 +468,24 @@ def export_cmd(
             f"[bold]exported[/]: {out_dir} ({record['class']}, {len(record['labels'])} labels); "
             "load it with transformers' AutoModelForTokenClassification.from_pretrained"
         )
+
+
+# The machine's settings, as clinfed train's flags, on every command that computes.
+MACHINE = ("threads", "device")
+
+
+def _machine(settings: dict[str, Any]) -> str:
+    """Set torch's thread count from ``--threads`` (0 or none: every core)
+    and return the ``--device`` to compute on (``auto`` when not given)."""
+    from clinfed.device import use_threads
+
+    use_threads(settings.get("threads"))
+    return str(settings.get("device") or "auto")
+
+
+with_parameters(evaluate, settings_parameters(only=MACHINE))
+with_parameters(predict_cmd, settings_parameters(only=MACHINE))
+with_parameters(export_cmd, settings_parameters(only=("threads",)))
 
 
 def _check_recorded_data(config_file: Path, data: Path) -> None:
