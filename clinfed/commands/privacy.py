@@ -223,11 +223,9 @@ def audit_cmd(
     initial model) on the final model and each site's last update, members
     against the training rows the run set aside (--audit-holdout); writes
     RUN/audit.json (shown by clinfed report)."""
-    from clinfed.device import use_threads
     from clinfed.reporting.audit import audit
 
-    use_threads(settings.get("threads"))
-    result = audit(run, max_examples)
+    result = audit(run, max_examples, threads=settings.get("threads"))
     if as_json:
         _print_json(result)
         return

@@ -217,11 +217,17 @@ def _sample(rows: list[int], cap: int, rng: np.random.Generator) -> list[int]:
     return sorted(rng.choice(rows, size=cap, replace=False).tolist())
 
 
-def audit(run: Path, max_examples: int = 400, seed: int = 0) -> dict[str, Any]:
+def audit(
+    run: Path, max_examples: int = 400, seed: int = 0, threads: int | None = None
+) -> dict[str, Any]:
     """Run both attacks on ``run``; write and return ``RUN/audit.json``.
 
     ``max_examples``: members and non-members each, at most, per target.
+    ``threads``: torch's CPU threads (default the run's own ``--threads``,
+    so that a warm start rebuilt for the calibrated attack sums in the same
+    order as the run's and matches it bit for bit).
     """
+    from clinfed.device import use_threads
     from clinfed.factories import make_model, make_task
 
     run = Path(run)
@@ -233,6 +239,7 @@ def audit(run: Path, max_examples: int = 400, seed: int = 0) -> dict[str, Any]:
     holdout_path = run / AUDIT_HOLDOUT
     holdout, sites = _read_holdout(run, holdout_path)
     config = RunConfig.from_values(read_run_config(run), str(config_path)).resolved()
+    use_threads(threads, config.threads)
     model, tokenizer, meta = load_saved_model(model_dir)
     rng = np.random.default_rng(seed)
     with temporary_folder("cache") as cache:
