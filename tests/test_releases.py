@@ -441,3 +441,13 @@ def test_a_flower_node_s_replies_move_only_in_accounted_fields(
     assert moved
     uncovered = {p: releases.cover_of(p, relation) for p in moved}
     assert all(c == releases.ACCOUNTED for c in uncovered.values()), uncovered
+
+
+def test_a_private_site_whose_filter_fails_sends_no_loss(tiny_run, tmp_path, monkeypatch):
+    # Two guards, not one: with the privacy layer's record filter gone, the
+    # door still knows the site trains under DP and refuses its loss.
+    from clinfed.privacy import site as privacy_site
+
+    monkeypatch.setattr(privacy_site, "release_filter", lambda record: dict(record))
+    with pytest.raises(PrivacyError, match="record.train_loss"):
+        tiny_run(tmp_path / "run", adapter="bias", target_epsilon=8.0)
