@@ -5,14 +5,18 @@ quality. The plan answers it from the sites' sizes alone (declared, or the
 counts a run released under noise): for each budget, each site's derived
 batch, steps, noise multiplier, epsilon after each round and the noise on
 its averaged step (:func:`noise_plan`, instant, no data read). With public
-annotated text it also forecasts F1: the same plan runs on that text split
-into sites of the same sizes, once per budget and once without DP, and the
-forecast cost of DP is the difference (:func:`forecast`). No private text
-is read at any point.
+annotated text it also forecasts F1: the same plan runs on that text dealt
+into sites of the same sizes, several times per budget (each draw its own
+deal, seed and secret noise) and once without DP; the forecast is the
+draws' mean with an interval (their range widened by F1's scoring error),
+and the forecast cost of DP its difference from the run without
+(:func:`forecast`). No private text is read at any point.
 
 The forecast is only as good as the public text is close to the sites'
 (docs/results.md gives its measured error): give text the starting model
 did not train on, or the forecast is run on text the model already knows.
+Text that leaves one of the run's types unannotated is refused
+(:func:`check_public_text`): there the forecast misled by 50 points.
 """
 
 from __future__ import annotations
@@ -31,8 +35,13 @@ from clinfed.privacy.recipe import steps_per_epoch
 from clinfed.settings import RunConfig
 from clinfed.tasks import TASKS
 
-# Held-out units of the public text the forecast scores on, at most.
+# Held-out units of the public text the forecast scores on, at most, and
+# the fewest it scores on.
 FORECAST_TEST_UNITS = 2000
+MIN_TEST_UNITS = 50
+# Deals of the public text into sites, each trained at every budget: their
+# spread is the forecast's interval (DP noise, sampling and which notes).
+FORECAST_DRAWS = 3
 
 
 def parse_units(text: str) -> dict[str, int]:
@@ -88,28 +97,47 @@ def noise_plan(config: RunConfig, sizes: dict[str, int], epsilons: list[float]) 
     return rows
 
 
-def public_sites(
-    config: RunConfig, task: Any, sizes: dict[str, int], out: Path, problems: ProblemLog
-) -> int:
-    """Write ``config.public_data`` as a corpus under ``out`` (``train/`` with
-    a site per entry of ``sizes``, that many units each, and ``test/``) in
-    the run's types; returns the held-out units. Units are drawn at random
-    (the run's seed)."""
-    units = task.public_units(Path(config.public_data), config.public_types, problems)
-    wanted = sum(sizes.values())
-    if len(units) < wanted + 50:
-        raise ClinfedError(
-            f"--public-data {config.public_data}: {len(units):,} units, and the plan's sites "
-            f"need {wanted:,} plus at least 50 to score on"
-        )
-    random.Random(config.seed).shuffle(units)
+def deal(units: list, sizes: dict[str, int], seed: int) -> tuple[dict[str, list], list]:
+    """Deal ``units`` at random (``seed``) into sites of ``sizes`` and a
+    held-out share of at most :data:`FORECAST_TEST_UNITS`."""
+    units = list(units)
+    random.Random(seed).shuffle(units)
     parts, start = {}, 0
     for site, n in sizes.items():
         parts[site] = units[start : start + n]
         start += n
-    test = units[start : start + FORECAST_TEST_UNITS]
-    task.write_public_sites(parts, test, out)
-    return len(test)
+    return parts, units[start : start + FORECAST_TEST_UNITS]
+
+
+def check_public_text(config: RunConfig, task: Any, units: list, sizes: dict[str, int]) -> None:
+    """Refuse public text a forecast cannot speak from: too little to deal
+    into the sites and score, or text that leaves one of the run's types
+    unannotated (its F1 would say nothing of that type, and measured on
+    BC5CDR such text overstated DP's cost by 50 points: docs/results.md)."""
+    wanted = sum(sizes.values())
+    if len(units) < wanted + MIN_TEST_UNITS:
+        raise ClinfedError(
+            f"--public-data {config.public_data}: {len(units):,} units, and the plan's sites "
+            f"need {wanted:,} plus at least {MIN_TEST_UNITS} to score on"
+        )
+    mentions = task.public_mentions(units)
+    missing = [kind for kind in task.entity_types if not mentions.get(kind)]
+    if missing:
+        raise ClinfedError(
+            f"--public-data {config.public_data}: annotates no mention of {' or '.join(missing)} "
+            f"(the run scores {', '.join(task.entity_types)}); public text unlike the sites "
+            "gives a forecast that misleads, so none is made: give text that annotates "
+            "every type (map its own with --public-types)"
+        )
+
+
+def interval(values: list[float], mentions: int) -> tuple[float, float, float]:
+    """The point forecast (the draws' mean) and its interval: the draws'
+    range widened by twice F1's scoring error on ``mentions`` gold mentions
+    (``sqrt(F(1-F)/n)``), so that one draw still carries an interval."""
+    point = sum(values) / len(values)
+    error = 2 * math.sqrt(max(point * (1 - point), 0.0) / max(mentions, 1))
+    return point, max(0.0, min(values) - error), min(1.0, max(values) + error)
 
 
 def forecast(
@@ -117,38 +145,66 @@ def forecast(
     sizes: dict[str, int],
     epsilons: list[float],
     out: Path,
+    draws: int = FORECAST_DRAWS,
     report=lambda event, info: None,
 ) -> dict[str, Any]:
-    """Run the plan on ``config.public_data`` split into sites of ``sizes``,
-    at each budget and without DP (one ``clinfed sweep`` under ``out``), and
-    return F1 per budget and the forecast cost of DP in points."""
+    """Run the plan on ``config.public_data`` dealt into sites of ``sizes``:
+    ``draws`` times at each budget, each draw its own deal and seed, and
+    once without DP (one ``clinfed sweep`` per draw under ``out``); return
+    F1 per budget as a point (the draws' mean) with an interval, and the
+    forecast cost of DP in points. The public text is read and checked
+    (:func:`check_public_text`) before ``out`` is made."""
     from clinfed.factories import make_task
     from clinfed.scratch import temporary_folder
     from clinfed.sweep import run_sweep
 
     if not config.public_data:
         raise ClinfedError("a forecast needs --public-data: annotated public text to run on")
-    out.mkdir(parents=True, exist_ok=False)
-    corpus = out / "public-sites"
+    if draws < 1:
+        raise ClinfedError(f"--forecast-draws: {draws} is not a positive number of draws")
     with temporary_folder("cache") as cache:
         task = make_task(config.resolved(), cache)
-    test_units = public_sites(config, task, sizes, corpus, ProblemLog(config.on_error))
-    base = replace(
-        config, data=str(corpus), public_data=None, public_types=None, out=str(out / "runs"),
-        resume=False, **task.forecast_settings(),
-    )  # fmt: skip
-    budgets = sorted({*epsilons, math.inf})
-    rows = run_sweep(base, out / "runs", [config.strategy], budgets, 1, report)
-    f1 = {row["target_epsilon"]: row["f1"] for row in rows}
-    reference = f1.get(math.inf)
+    problems = ProblemLog(config.on_error)
+    units = task.public_units(Path(config.public_data), config.public_types, problems)
+    check_public_text(config, task, units, sizes)
+    out.mkdir(parents=True, exist_ok=False)
+    budgets = sorted(e for e in set(epsilons) if not math.isinf(e))
+    f1: dict[float, list[float]] = {e: [] for e in [*budgets, math.inf]}
+    mentions = 0
+    for draw in range(draws):
+        parts, test = deal(units, sizes, config.seed + draw)
+        mentions += sum(task.public_mentions(test).values())
+        corpus = out / f"public-sites-{draw}"
+        task.write_public_sites(parts, test, corpus)
+        base = replace(
+            config, data=str(corpus), public_data=None, public_types=None,
+            out=str(out / f"runs-{draw}"), resume=False, seed=config.seed + draw,
+            **task.forecast_settings(),
+        )  # fmt: skip
+        # The cost of DP needs one run without it; each draw adds the budgets.
+        cells = [*budgets, math.inf] if draw == 0 else budgets
+        for row in run_sweep(base, out / f"runs-{draw}", [config.strategy], cells, 1, report):
+            if row["f1"] is not None:
+                f1[row["target_epsilon"]].append(row["f1"])
+    per_draw = mentions // draws
+    forecasts = {
+        ("inf" if math.isinf(e) else f"{e:g}"): dict(
+            zip(("f1", "low", "high"), interval(values, per_draw)), draws=values
+        )
+        for e, values in f1.items()
+        if values
+    }
+    reference = forecasts.get("inf", {}).get("f1")
     return {
         "public_data": str(Path(config.public_data).resolve()),
         "sites": sizes,
-        "test_units": test_units,
-        "f1": {("inf" if math.isinf(e) else f"{e:g}"): f1.get(e) for e in budgets},
+        "test_units": len(test),
+        "test_mentions": per_draw,
+        "forecasts": forecasts,
+        "f1": {name: made["f1"] for name, made in forecasts.items()},
         "cost_points": {
-            f"{e:g}": None if f1.get(e) is None or reference is None else 100 * (reference - f1[e])
-            for e in budgets
-            if not math.isinf(e)
+            name: None if reference is None else 100 * (reference - made["f1"])
+            for name, made in forecasts.items()
+            if name != "inf"
         },
     }

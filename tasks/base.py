@@ -398,6 +398,11 @@ class Task(ABC):
         forecast refuses."""
         raise ClinfedError(f"task {self.name}: no F1 forecast on public text yet")
 
+    def public_mentions(self, units: list[Any]) -> dict[str, int]:
+        """Gold mentions per type in :meth:`public_units`' ``units``: what
+        a forecast checks the public text annotates and scores on."""
+        raise ClinfedError(f"task {self.name}: no F1 forecast on public text yet")
+
     def write_public_sites(self, sites: dict[str, list[Any]], test: list[Any], out: Path) -> None:
         """Write :meth:`public_units` dealt out to ``sites`` (and ``test``)
         as a corpus under ``out`` that :meth:`forecast_settings` reads."""

@@ -129,8 +129,8 @@ def test_chromium_renders_the_same_page(dp_run, tmp_path):
     assert (tmp_path / "shot.png").stat().st_size > 10_000
 
 
-def test_sites_with_the_same_curve_are_drawn_once_and_the_sent_legend_names_used_colours():
-    from clinfed.reporting.plots import epsilon_series, sent_legend
+def test_same_curves_are_drawn_once_the_sent_legend_names_used_colours_and_one_colour_no_map():
+    from clinfed.reporting.plots import epsilon_series, make_plots, sent_legend
 
     def ledger(sigma: float) -> list[dict]:
         return [{"round": r, "mechanism": "dp-sgd", "noise_multiplier": sigma,
@@ -141,3 +141,12 @@ def test_sites_with_the_same_curve_are_drawn_once_and_the_sent_legend_names_used
     assert [who for who, *_ in series] == ["a, b (identical)", "c"]
     assert sent_legend([[2, 0], [2, 0]]) == "dark: whole; grey: not"
     assert "orange" not in sent_legend([[1, 2]]) and "light" in sent_legend([[1, 2]])
+
+    # One colour everywhere (FedAvg: every layer, every round) is no picture.
+    def grid(cells: list[list[int]]) -> dict:
+        rows = [{"label": f"round {i}", "cells": row} for i, row in enumerate(cells)]
+        return {"columns": ["embeddings", "head"], "rows": rows}
+
+    no_ledgers = {"records": [], "ledgers": {}}
+    assert "layers" not in make_plots(no_ledgers, None, grid([[2, 2], [2, 2]]))
+    assert "layers" in make_plots(no_ledgers, None, grid([[2, 1], [2, 2]]))

@@ -224,6 +224,7 @@ def audit_cmd(
     against the training rows the run set aside (--audit-holdout); writes
     RUN/audit.json (shown by clinfed report)."""
     from clinfed.reporting.audit import audit
+    from clinfed.reporting.render import possessive
 
     result = audit(run, max_examples, threads=settings.get("threads"))
     if as_json:
@@ -242,7 +243,7 @@ def audit_cmd(
             "reading is measured from a near copy"
         )
     for site, attack in result["site_updates"].items():
-        out.print(f"{site}'s last update: {attack['loss_threshold']['reading']}")
+        out.print(f"{possessive(site)} last update: {attack['loss_threshold']['reading']}")
 
 
 def plan_cmd(
@@ -259,6 +260,14 @@ def plan_cmd(
         metavar="DIR",
         help="Also forecast F1: run the plan on --public-data dealt into sites of these sizes, "
         "at each budget and without DP, in this new folder (as long as the runs take).",
+    ),
+    draws: int = typer.Option(
+        3,
+        "--forecast-draws",
+        min=1,
+        max=20,
+        help="Deals of the public text into sites, each trained at every budget; their "
+        "spread gives the forecast's interval.",
     ),
     config_file: Path = typer.Option(
         None, "--config", help="The run's settings (TOML or a run's config.json)."
@@ -284,7 +293,7 @@ def plan_cmd(
     if forecast_dir is not None:
         if forecast_dir.exists():
             raise ClinfedError(f"--forecast {forecast_dir}: already exists; name a new folder")
-        result["forecast"] = forecast(config, sizes, budgets, forecast_dir)
+        result["forecast"] = forecast(config, sizes, budgets, forecast_dir, draws)
     if as_json:
         _print_json(result)
         return
@@ -302,13 +311,17 @@ def plan_cmd(
         )
     if forecast_dir is not None:
         made = result["forecast"]
-        out.print(f"forecast on {made['test_units']:,} held-out public units:")
-        for budget, f1 in made["f1"].items():
+        out.print(
+            f"forecast on {made['test_units']:,} held-out public units "
+            f"({made['test_mentions']:,} mentions), {draws} draw(s) a budget:"
+        )
+        for budget, made_at in made["forecasts"].items():
             cost = made["cost_points"].get(budget)
             spent = "no DP" if budget == "inf" else f"epsilon {budget}"
-            shown = "-" if f1 is None else f"{f1:.3f}"
             out.print(
-                f"  {spent}: F1 {shown}" + ("" if cost is None else f", DP costs {cost:.1f} points")
+                f"  {spent}: F1 {made_at['f1']:.3f} ({made_at['low']:.3f} to "
+                f"{made_at['high']:.3f})"
+                + ("" if cost is None else f", DP costs {cost:.1f} points")
             )
 
 

@@ -119,10 +119,12 @@ def make_plots(
         _integer_rounds(ax, xs)
         ax.set(xlabel=key, ylabel="held-out F1", title="Model quality", ylim=(0, 1))
         plots["f1"] = _png(fig)
-    if grid:
+    values = [row["cells"] for row in grid["rows"]] if grid else []
+    # A grid of one colour (FedAvg: everything, every round) says nothing
+    # the table's first row does not: no picture of it.
+    if len({v for row in values for v in row}) > 1:
         from matplotlib.colors import ListedColormap
 
-        values = [row["cells"] for row in grid["rows"]]
         fig, ax = plt.subplots(
             figsize=(max(4.5, len(grid["columns"]) * 0.7), max(2.2, len(values) * 0.24))
         )

@@ -9,6 +9,11 @@ from typing import Any
 from clinfed.privacy.accountants import RELATION, reference_accountant
 
 
+def possessive(name: str) -> str:
+    """``beth`` -> ``beth's``, ``partners`` -> ``partners'``."""
+    return f"{name}'" if name.endswith("s") else f"{name}'s"
+
+
 def _fmt(value: Any, spec: str = ".3f") -> str:
     if value is None:
         return "-"
@@ -161,7 +166,7 @@ def _audit(audit: dict[str, Any] | None) -> list[str]:
         "|---|---|---|---|",
     ]
     targets = [("final model", final)] + [
-        (f"{site}'s last update", attack)
+        (f"{possessive(site)} last update", attack)
         for site, attack in sorted(audit.get("site_updates", {}).items())
     ]
     above = []  # attacks whose interval lies above chance

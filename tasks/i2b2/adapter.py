@@ -390,6 +390,11 @@ class I2b2Task(Task):
         reader = I2b2Task(format="auto", types=public_types)
         return read_units(reader, folder, problems)
 
+    def public_mentions(self, units: list) -> dict[str, int]:
+        from clinfed.tasks.i2b2.units import mentions
+
+        return mentions(units)
+
     def write_public_sites(self, sites: dict[str, list], test: list, out: Path) -> None:
         from clinfed.tasks.i2b2.units import write_units
 

@@ -3,6 +3,7 @@ privacy plan``): each unit a line with the spans on it."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 from clinfed.errors import ProblemLog
@@ -29,6 +30,11 @@ def read_units(reader, folder: Path, problems: ProblemLog) -> list[Unit]:
             if words:
                 units.append((list(words), spans.get(number, [])))
     return units
+
+
+def mentions(units: list[Unit]) -> dict[str, int]:
+    """Gold mentions per type in ``units``."""
+    return dict(Counter(kind for _, spans in units for _, _, kind in spans))
 
 
 def _document(site: str, units: list[Unit]) -> Document:
