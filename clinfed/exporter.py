@@ -48,10 +48,10 @@ def export_run(run: Path, out: Path) -> dict[str, Any]:
 
     run, out = Path(run), Path(out)
     ensure_new_run_folder(out, "exported model", {"RUN": run})
+    content = build(run)  # verified (the seal included) before the model is read
     model, tokenizer, meta = load_saved_model(run / "model")
     exported = _as_transformers(run, model, meta)
     _check_same_logits(model, exported, tokenizer)
-    content = build(run)  # verified before anything is written
     provenance = _provenance(run, meta)
     labels = list(meta["labels"])
     card = model_card(content, labels, provenance)
@@ -176,6 +176,7 @@ def model_card(content: dict[str, Any], labels: list[str], provenance: dict[str,
         f"# {content['task']} model trained with clinfed",
         "",
         *(_SYNTHETIC if provenance["synthetic"] else []),
+        *([f"**Unverified.** {content['unverified']}.", ""] if content.get("unverified") else []),
         f"Task: {header.get('Task', content['task'])}. Labels: {', '.join(labels)}.",
         "",
         "## Base model and licence",

@@ -39,6 +39,8 @@ from clinfed.tasks import TASKS
 # the fewest it scores on.
 FORECAST_TEST_UNITS = 2000
 MIN_TEST_UNITS = 50
+# A site's units at most: the plan sizes its batch and accounting from it.
+MAX_UNITS = 10**9
 # Deals of the public text into sites, each trained at every budget: their
 # spread is the forecast's interval (DP noise, sampling and which notes).
 FORECAST_DRAWS = 3
@@ -52,8 +54,8 @@ def parse_units(text: str) -> dict[str, int]:
             value = int(part.strip())
         except ValueError:
             raise ClinfedError(f"--units: {part.strip()!r} is not a whole number") from None
-        if value < 1:
-            raise ClinfedError(f"--units: {value} is not a positive number of units")
+        if not 1 <= value <= MAX_UNITS:
+            raise ClinfedError(f"--units: {value} is not a number of units from 1 to {MAX_UNITS:,}")
         sizes[f"site{number}"] = value
     return sizes
 

@@ -87,11 +87,36 @@ def checkpoint_dir(spec: str) -> Path:
     return path
 
 
+# A tokenizer's own files, one of which a checkpoint must hold.
+_TOKENIZER_FILES = (
+    "tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model", "spiece.model", "spm.model",
+    "sentencepiece.bpe.model",
+)  # fmt: skip
+# What loading a checkpoint raises when its files are missing, damaged or of
+# an unknown kind (transformers, safetensors and JSON each their own).
+_LOAD_ERRORS = (OSError, ValueError, KeyError, SafetensorError, RuntimeError)
+
+
+def _unreadable(what: str, folder: Path, exc: BaseException) -> ClinfedError:
+    reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+    return ClinfedError(f"--model {folder}: its {what} cannot be loaded ({reason})")
+
+
 def load_tokenizer(spec: str):
     """Fast tokenizer for ``spec``, from local files only."""
     saved = saved_run_model(spec)
     folder = saved / "tokenizer" if saved is not None else checkpoint_dir(spec)
-    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    # Without its files transformers builds an empty tokenizer of the
+    # model's kind (a handful of special tokens) and every word is unknown.
+    if not any((Path(folder) / name).is_file() for name in _TOKENIZER_FILES):
+        raise ClinfedError(
+            f"--model {folder}: its tokenizer cannot be loaded (none of "
+            f"{', '.join(_TOKENIZER_FILES)} is there)"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except _LOAD_ERRORS as exc:
+        raise _unreadable("tokenizer", folder, exc) from None
 
 
 def pad_token_id(tokenizer) -> int:
@@ -123,13 +148,43 @@ def load_encoder(spec: str, seed: int = 0) -> nn.Module:
         vocab = load_tokenizer(TINY).vocab_size
         return BertModel(BertConfig(vocab_size=vocab, **TINY_CONFIG), add_pooling_layer=False)
     path = checkpoint_dir(spec)
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except _LOAD_ERRORS as exc:
+        raise _unreadable("config.json", path, exc) from None
     # Trained in fp32 whatever the checkpoint's dtype on disk (decoders ship
     # bf16): DP's clipping and noise are exact in fp32 only.
     kwargs: dict[str, Any] = {"local_files_only": True, "dtype": torch.float32}
     if config.model_type in _POOLER_TYPES:
         kwargs["add_pooling_layer"] = False
-    return AutoModel.from_pretrained(path, **kwargs)
+    try:
+        return AutoModel.from_pretrained(path, **kwargs)
+    except _LOAD_ERRORS as exc:
+        raise _unreadable("weights", path, exc) from None
+
+
+# The families whose every parameter clinfed can place in a block (what
+# every plan, DP's layer rules and SAFL's choice are made of).
+SUPPORTED_FAMILIES = (
+    "BERT, RoBERTa, ELECTRA, DistilBERT, DeBERTa-v2 (no DP), Llama, Qwen2, Mistral, Gemma"
+)
+
+
+def check_family(model: nn.Module, spec: str) -> None:
+    """Refuse a model with a parameter no block rule knows, before anything
+    trains or is charged: naming the family and the families that work."""
+    from clinfed.blocks import block_of
+
+    for name, _ in model.named_parameters():
+        try:
+            block_of(name)
+        except ValueError:
+            kind = getattr(getattr(model.encoder, "config", None), "model_type", "unknown")
+            raise ClinfedError(
+                f"--model {spec}: the {kind} family is not supported (its parameter "
+                f"{name} belongs to no block a plan is made of); supported: "
+                f"{SUPPORTED_FAMILIES}"
+            ) from None
 
 
 class _EncoderInputs:
@@ -376,7 +431,9 @@ def build_model(
         return model
     encoder = load_encoder(spec, seed)
     torch.manual_seed(seed)
-    return model_class(encoder, num_labels)
+    model = model_class(encoder, num_labels)
+    check_family(model, spec)
+    return model
 
 
 def add_prompts(

@@ -172,9 +172,12 @@ def _finish(
     save_model(prep.model, prep.out / "model", meta, prep.tokenizer)
     prep.task.write_predictions(prep.corpus.test, test, outputs, prep.out / "predictions")
     from clinfed.provenance import provenance
+    from clinfed.seal import seal_run
 
     summary = record | (extra or {}) | provenance()
     atomic_write_json(prep.out / "summary.json", summary)
+    # Last: what the report and the model card will state, sealed.
+    seal_run(prep.out)
     return summary
 
 

@@ -83,6 +83,63 @@ def data_fingerprint(data: Path, cache: Path | None = None) -> str:
     return total.hexdigest()
 
 
+def file_digests(folder: Path) -> dict[str, str]:
+    """SHA-256 of each file under ``folder``, by its relative name."""
+    import hashlib
+
+    digests = {}
+    for path in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
+        h = hashlib.sha256()
+        with open(path, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+        digests[path.relative_to(folder).as_posix()] = h.hexdigest()
+    return digests
+
+
+def folder_fingerprints(digests: dict[str, str], sizes: dict[str, int]) -> set[str]:
+    """:func:`data_fingerprint` of the folder and of every folder under it,
+    from its files' digests and sizes (no file read twice)."""
+    import hashlib
+
+    folders: dict[str, list[str]] = {}
+    for name in sorted(digests):
+        parts = name.split("/")
+        for depth in range(len(parts)):
+            prefix = "/".join(parts[:depth])
+            relative = "/".join(parts[depth:])
+            folders.setdefault(prefix, []).append(f"{relative}\0{sizes[name]}\0{digests[name]}\n")
+    return {hashlib.sha256("".join(lines).encode()).hexdigest() for lines in folders.values()}
+
+
+def check_start_is_public(start: dict[str, Any] | None, model: str, data: str | Path) -> None:
+    """Refuse a starting model warm-started on the run's own private data:
+    its recorded public start (and every earlier one, ``after``) with the
+    fingerprint of the data folder or of any folder in it (a site's notes),
+    or naming a file with the bytes of one of its files. Such a start was
+    trained on private notes without DP; no epsilon the run states would
+    hold. Names no file and no content."""
+    from clinfed.errors import ClinfedError
+
+    if not start:
+        return
+    data = Path(data)
+    digests = file_digests(data)
+    sizes = {name: (data / name).stat().st_size for name in digests}
+    private = folder_fingerprints(digests, sizes)
+    private_files = set(digests.values())
+    while start:
+        public_files = set(start.get("file_sha256") or ())
+        if start.get("data_fingerprint") in private or public_files & private_files:
+            raise ClinfedError(
+                f"--model {model}: warm-started on text with the bytes of the private data "
+                f"folder {data} (its recorded public start, {start.get('folder', '?')}): a "
+                "start trained on private notes without DP voids any epsilon; warm-start on "
+                "public text only"
+            )
+        start = start.get("after")
+
+
 def check_public_input(flag: str, public: str | Path, data: str | Path) -> None:
     """Refuse a public input (warm-start text, public check notes, name
     lists) that is, or holds, private data: a folder inside ``data`` or

@@ -25,6 +25,28 @@ from clinfed.privacy.durable import (  # noqa: F401
 )
 
 
+def read_user_file(path: Path | str, what: str, encoding: str = "utf-8") -> str:
+    """The text of a file the user named (``what``: how to name it in an
+    error, e.g. ``--config FILE``). A FIFO, device or folder is refused
+    before anything blocks on it: the file is opened without blocking and
+    checked to be a regular file before it is read."""
+    import os
+    import stat
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise ClinfedError(f"{what}: cannot read ({exc.strerror})") from None
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ClinfedError(f"{what}: not a regular file (a FIFO, device or folder)")
+        data = fh.read()
+    try:
+        return data.decode(encoding)
+    except UnicodeDecodeError:
+        raise ClinfedError(f"{what}: not {encoding.upper()} text") from None
+
+
 def ensure_outside(out: Path | str, data: Path | str, flag: str = "--data") -> None:
     """Refuse an output folder that is, or lies inside, an input folder: what
     a command writes there (predictions, a converted corpus, a model) would

@@ -70,15 +70,20 @@ def remove_stale(root: Path | None = None) -> list[Path]:
 
 
 _ACTIVE: list[Path] = []
+# What a command says when SIGTERM ends it (train: how to resume), as on Ctrl-C.
+FAREWELL: list[str] = []
 
 
 def _terminate(signum: int, frame) -> None:
-    """SIGTERM: remove the scratch folders now and exit 128 + signum. Done
-    here rather than by raising, so no library that catches exceptions can
-    keep the process (and the notes on disk) alive."""
+    """SIGTERM: remove the scratch folders now, say the command's farewell
+    (:data:`FAREWELL`) and exit 128 + signum. Done here rather than by
+    raising, so no library that catches exceptions can keep the process
+    (and the notes on disk) alive."""
     del frame
     for folder in _ACTIVE:
         shutil.rmtree(folder, ignore_errors=True)
+    for line in FAREWELL:
+        os.write(2, (line + "\n").encode())
     os._exit(128 + signum)
 
 

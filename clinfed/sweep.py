@@ -80,6 +80,14 @@ def run_sweep(
             raise ClinfedError(f"--strategies: {strategy!r} is not a federated strategy")
     if seeds < 1:
         raise ClinfedError("--seeds must be at least 1")
+    # Validated before the sweep folder is made: never inside what runs read.
+    from clinfed.runs import ensure_outside
+    from clinfed.settings import PUBLIC_INPUTS, flag
+
+    ensure_outside(out, base.data)
+    for name in PUBLIC_INPUTS:
+        if getattr(base, name) and Path(getattr(base, name)).is_dir():
+            ensure_outside(out, getattr(base, name), flag(name))
     # Never overwrite: a sweep folder is new, or an earlier sweep's
     # (sweep.json) continued with --resume.
     marker = out / "sweep.json"

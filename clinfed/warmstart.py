@@ -136,7 +136,7 @@ def warm_start(
     """Train ``model`` (every parameter) on ``config.public_data`` for
     ``config.public_epochs``; returns what ``config.json`` and the report
     say of it. ``task`` is the run's, its labels already fixed."""
-    from clinfed.provenance import data_fingerprint
+    from clinfed.provenance import data_fingerprint, file_digests
 
     folder = Path(config.public_data)
     # Draws the kept public examples, then their order in every epoch.
@@ -178,6 +178,9 @@ def warm_start(
     return {
         "folder": str(folder.resolve()),
         "data_fingerprint": data_fingerprint(folder),
+        # Each public file's digest: a run refuses a start whose text has
+        # the bytes of its private notes (clinfed.provenance).
+        "file_sha256": sorted(set(file_digests(folder).values())),
         "examples": len(examples),
         "types": annotated,
         **({"label_kind": task.public_label_kind} if task.public_label_kind != "types" else {}),
@@ -232,6 +235,9 @@ def warm_start_model(config: Any, report: Reporter = silent) -> dict[str, Any]:
             if getattr(config, name):
                 check_public_input(flag(name), getattr(config, name), config.data)
         ensure_outside(out, config.data)
+    for name in PUBLIC_INPUTS:  # the model would be read back as public text
+        if getattr(config, name) and Path(getattr(config, name)).is_dir():
+            ensure_outside(out, getattr(config, name), flag(name))
     use_threads(config.threads)
     problems = ProblemLog(config.on_error)
     with temporary_folder("cache") as cache_dir:

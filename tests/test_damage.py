@@ -8,8 +8,10 @@ report ends with its page or exit 2, and changes nothing outside it."""
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -194,3 +196,87 @@ def test_records_after_the_commit_are_dropped_and_said(finished, tmp_path, i2b2_
     page = run_cli("report", str(run))
     assert page.returncode == 0, page.stderr
     assert "Repaired on resume" in (run / "report" / "report.md").read_text()
+
+
+def _edit_json(name: str, change) -> Callable[[Path], None]:
+    def edit(run: Path) -> None:
+        values = json.loads((run / name).read_text())
+        change(values)
+        (run / name).write_text(json.dumps(values))
+
+    return edit
+
+
+def _edit_lines(name: str, key: str, value) -> Callable[[Path], None]:
+    def edit(run: Path) -> None:
+        lines = [json.loads(line) for line in (run / name).read_text().splitlines()]
+        for line in lines:
+            if key in line:
+                line[key] = value
+        (run / name).write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+    return edit
+
+
+# Each figure the report and the model card state, edited in the file it is
+# read from (the cases a QA pass found accepted), and the file the refusal names.
+EDITS = {
+    "ledger copy's delta": (_edit_lines("privacy/beth.jsonl", "delta", 1e-6), "beth.jsonl"),
+    "ledger copy's noise": (
+        _edit_lines("privacy/beth.jsonl", "noise_multiplier", 9.0),
+        "beth.jsonl",
+    ),
+    "summary's F1": (_edit_json("summary.json", lambda v: v.update(f1=0.9)), "summary.json"),
+    "summary's epsilon": (
+        _edit_json("summary.json", lambda v: v["epsilon"].update(beth=1.0)),
+        "summary.json",
+    ),
+    "policy's delta": (
+        _edit_json("privacy/policy.json", lambda v: v.update(delta=1e-6)),
+        "policy.json",
+    ),
+    "policy's clip norm": (
+        _edit_json("privacy/policy.json", lambda v: v.update(max_grad_norm=0.01)),
+        "policy.json",
+    ),
+    "records' F1": (_edit_lines("metrics.jsonl", "f1", 0.99), "metrics.jsonl"),
+    "records' bytes": (_edit_lines("metrics.jsonl", "bytes_up", 1), "metrics.jsonl"),
+    "config's rounds": (
+        _edit_json("config.json", lambda v: v["federation"].update(rounds=1)),
+        "config.json",
+    ),
+    "config's strategy": (
+        _edit_json("config.json", lambda v: v["federation"].update(strategy="fedprox")),
+        "config.json",
+    ),
+    "a site's own ledger folder": (
+        lambda run: shutil.rmtree(run / "sites" / "beth" / "privacy"),
+        "sites/beth/privacy",
+    ),
+}
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_an_edited_figure_is_never_stated_report_and_card_refuse_it(finished, tmp_path, edit):
+    change, named = EDITS[edit]
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    change(run)
+    before = _checksums(run)
+    for command in (("report", str(run)), ("export", str(run), "--out", str(tmp_path / "m"))):
+        result = run_cli(*command)
+        assert result.returncode == 2, (edit, command[0], result.stdout)
+        assert named in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert _checksums(run) == before and not (tmp_path / "m").exists()
+
+
+def test_without_its_seal_a_run_s_figures_are_stated_as_unverified(finished, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    (run / "seal.json").unlink()
+    _edit_json("summary.json", lambda v: v.update(f1=0.9))(run)
+    result = run_cli("report", str(run))
+    assert result.returncode == 0, result.stderr
+    assert "UNVERIFIED" in result.stdout and "seal.json" in result.stdout
+    page = (run / "report" / "report.md").read_text()
+    assert page.index("UNVERIFIED") < page.index("0.9000")

@@ -4,6 +4,9 @@ train under every plan."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -105,3 +108,77 @@ def test_every_parameter_has_its_block_and_each_layer_its_query_key(checkpoints,
     assert {("query_key", 0), ("query_key", 1), ("value", 0), ("value", 1)} <= kinds
     if family == "deberta-v2":  # the relative-position table is an embedding
         assert str(blocks["encoder.encoder.rel_embeddings.weight"]) == "embeddings"
+
+
+def test_an_unsupported_family_and_broken_checkpoints_are_refused_before_any_charge(
+    i2b2_corpus, tmp_path
+):
+    from transformers import AutoTokenizer, BertConfig, BertModel, PhiConfig, PhiModel
+
+    from clinfed.models import checkpoint_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir("tiny"), local_files_only=True)
+    phi = tmp_path / "phi"
+    PhiModel(
+        PhiConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2,
+                  num_attention_heads=2, intermediate_size=37, max_position_embeddings=160)
+    ).save_pretrained(phi)  # fmt: skip
+    tokenizer.save_pretrained(phi)
+    # The broken checkpoints are of a supported family: each failure its own.
+    bert = tmp_path / "bert"
+    BertModel(
+        BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2,
+                   num_attention_heads=2, intermediate_size=37, max_position_embeddings=160)
+    ).save_pretrained(bert)  # fmt: skip
+    tokenizer.save_pretrained(bert)
+
+    def broken(name: str, damage) -> Path:
+        folder = tmp_path / name
+        shutil.copytree(bert, folder)
+        damage(folder)
+        return folder
+
+    cases = {
+        "phi": (phi, "the phi family is not supported"),
+        "bad config": (
+            broken("config", lambda f: (f / "config.json").write_text("{not json")),
+            "config.json",
+        ),
+        "unknown kind": (
+            broken("kind", lambda f: (f / "config.json").write_text('{"model_type": "zzz"}')),
+            "zzz",
+        ),
+        "no weights": (
+            broken("weights", lambda f: (f / "model.safetensors").unlink()),
+            "weights cannot be loaded",
+        ),
+        "truncated weights": (
+            broken(
+                "cut",
+                lambda f: (f / "model.safetensors").write_bytes(
+                    (f / "model.safetensors").read_bytes()[:1000]
+                ),
+            ),
+            "weights cannot be loaded",
+        ),  # fmt: skip
+        "no tokenizer": (
+            broken(
+                "tok",
+                lambda f: [
+                    p.unlink()
+                    for p in f.iterdir()
+                    if p.suffix != ".safetensors" and p.name != "config.json"
+                ],
+            ),
+            "tokenizer cannot be loaded",
+        ),
+    }
+    for case, (folder, said) in cases.items():
+        out = tmp_path / f"run-{case.replace(' ', '-')}"
+        result = _train(folder, i2b2_corpus, out, "--target-epsilon", "8")
+        assert result.returncode == 2, (case, result.stdout, result.stderr)
+        assert said in result.stderr and str(folder) in result.stderr, (case, result.stderr)
+        assert "cannot be loaded" in result.stderr or case == "phi"
+        assert "Traceback" not in result.stderr
+        # Nothing charged: no ledger line anywhere.
+        assert not [p for p in out.rglob("*.jsonl") if "privacy" in p.parts], case

@@ -241,13 +241,13 @@ class LedgerMachine(RuleBasedStateMachine):
 
 
 LedgerMachine.TestCase.settings = settings(
-    max_examples=12, stateful_step_count=8, deadline=None,
+    max_examples=8, stateful_step_count=8, deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )  # fmt: skip
 test_the_ledger_never_under_counts_and_never_passes_its_budget = LedgerMachine.TestCase
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(
     target=st.floats(0.5, 16.0),
     rate=st.floats(0.005, 0.3),

@@ -29,13 +29,13 @@ def _holding(root: Path, needle: bytes) -> list[Path]:
     return found
 
 
-def _clinfed(args: list[str], home: Path, tmp: Path) -> subprocess.Popen:
+def _clinfed(args: list[str], home: Path, tmp: Path, stderr=subprocess.DEVNULL) -> subprocess.Popen:
     env = dict(os.environ, HOME=str(home), TMPDIR=str(tmp), PYTHONUNBUFFERED="1")
     return subprocess.Popen(
         [str(Path(sys.executable).parent / "clinfed"), *args],
         env=env,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=stderr,
     )
 
 
@@ -47,7 +47,9 @@ def test_no_note_text_is_left_in_tmp_or_home_after_a_signal(mimic_corpus, tmp_pa
     train = ["train", "--task", "mimic3", "--data", str(mimic_corpus), "--model", "tiny",
              "--rounds", "5000", "--max-length", "32", "--max-chunks", "2", "--threads", "1",
              "--out", str(tmp_path / "run")]  # fmt: skip
-    process = _clinfed(train, home, tmp)
+    said = tmp_path / "stderr.txt"
+    with said.open("wb") as stderr:
+        process = _clinfed(train, home, tmp, stderr)
     try:
         deadline = time.monotonic() + 120
         # Wait until tokenized notes are on disk in the scratch folder.
@@ -65,6 +67,10 @@ def test_no_note_text_is_left_in_tmp_or_home_after_a_signal(mimic_corpus, tmp_pa
     code = process.wait(timeout=60)
     if signum == signal.SIGTERM:
         assert code == 128 + signal.SIGTERM  # a clean exit, its scratch folder removed
+        # Said as on Ctrl-C: what is kept and the command that resumes it.
+        words = said.read_text()
+        assert "terminated: the rounds committed so far are kept" in words, words
+        assert f"--out {tmp_path / 'run'} --resume" in words
     else:
         assert code == -signal.SIGKILL
         # The next command cleans up after the killed one.

@@ -190,6 +190,8 @@ def test_the_grid_shows_a_bias_plan_as_a_small_part_of_each_layer(finished):
 
 
 def test_the_audit_s_words_follow_every_interval(finished, tmp_path):
+    from clinfed.seal import seal_run
+
     source, _ = finished
     run = tmp_path / "run"
     shutil.copytree(source, run)
@@ -202,6 +204,7 @@ def test_the_audit_s_words_follow_every_interval(finished, tmp_path):
     beth = {"loss_threshold": attack(0.45, 0.55), "calibrated_loss": attack(0.566, 0.834)}
     audit = {"holdout_share": 0.1, "final_model": final, "site_updates": {"beth": beth}}
     (run / "audit.json").write_text(json.dumps(audit))
+    seal_run(run)  # as clinfed audit seals what it writes
     page = (write_report(run) / "report.md").read_text()
     words = next(line for line in page.splitlines() if line.startswith("In plain words"))
     assert "better than chance" in words and "beth's last update" in words

@@ -4,6 +4,7 @@ round 1, costs no privacy, and the run says so."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -308,3 +309,23 @@ def test_icd_coding_refuses_public_types_on_one_line(mimic_corpus, tmp_path):
     assert typed.returncode == 2 and "--public-types maps entity types" in typed.stderr
     errors = [line for line in typed.stderr.splitlines() if line.startswith("error:")]
     assert "Traceback" not in typed.stderr and len(errors) == 1
+
+
+def test_a_start_warm_started_on_the_run_s_own_notes_is_refused(i2b2_corpus, tmp_path):
+    # `cp -r corpus pub; clinfed warm-start --public-data pub` (no --data to
+    # compare with), then a private run on corpus from that start: its notes
+    # trained the start without DP. The whole corpus and one site's folder.
+    shutil.copytree(i2b2_corpus, tmp_path / "copy")
+    shutil.copytree(i2b2_corpus / "train" / "beth", tmp_path / "one-site" / "beth")
+    for name in ("copy", "one-site"):
+        start = tmp_path / f"start-{name}"
+        made = run_cli(
+            "warm-start", "--task", "i2b2", "--model", "tiny", "--max-length", "32",
+            "--threads", "1", "--public-data", str(tmp_path / name), "--out", str(start),
+        )  # fmt: skip
+        assert made.returncode == 0, made.stderr
+        run = tmp_path / f"run-{name}"
+        refused = _train(i2b2_corpus, run, "--model", str(start))
+        assert refused.returncode == 2, (name, refused.stdout)
+        assert "warm-started on text with the bytes of the private data" in refused.stderr
+        assert str(i2b2_corpus) in refused.stderr and not run.exists()

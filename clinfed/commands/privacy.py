@@ -293,6 +293,10 @@ def plan_cmd(
     if forecast_dir is not None:
         if forecast_dir.exists():
             raise ClinfedError(f"--forecast {forecast_dir}: already exists; name a new folder")
+        if config.public_data:
+            from clinfed.runs import ensure_outside
+
+            ensure_outside(forecast_dir, config.public_data, "--public-data")
         result["forecast"] = forecast(config, sizes, budgets, forecast_dir, draws)
     if as_json:
         _print_json(result)

@@ -215,7 +215,9 @@ def train(
     out_dir = Path(config.out)
     # The wall time counts from the command's start (imports included).
     from clinfed.commands import STARTED as started
+    from clinfed.scratch import FAREWELL
 
+    FAREWELL.append(f"terminated: {_interrupted_words(config, out_dir)}")
     try:
         with Progress(
             *_columns(), **PROGRESS, console=err, transient=True, disable=progress_disabled()
@@ -223,8 +225,10 @@ def train(
             reporter = _ProgressReporter(progress, config.epochs, config.rounds)
             summary = run_training(config, reporter)
     except KeyboardInterrupt:
-        _interrupted(config, out_dir)
+        err.print(f"[yellow]interrupted[/]: {_interrupted_words(config, out_dir)}", soft_wrap=True)
         raise typer.Exit(EXIT_INTERRUPTED) from None
+    finally:
+        FAREWELL.clear()
     wall = time.perf_counter() - started
     if as_json:
         _print_json(summary | {"wall_s": round(wall, 1), "run": str(out_dir)})
@@ -323,20 +327,18 @@ def _duration(seconds: float) -> str:
     return f"wall time {text}" if seconds >= 60 else f"wall time {seconds:.1f} s"
 
 
-def _interrupted(config: Any, out_dir: Path) -> None:
-    """Ctrl-C: what is kept and how to go on."""
+def _interrupted_words(config: Any, out_dir: Path) -> str:
+    """Ctrl-C or SIGTERM: what is kept and how to go on."""
     from clinfed.federated.strategies import STRATEGIES
 
     if STRATEGIES[config.strategy].pooled:
-        err.print(
-            f"[yellow]interrupted[/]: a {config.strategy} run does not resume; start it again "
-            f"with a new --out (or remove {out_dir})"
+        return (
+            f"a {config.strategy} run does not resume; start it again with a new --out (or "
+            f"remove {out_dir})"
         )
-        return
-    err.print(
-        "[yellow]interrupted[/]: the rounds committed so far are kept; resume with\n"
-        f"  clinfed train --config {out_dir / 'config.json'} --out {out_dir} --resume",
-        soft_wrap=True,
+    return (
+        "the rounds committed so far are kept; resume with\n"
+        f"  clinfed train --config {out_dir / 'config.json'} --out {out_dir} --resume"
     )
 
 

@@ -240,7 +240,9 @@ def read_labels(path: Path) -> list[str]:
     """A code list: a run's ``labels.json`` or one code per line."""
     import json
 
-    text = Path(path).read_text(encoding="utf-8")
+    from clinfed.runs import read_user_file
+
+    text = read_user_file(path, f"--labels {path}")
     if path.suffix == ".json":
         try:
             codes = json.loads(text)["labels"]

@@ -229,6 +229,7 @@ def audit(
     """
     from clinfed.device import use_threads
     from clinfed.factories import make_model, make_task
+    from clinfed.seal import SEAL, check_seal, seal_run
 
     run = Path(run)
     config_path, model_dir = run / "config.json", run / "model"
@@ -236,6 +237,8 @@ def audit(
         raise ClinfedError(f"{run}: no config.json or model/ (not a finished clinfed run?)")
     if max_examples < 2:
         raise ClinfedError(f"--max-examples must be at least 2, not {max_examples}")
+    # The model and the rows set aside are the run's as it sealed them.
+    unsealed = check_seal(run)
     holdout_path = run / AUDIT_HOLDOUT
     holdout, sites = _read_holdout(run, holdout_path)
     config = RunConfig.from_values(read_run_config(run), str(config_path)).resolved()
@@ -278,4 +281,6 @@ def audit(
     result |= {"auc": final["auc"], "members": result["final_model"]["members"]}
     result["non_members"] = result["final_model"]["non_members"]
     atomic_write_json(run / "audit.json", result)
+    if unsealed is None and (run / SEAL).is_file():
+        seal_run(run)  # the audit is stated by the report: sealed with the rest
     return result

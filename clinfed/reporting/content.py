@@ -388,7 +388,7 @@ def _released(content: dict[str, Any], config: dict[str, Any], pooled: bool) -> 
 def build(run: Path, reference: Path | None = None) -> dict[str, Any]:
     """The report's content as plain data (also ``privacy.json``)."""
     run_data = load_run(run)
-    verify_run(run, run_data)
+    unverified = verify_run(run, run_data)
     config, policy, summary = run_data["config"], run_data["policy"], run_data["summary"]
     raw = read_json(run / "config.json") or {}
     pooled = _pooled(config.get("strategy"))
@@ -458,6 +458,9 @@ def build(run: Path, reference: Path | None = None) -> dict[str, Any]:
         content["verdicts"].append(f"**Repaired on resume.** {said}.")
     if content.get("unfinished"):
         content["verdicts"].insert(0, f"**UNFINISHED RUN.** {content['unfinished']}")
+    content["unverified"] = unverified
+    if unverified:
+        content["verdicts"].insert(0, f"**UNVERIFIED.** {unverified}.")
     content["meaning"] = _meaning(content)
     content["summary"] = _summary(content)
     content["released"] = _released(content, config, pooled)

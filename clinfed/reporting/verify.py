@@ -13,7 +13,11 @@ shortened file ends in a refusal naming it, never in a report that says less
 * every round a site trained in is charged, and the epsilon the records,
   the summary and the ledgers state is the same;
 * ``metrics.jsonl`` is at least as long as the last commit says and covers
-  its rounds; the summary's round is the commit's.
+  its rounds; the summary's round is the commit's;
+* every file the run sealed when it finished (``RUN/seal.json``:
+  :mod:`clinfed.seal`) is there and unchanged, and none was added; a
+  finished run without a seal has its figures stated as unverified;
+* a site ledger the commit records in the run folder (in process) is there.
 
 Nothing here writes: a read-only command never changes what it reads.
 """
@@ -116,15 +120,20 @@ def _rounds(records: list[dict[str, Any]]) -> list[int]:
     return [int(r["round"]) for r in records if "round" in r]
 
 
-def verify_run(run: Path, data: dict[str, Any]) -> None:
+def verify_run(run: Path, data: dict[str, Any]) -> str | None:
     """Refuse (ClinfedError naming the file) a run folder whose records do
-    not agree (see the module docstring)."""
+    not agree, or whose sealed files changed (see the module docstring);
+    return why its figures are unverified (a finished run without a seal:
+    :func:`clinfed.seal.check_seal`), or ``None``."""
+    from clinfed.seal import check_seal
+
     run = Path(run)
+    unverified = check_seal(run)
     config, records = data["config"], data["records"]
     state, summary, policy = data["state"], data["summary"], data["policy"]
     _check_commit(run, config, records, state, summary)
     if not _dp(config) and policy is None and not data["ledgers"]:
-        return
+        return unverified
     if policy is None:
         raise ClinfedError(
             f"{run / 'privacy' / 'policy.json'}: missing, though the run trained under DP: "
@@ -140,7 +149,8 @@ def verify_run(run: Path, data: dict[str, Any]) -> None:
                 "as a site that trained: its epsilon cannot be stated"
             )
     for site, lines in data["ledgers"].items():
-        _check_ledger(run, site, lines, records, state, summary)
+        _check_ledger(run, site, lines, records, state, summary, config.get("runner"))
+    return unverified
 
 
 def _check_commit(
@@ -206,6 +216,7 @@ def _check_ledger(
     records: list[dict[str, Any]],
     state: dict[str, Any] | None,
     summary: dict[str, Any],
+    runner: str | None,
 ) -> None:
     from clinfed.privacy.ledger import Ledger
 
@@ -239,12 +250,18 @@ def _check_ledger(
     # In process the site's own ledger is in the run folder: read (never
     # written), checked against its seal and against the commit's digest.
     own = run / "sites" / site / "privacy" / f"{site}.jsonl"
+    digest = (state or {}).get("ledgers", {}).get(site)
     if not own.parent.is_dir():
+        if digest is not None and runner != "flower":
+            # The commit names the ledger the site kept in this folder.
+            raise ClinfedError(
+                f"{own.parent}: missing, though {run / 'state.json'} records {site}'s ledger "
+                "there: no epsilon can be stated for it"
+            )
         return
     delta = float(charges[0]["delta"]) if charges else 1e-5
     try:
         ledger = Ledger(own, site, delta)
-        digest = (state or {}).get("ledgers", {}).get(site)
         if digest is not None:
             ledger.verify(digest, str(run / "state.json"))
     except USER_ERRORS as exc:

@@ -94,7 +94,7 @@ class ModelSettings:
     )
     lora_rank: int = setting(8, "lora: rank of each adapter.", minimum=1, maximum=256)
     lora_alpha: float = setting(
-        16.0, "lora: scale (the update is B A times alpha/rank).", above=0.0
+        16.0, "lora: scale (the update is B A times alpha/rank).", above=0.0, maximum=4096.0
     )
     lora_factors: str = setting(
         "b",
@@ -282,7 +282,11 @@ class PrivacySettings:
         "(at least 0.1).",
         minimum=0.1,
     )
-    max_grad_norm: float = setting(1.0, "DP-SGD per-example clipping norm.", above=0.0)
+    # Bounded: the noise is sized to it, so a huge norm trains on noise alone
+    # while the ledger charges as for a useful run.
+    max_grad_norm: float = setting(
+        1.0, "DP-SGD per-example clipping norm.", above=0.0, maximum=1000.0
+    )
     neighbours: str = setting(
         "add-remove",
         "add-remove: each site releases its unit count once per ledger (per dataset at a "

@@ -7,6 +7,7 @@ concerns; the command line words them as flags.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -100,15 +101,33 @@ def _check_inputs(config: Any, strategy: Any, check_data: bool) -> None:
         )
     if not check_data:
         return
+    from clinfed.runs import read_user_file
+
+    for name in ("types", "public_types"):
+        value = getattr(config, name, None)
+        if isinstance(value, str) and value.endswith(".toml"):
+            # Read before the run folder is claimed: a FIFO never blocks.
+            read_user_file(value, f"{flag(name)} {value}")
     if config.public_check and not Path(config.public_check).is_dir():
         raise ClinfedError(f"--public-check {config.public_check}: not a folder")
     if not Path(config.data).is_dir():
         raise ClinfedError(f"--data {config.data}: not a folder")
-    from clinfed.provenance import check_public_input
+    from clinfed.provenance import check_public_input, check_start_is_public
 
     for name in PUBLIC_INPUTS:
         if getattr(config, name):
             check_public_input(flag(name), getattr(config, name), config.data)
+    from clinfed.models import saved_run_model
+
+    saved = saved_run_model(config.model)
+    if saved is not None:
+        try:
+            start = json.loads((saved / "model.json").read_text()).get("public_start")
+        except (OSError, ValueError, AttributeError):
+            raise ClinfedError(
+                f"--model {config.model}: {saved / 'model.json'} is not a clinfed model record"
+            ) from None
+        check_start_is_public(start, config.model, config.data)
     if config.out:
         from clinfed.runs import ensure_outside
 

@@ -157,13 +157,12 @@ def load_file(path: Path) -> dict[str, Any]:
 
     import tomllib
 
+    from clinfed.runs import read_user_file
+
     path = Path(path)
-    try:
-        # utf-8-sig: a byte-order mark (some Windows editors write one) is
-        # not a setting, as data files accept it too.
-        text = path.read_text(encoding="utf-8-sig")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ClinfedError(f"{path}: cannot read ({exc.__class__.__name__})") from None
+    # utf-8-sig: a byte-order mark (some Windows editors write one) is not a
+    # setting, as data files accept it too.
+    text = read_user_file(path, str(path), encoding="utf-8-sig")
     try:
         data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
     except json.JSONDecodeError as exc:

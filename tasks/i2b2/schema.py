@@ -103,12 +103,12 @@ def parse_types(spec: str | Mapping[str, str] | None) -> dict[str, str] | None:
     elif str(spec).endswith(".toml"):
         import tomllib
 
+        from clinfed.runs import read_user_file
+
         path = Path(spec)
         try:
-            table = tomllib.loads(path.read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise ClinfedError(f"--types {path}: cannot read ({exc.strerror})") from None
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            table = tomllib.loads(read_user_file(path, f"--types {path}"))
+        except tomllib.TOMLDecodeError as exc:
             raise ClinfedError(f"--types {path}: not TOML ({exc})") from None
         table = table.get("types", table)
         if not isinstance(table, dict) or not all(isinstance(v, str) for v in table.values()):
