@@ -12,6 +12,7 @@ Run folder layout::
     RUN/model/             model.safetensors, model.json, tokenizer/
     RUN/predictions/       test-split predictions in the task's real format
     RUN/summary.json       final metrics (and, federated, communication totals)
+    RUN/seal.json          written last: the digest of every file the report reads
 
 A pooled strategy (``centralized``) trains on all sites' data in one place
 (the upper reference); federated strategies run on the round engine over the
