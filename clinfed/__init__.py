@@ -8,7 +8,8 @@ cheap; torch and the rest load on the first call.
 
 from typing import Any
 
-__version__ = "0.1.0"
+from clinfed.version import __version__
+
 __all__ = [
     "synthesize", "warm_start", "train", "evaluate", "predict", "report", "audit", "export",
     "plan", "__version__",

@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from clinfed.errors import ClinfedError
-from clinfed.models import gazetteer_of
+from clinfed.gazetteer import gazetteer_of
 
 # Head layers every label shares: --adapter labels keeps them at the start.
 SHARED_HEAD_LAYERS = ("head.project.",)

@@ -42,9 +42,9 @@ def export_run(run: Path, out: Path) -> dict[str, Any]:
     returns what ``clinfed-export.json`` says. The run is only read."""
     import transformers
 
-    from clinfed import __version__
     from clinfed.models import load_saved_model
     from clinfed.reporting.report import build, write_report
+    from clinfed.version import __version__
 
     run, out = Path(run), Path(out)
     ensure_new_run_folder(out, "exported model", {"RUN": run})

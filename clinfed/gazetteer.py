@@ -324,3 +324,8 @@ class PieceMarker:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state, _memo={})
+
+
+def gazetteer_of(model: Any) -> Gazetteer | None:
+    """The gazetteer ``model`` marks, if any."""
+    return getattr(model, "gazetteer", None)

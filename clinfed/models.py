@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoModel, AutoTokenizer, BertConfig, BertM
 
 from clinfed.errors import ClinfedError
 from clinfed.gazetteer import FILE as GAZETTEER_FILE
-from clinfed.gazetteer import Gazetteer, PieceMarker
+from clinfed.gazetteer import Gazetteer, PieceMarker, gazetteer_of
 from clinfed.privacy import bookkeeping
 from clinfed.prompts import DualPrompt, encode_with_prompt
 
@@ -254,11 +254,6 @@ def attach_gazetteer(model: nn.Module, gazetteer: Gazetteer, tokenizer) -> nn.Mo
     inputs.marker = PieceMarker(gazetteer, tokenizer)
     model.gazetteer = gazetteer
     return model
-
-
-def gazetteer_of(model: nn.Module) -> Gazetteer | None:
-    """The gazetteer ``model`` marks, if any."""
-    return getattr(model, "gazetteer", None)
 
 
 class TokenTagger(nn.Module):

@@ -34,7 +34,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from clinfed import __version__
 from clinfed.adapters import (
     fedavg_bytes,
     load_shared,
@@ -79,6 +78,7 @@ from clinfed.scratch import temporary_folder
 from clinfed.settings import RunConfig, load_file
 from clinfed.tasks.base import SYNTHETIC_MARK, Corpus, Task
 from clinfed.training import linear_schedule, make_optimizer, predict, train_epoch
+from clinfed.version import __version__
 
 __all__ = ["RunConfig", "run_training", "make_model", "make_task", "make_strategy"]
 

@@ -57,20 +57,10 @@ def cell_name(strategy: str, eps: float, seed: int) -> str:
     return f"{strategy.replace('+', '-')}-eps{label}-seed{seed}"
 
 
-def run_sweep(
-    base: RunConfig,
-    out: Path,
-    strategies: list[str],
-    epsilons: list[float],
-    seeds: int,
-    report: Callable[[str, dict[str, Any]], None] = lambda e, i: None,
-    options: dict[str, Any] | None = None,
-) -> list[dict[str, Any]]:
-    """Run every missing cell; return one row per finished cell.
-
-    ``options`` are strategy options; each cell takes those its strategy has.
-    """
-    options = dict(options or {})
+def _check_request(
+    base: RunConfig, out: Path, strategies: list[str], epsilons: list[float], seeds: int
+) -> None:
+    """Everything a sweep checks before its folder is made."""
     if not strategies:
         raise ClinfedError("--strategies: name at least one federated strategy")
     if not epsilons:
@@ -100,6 +90,24 @@ def run_sweep(
             )
     elif base.resume:
         raise ClinfedError(f"{out}: no sweep to resume (no sweep.json); drop --resume to start one")
+
+
+def run_sweep(
+    base: RunConfig,
+    out: Path,
+    strategies: list[str],
+    epsilons: list[float],
+    seeds: int,
+    report: Callable[[str, dict[str, Any]], None] = lambda e, i: None,
+    options: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Run every missing cell; return one row per finished cell.
+
+    ``options`` are strategy options; each cell takes those its strategy has.
+    """
+    options = dict(options or {})
+    _check_request(base, out, strategies, epsilons, seeds)
+    marker = out / "sweep.json"
     out.mkdir(parents=True, exist_ok=True)
     if not marker.is_file():
         atomic_write_json(

@@ -314,19 +314,22 @@ def plan_cmd(
             soft_wrap=True,
         )
     if forecast_dir is not None:
-        made = result["forecast"]
+        _print_forecast(result["forecast"], draws)
+
+
+def _print_forecast(made: dict, draws: int) -> None:
+    """The forecast's lines: F1 at each budget with its interval and DP's cost."""
+    out.print(
+        f"forecast on {made['test_units']:,} held-out public units "
+        f"({made['test_mentions']:,} mentions), {draws} draw(s) a budget:"
+    )
+    for budget, made_at in made["forecasts"].items():
+        cost = made["cost_points"].get(budget)
+        spent = "no DP" if budget == "inf" else f"epsilon {budget}"
         out.print(
-            f"forecast on {made['test_units']:,} held-out public units "
-            f"({made['test_mentions']:,} mentions), {draws} draw(s) a budget:"
+            f"  {spent}: F1 {made_at['f1']:.3f} ({made_at['low']:.3f} to "
+            f"{made_at['high']:.3f})" + ("" if cost is None else f", DP costs {cost:.1f} points")
         )
-        for budget, made_at in made["forecasts"].items():
-            cost = made["cost_points"].get(budget)
-            spent = "no DP" if budget == "inf" else f"epsilon {budget}"
-            out.print(
-                f"  {spent}: F1 {made_at['f1']:.3f} ({made_at['low']:.3f} to "
-                f"{made_at['high']:.3f})"
-                + ("" if cost is None else f", DP costs {cost:.1f} points")
-            )
 
 
 with_parameters(

@@ -214,7 +214,7 @@ def train(
         )
     out_dir = Path(config.out)
     # The wall time counts from the command's start (imports included).
-    from clinfed.commands import STARTED as started
+    from clinfed.commands.clock import STARTED as started
     from clinfed.scratch import FAREWELL
 
     FAREWELL.append(f"terminated: {_interrupted_words(config, out_dir)}")

@@ -385,6 +385,22 @@ def _released(content: dict[str, Any], config: dict[str, Any], pooled: bool) -> 
     )
 
 
+def _add_notices(content: dict[str, Any], run: Path) -> None:
+    """What a reader must see before the verdicts' figures: a run not
+    verified by its seal, an unfinished run, what a resume repaired."""
+    repaired = run / REPAIRS
+    if repaired.is_file():
+        # What a resume repaired (clinfed.resume), said where it is read first.
+        said = "; ".join(
+            f"round {r.get('round')}: {r.get('repair')}" for r in read_records(repaired)
+        )
+        content["verdicts"].append(f"**Repaired on resume.** {said}.")
+    if content.get("unfinished"):
+        content["verdicts"].insert(0, f"**UNFINISHED RUN.** {content['unfinished']}")
+    if content["unverified"]:
+        content["verdicts"].insert(0, f"**UNVERIFIED.** {content['unverified']}.")
+
+
 def build(run: Path, reference: Path | None = None) -> dict[str, Any]:
     """The report's content as plain data (also ``privacy.json``)."""
     run_data = load_run(run)
@@ -448,19 +464,9 @@ def build(run: Path, reference: Path | None = None) -> dict[str, Any]:
             "summary: every figure here is as of that round (charges may run a round ahead "
             "of the commit). Resume it with clinfed train --resume --out RUN."
         )
-    content["verdicts"] = _verdicts(content, pooled)
-    repaired = run / REPAIRS
-    if repaired.is_file():
-        # What a resume repaired (clinfed.resume), said where it is read first.
-        said = "; ".join(
-            f"round {r.get('round')}: {r.get('repair')}" for r in read_records(repaired)
-        )
-        content["verdicts"].append(f"**Repaired on resume.** {said}.")
-    if content.get("unfinished"):
-        content["verdicts"].insert(0, f"**UNFINISHED RUN.** {content['unfinished']}")
     content["unverified"] = unverified
-    if unverified:
-        content["verdicts"].insert(0, f"**UNVERIFIED.** {unverified}.")
+    content["verdicts"] = _verdicts(content, pooled)
+    _add_notices(content, run)
     content["meaning"] = _meaning(content)
     content["summary"] = _summary(content)
     content["released"] = _released(content, config, pooled)

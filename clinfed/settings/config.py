@@ -20,7 +20,7 @@ from clinfed.settings.concerns import (
     RunSettings,
     TrainingSettings,
 )
-from clinfed.settings.values import check_value, flatten, load_file, unknown_key
+from clinfed.settings.values import check_bounds, check_value, flatten, load_file, unknown_key
 
 
 @dataclass
@@ -60,11 +60,11 @@ class RunConfig(
             elif name in options_known:
                 options[name] = value
             else:
-                raise unknown_key(key, source)
+                raise unknown_key(key, source, all_names())
         for key in list(options):
             name = key.replace("-", "_")
             if name not in options_known:
-                raise unknown_key(key, source)
+                raise unknown_key(key, source, all_names())
             options[name] = check_value(options_known[name], options.pop(key), source)
         return cls(**direct, strategy_options=options)
 
@@ -101,6 +101,11 @@ class RunConfig(
         from clinfed.settings.rules import check_run
 
         check_run(self, check_data)
+
+    def check_values(self) -> None:
+        """Each setting within the bounds its declaration states."""
+        for f in schema_fields().values():
+            check_bounds(f, getattr(self, f.name))
 
     @property
     def dp(self) -> bool:

@@ -20,8 +20,6 @@ def check_run(config: Any, check_data: bool = True) -> None:
     """Every rule (``check_data=False``: the data is elsewhere, at Flower
     nodes, and no folder is looked at)."""
     from clinfed.federated.strategies import STRATEGIES
-    from clinfed.settings.config import schema_fields
-    from clinfed.settings.values import check_bounds
     from clinfed.tasks import TASKS
 
     if config.task not in TASKS:
@@ -30,8 +28,7 @@ def check_run(config: Any, check_data: bool = True) -> None:
         raise ClinfedError(
             f"--strategy must be one of {', '.join(STRATEGIES)}, not {config.strategy!r}"
         )
-    for f in schema_fields().values():
-        check_bounds(f, getattr(config, f.name))
+    config.check_values()  # each setting within its declared bounds
     strategy = STRATEGIES[config.strategy]
     strategy.make_options(config.strategy_options, config.strategy)  # raises on bad options
     strategy.check_config(config)

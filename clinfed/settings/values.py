@@ -28,10 +28,8 @@ def where(source: str, key: str) -> str:
     return f"{source}:{line}" if line else source
 
 
-def unknown_key(key: str, source: str) -> ClinfedError:
-    from clinfed.settings.config import all_names
-
-    names = all_names()
+def unknown_key(key: str, source: str, names: list[str]) -> ClinfedError:
+    """An unknown setting's one line, with the closest of ``names``."""
     close = difflib.get_close_matches(key.replace("-", "_"), names, n=1, cutoff=0.6)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return ClinfedError(f"{where(source, key)}: unknown setting {key!r}{hint}")

@@ -162,7 +162,10 @@ class Mimic3Task(Task):
     def score(cls, gold: Path, pred: Path, problems: ProblemLog, **options) -> dict[str, Any]:
         from clinfed.tasks.mimic3.scoring import score_mimic3
 
-        return score_mimic3(gold, pred, options.get("codes") or "diagnoses", problems)
+        admissions = cls(codes=options.get("codes") or "diagnoses").read_documents(
+            Path(gold), problems
+        )
+        return score_mimic3(dict(zip(admissions["hadm_id"], admissions["codes"])), pred, problems)
 
     @classmethod
     def score_tables(cls, result: dict[str, Any]) -> tuple[list[ScoreTable], list[str]]:

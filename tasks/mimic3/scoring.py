@@ -13,9 +13,10 @@ from clinfed.tasks.mimic3.metrics import multilabel_metrics
 
 
 def score_mimic3(
-    gold_dir: Path, pred_file: Path, codes: str, problems: ProblemLog
+    gold_codes: dict[Any, list[str]], pred_file: Path, problems: ProblemLog
 ) -> dict[str, Any]:
-    """CAML metrics of a ``predictions.csv`` (HADM_ID, CODES, P_<code>...).
+    """CAML metrics of a ``predictions.csv`` (HADM_ID, CODES, P_<code>...)
+    against ``gold_codes`` (each admission's gold codes, read by the task).
 
     The label set is the file's ``P_`` columns; without them, the codes that
     appear in the gold admissions or the predictions (AUC then uses 0/1).
@@ -23,11 +24,6 @@ def score_mimic3(
     pred_file = Path(pred_file)
     if not pred_file.is_file():
         raise ClinfedError(f"--pred {pred_file}: not a file")
-    from clinfed.tasks.mimic3.adapter import Mimic3Task
-
-    task = Mimic3Task(codes=codes)
-    gold = task.read_documents(Path(gold_dir), problems)
-    gold_codes = dict(zip(gold["hadm_id"], gold["codes"]))
     rows = []
     with open(pred_file, encoding="utf-8", newline="") as fh:
         reader = csv.reader(fh)
