@@ -4,7 +4,7 @@ Run folder layout::
 
     RUN/config.json        the resolved configuration
     RUN/metrics.jsonl      pooled (centralized): one object per epoch (``epoch``, ``f1``...);
-                           federated: per round and client (``round``, ``client``,
+                           federated: per round and site (``round``, ``site``,
                            ``bytes_up``...) and per round (``round``, ``f1``...)
     RUN/state.json         federated: the last committed round (for --resume)
     RUN/checkpoints/       federated: global weights after that round
@@ -309,17 +309,15 @@ def _federated_start(
     """The sites dealt their data and their privacy checked, the run folder
     written (not on a resume), then the rounds."""
     task, corpus = prep.task, prep.corpus
-    clients, test_parts = _clients(config, task, corpus, train, test)
-    holdout = set_aside(config, task, train, clients)
-    clients = {c: holdout[c]["members"] if holdout else idx for c, idx in clients.items()}
+    sites, test_parts = _deal_sites(config, task, corpus, train, test)
+    holdout = set_aside(config, task, train, sites)
+    sites = {c: holdout[c]["members"] if holdout else idx for c, idx in sites.items()}
     strategy = make_strategy(config, task, prep.tokenizer, prep.cache_dir)
     privacy: dict[str, SitePrivacy] = {}
-    for client, idx in clients.items():
-        layer = site_privacy(
-            config, task, client, train.select(idx), strategy, _place(config, client)
-        )
+    for site, idx in sites.items():
+        layer = site_privacy(config, task, site, train.select(idx), strategy, _place(config, site))
         if layer is not None:
-            privacy[client] = layer
+            privacy[site] = layer
             problems.problems.extend(layer.policy.warnings)
     if privacy and not config.resume:
         _check_round_one({c: layer.policy for c, layer in privacy.items()})
@@ -337,38 +335,38 @@ def _federated_start(
         )
         if holdout:
             atomic_write_json(out / AUDIT_HOLDOUT, holdout_record(config, holdout))
-    _loaded(report, train, test, corpus, clients, problems)
-    return _federated(prep, config, train, test, clients, test_parts, report, privacy)
+    _loaded(report, train, test, corpus, sites, problems)
+    return _federated(prep, config, train, test, sites, test_parts, report, privacy)
 
 
 def _check_round_one(policies: dict[str, PrivacyPolicy]) -> None:
     """Refuse, before anything is written, a run in which no site can afford
     its first round (it would train nothing and report a random model)."""
     costs = {}
-    for client, policy in policies.items():
-        mechanisms = policy.round_mechanisms(client)
-        ledger = policy.ledger(client)
+    for site, policy in policies.items():
+        mechanisms = policy.round_mechanisms(site)
+        ledger = policy.ledger(site)
         if ledger.affords(mechanisms):
             return
-        costs[client] = ledger.after(mechanisms)
-    client = min(costs, key=costs.get)
-    budget = policies[client].budget
+        costs[site] = ledger.after(mechanisms)
+    site = min(costs, key=costs.get)
+    budget = policies[site].budget
     raise ClinfedError(
         f"no site can train round 1 within its privacy budget: one round costs epsilon "
-        f"{costs[client]:.3g} at {client}, the cheapest site, against a budget of {budget:g}; "
+        f"{costs[site]:.3g} at {site}, the cheapest site, against a budget of {budget:g}; "
         "raise --target-epsilon or --noise-multiplier, or lower --local-epochs"
     )
 
 
-def _site_dir(config: RunConfig, client: str) -> Path:
+def _site_dir(config: RunConfig, site: str) -> Path:
     """An in-process site's state folder (its model copies and ledger)."""
-    return Path(config.out) / "sites" / client
+    return Path(config.out) / "sites" / site
 
 
-def _place(config: RunConfig, client: str) -> SitePlace:
+def _place(config: RunConfig, site: str) -> SitePlace:
     """An in-process site: its state folder in the run folder, the run's
     own caps (the node defaults), its count charged with round 1."""
-    return SitePlace(_site_dir(config, client))
+    return SitePlace(_site_dir(config, site))
 
 
 def _write_start(
@@ -402,30 +400,29 @@ def _write_start(
     )
 
 
-def _loaded(report, train, test, corpus, clients, problems) -> None:
+def _loaded(report, train, test, corpus, sites, problems) -> None:
     report(
         "loaded",
         {
             "train": len(train),
             "test": len(test),
-            "sites": corpus.sites,
-            "clients": sorted(clients) if clients else None,
+            "sites": sorted(sites) if sites else list(corpus.sites),
             "warnings": [str(p) for p in problems.problems],
         },
     )
 
 
-def _clients(config: RunConfig, task: Task, corpus: Corpus, train, test):
-    """Training and held-out example indices per client. With sites from
+def _deal_sites(config: RunConfig, task: Task, corpus: Corpus, train, test):
+    """Training and held-out example indices per site. With sites from
     the data each hospital evaluates on its own held-out examples; with
-    synthetic clients the held-out set is dealt out the same way."""
+    synthetic sites the held-out set is dealt out the same way."""
     groups, labels = task.partition_keys(corpus.train, train)
-    clients = partition(
+    sites = partition(
         groups,
         labels,
         np.asarray(train["site"]),
         config.partition,
-        config.clients,
+        config.sites,
         config.alpha,
         config.seed,
     )
@@ -436,24 +433,24 @@ def _clients(config: RunConfig, task: Task, corpus: Corpus, train, test):
             test_labels,
             np.asarray(test["site"]),
             config.partition,
-            config.clients,
+            config.sites,
             config.alpha,
             config.seed,
         )
     except ClinfedError:
-        # Fewer held-out documents than clients: deal them out in turn.
+        # Fewer held-out documents than sites: deal them out in turn.
         order = np.arange(len(test))
-        test_parts = {c: order[i :: len(clients)] for i, c in enumerate(sorted(clients))}
-    parts = {c: test_parts.get(c, np.array([], dtype=int)) for c in clients}
+        test_parts = {c: order[i :: len(sites)] for i, c in enumerate(sorted(sites))}
+    parts = {c: test_parts.get(c, np.array([], dtype=int)) for c in sites}
     if config.partition == "sites":
         # A site with held-out documents and no training documents is an
         # evaluation site (external validation): it evaluates every round,
         # never trains.
         for site, idx in test_parts.items():
-            if site not in clients and len(idx):
-                clients[site] = np.array([], dtype=int)
+            if site not in sites and len(idx):
+                sites[site] = np.array([], dtype=int)
                 parts[site] = idx
-    return clients, parts
+    return sites, parts
 
 
 def _pooled(prep: _Prepared, config: RunConfig, train, test, report: Reporter) -> dict:
@@ -514,13 +511,13 @@ def _federated(
     config: RunConfig,
     train,
     test,
-    clients: dict[str, np.ndarray],
+    sites: dict[str, np.ndarray],
     test_parts: dict[str, np.ndarray],
     report: Reporter,
     privacy: dict[str, SitePrivacy],
 ) -> dict:
     """The federated run in this process: the round engine over the
-    in-process transport, each client a :class:`SiteRunner`."""
+    in-process transport, each site a :class:`SiteRunner`."""
     task, model = prep.task, prep.model
     server_strategy = make_strategy(config, task, prep.tokenizer, prep.cache_dir)
     site_strategy = make_strategy(config, task, prep.tokenizer, prep.cache_dir)
@@ -528,24 +525,24 @@ def _federated(
     initial = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     shared = {k: initial[k] for k in shared_state(model)}
     runners = {
-        client: with_secure_aggregation(
+        site: with_secure_aggregation(
             config,
             build_site(
                 config,
-                client,
+                site,
                 task,
                 model,
                 site_strategy,
-                (train.select(idx), test.select(test_parts[client]), prep.corpus.test),
-                _place(config, client),
-                privacy.get(client),
+                (train.select(idx), test.select(test_parts[site]), prep.corpus.test),
+                _place(config, site),
+                privacy.get(site),
                 initial_state=initial,
                 report=report,
                 audit_dir=prep.out / AUDIT_UPDATES if config.audit_holdout else None,
             ),
-            _site_dir(config, client),
+            _site_dir(config, site),
         )
-        for client, idx in sorted(clients.items())
+        for site, idx in sorted(sites.items())
     }
     engine = RoundEngine(
         task,
@@ -563,8 +560,8 @@ def _federated(
     )
     if config.resume:
         engine.resume()
-        for client, runner in runners.items():
-            digest = engine.ledger_digests.get(client)
+        for site, runner in runners.items():
+            digest = engine.ledger_digests.get(site)
             if runner.privacy is not None and digest:
                 runner.privacy.ledger.verify(digest, f"{prep.out / 'state.json'}")
     torch.manual_seed(config.seed)
@@ -573,8 +570,8 @@ def _federated(
         runner.finish()
     # The user holds every site's data here: the predictions go in one folder.
     outputs: list = [None] * len(test)
-    for client, runner in runners.items():
-        for i, output in zip(test_parts[client].tolist(), runner.final_outputs or []):
+    for site, runner in runners.items():
+        for i, output in zip(test_parts[site].tolist(), runner.final_outputs or []):
             outputs[i] = output
     missing = [i for i, o in enumerate(outputs) if o is None]
     if missing:

@@ -47,6 +47,15 @@ def read_user_file(path: Path | str, what: str, encoding: str = "utf-8") -> str:
         raise ClinfedError(f"{what}: not {encoding.upper()} text") from None
 
 
+def site_keyed(record: dict) -> dict:
+    """A ``metrics.jsonl`` record with its site under ``site``: records
+    written before the word was ``site`` everywhere name it ``client``."""
+    if "client" in record and "site" not in record:
+        record = dict(record)
+        record["site"] = record.pop("client")
+    return record
+
+
 def ensure_outside(out: Path | str, data: Path | str, flag: str = "--data") -> None:
     """Refuse an output folder that is, or lies inside, an input folder: what
     a command writes there (predictions, a converted corpus, a model) would

@@ -38,7 +38,7 @@ class Tracker(ABC):
                 if isinstance(value, (int, float)):
                     self.scalar(f"global/{key}", float(value), step)
         elif event == "site_end":
-            step, site = int(info["round"]), info["client"]
+            step, site = int(info["round"]), info["site"]
             self.scalar(f"{site}/mb_up", info["bytes_up"] / 1e6, step)
             if "bytes_down" in info:
                 self.scalar(f"{site}/mb_down", info["bytes_down"] / 1e6, step)

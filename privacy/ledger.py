@@ -3,7 +3,7 @@
 Two kinds of line. A *charge*, one per accounted mechanism per round,
 with the site's cumulative epsilon after it::
 
-    {"client": "site1", "run": "...", "round": 3, "state": "charged",
+    {"site": "site1", "run": "...", "round": 3, "state": "charged",
      "mechanism": "dp-sgd", "epsilon": 0.62, "run_epsilon": 0.62,
      "delta": 1e-05, "noise_multiplier": 1.1, "sample_rate": 0.05,
      "steps": 20, "accountant": "PLD, replace-one ...", "relation": "replace-one"}
@@ -11,7 +11,7 @@ with the site's cumulative epsilon after it::
 and a *release*, written (and fsynced) just before anything computed in
 that round leaves the site::
 
-    {"client": "site1", "run": "...", "round": 3, "released": true}
+    {"site": "site1", "run": "...", "round": 3, "released": true}
 
 Write-ahead: a charge is fsynced before the site trains, a release before
 it replies. A crash between the two left nothing outside the site, so when
@@ -102,8 +102,9 @@ class Ledger:
     ----------
     path
         The ledger file (created on the first charge).
-    client
-        The site's name, written on every line.
+    site
+        The site's name, written on every line (``site``; a line written
+        before was keyed ``client``, read the same).
     delta
         The delta every epsilon is reported at.
     budget
@@ -123,7 +124,7 @@ class Ledger:
     def __init__(
         self,
         path: Path,
-        client: str,
+        site: str,
         delta: float,
         budget: float | None = None,
         accountant: Accountant = BUDGET,
@@ -132,7 +133,7 @@ class Ledger:
         run_budget: float | None = None,
         mark: Path | None = None,
     ):
-        self.path, self.client, self.delta, self.budget = Path(path), client, delta, budget
+        self.path, self.site, self.delta, self.budget = Path(path), site, delta, budget
         self.accountant, self.not_private = accountant, not_private
         self.run, self.run_budget = run, run_budget
         self.seal_path = self.path.with_name(self.path.name + ".seal")
@@ -268,7 +269,7 @@ class Ledger:
                 return
             if not self.path.exists():
                 self._create()
-            line = {"client": self.client, "run": self.run, "state": "unprotected"}
+            line = {"site": self.site, "run": self.run, "state": "unprotected"}
             line["reason"] = reason
             append_jsonl(self.path, line)
             self.unprotected.append(line)
@@ -449,7 +450,7 @@ class Ledger:
     def _append_release(self, round_number: int, attempt: str) -> None:
         """Append (fsynced) the release line of one attempt (under the lock)."""
         line = {
-            "client": self.client,
+            "site": self.site,
             "run": self.run,
             "round": round_number,
             "attempt": attempt,
@@ -510,7 +511,7 @@ class Ledger:
             run_history.append(mechanism)
             eps = self.accountant.epsilon(self.history, self.delta)
             line = {
-                "client": self.client,
+                "site": self.site,
                 "run": self.run,
                 "round": round_number,
                 "attempt": attempt,

@@ -193,7 +193,7 @@ FIELDS: dict[str, str] = {
     "received": "identity",
     "upload": "update",
     "record.round": "identity",
-    "record.client": "identity",
+    "record.site": "identity",
     "record.examples": "weight",
     "record.epsilon": "ledger",
     "record.bytes_up": "plan",
@@ -222,7 +222,8 @@ FIELDS: dict[str, str] = {
     **{
         f"ledger.lines[].{name}": "ledger"
         for name in (
-            "client",
+            "site",
+            "client",  # a ledger line written before "site" (a node's ledger lives on)
             "run",
             "round",
             "attempt",

@@ -54,7 +54,7 @@ class SitePrivacy:
         if not counted or ledger.charge(round_number, mechanisms) is None:
             return {}, {
                 "round": round_number,
-                "client": self.site,
+                "site": self.site,
                 "refused": "privacy budget",
                 "epsilon": ledger.run_spent,
                 "epsilon_if_trained": ledger.after(mechanisms),

@@ -523,7 +523,7 @@ def test_the_demo_runs_the_private_federated_path_end_to_end(tmp_path):
     for run in ("private", "no-dp"):
         config = json.loads((out / run / "config.json").read_text())
         assert config["public_check_text"]["folder"] == str(out / "public-check")
-        rounds = [r for r in read_jsonl(out / run / "metrics.jsonl") if "client" not in r]
+        rounds = [r for r in read_jsonl(out / run / "metrics.jsonl") if "site" not in r]
         assert all(isinstance(r["public_check"]["kept"], bool) for r in rounds)
     assert 0 <= summary["f1_start"] <= 1 and summary["public"] == "notes"
     content = json.loads((out / "private" / "report" / "privacy.json").read_text())

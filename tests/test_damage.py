@@ -187,7 +187,7 @@ def test_records_after_the_commit_are_dropped_and_said(finished, tmp_path, i2b2_
         path = run / name
         shutil.rmtree(path) if path.is_dir() else path.unlink()
     with open(run / "metrics.jsonl", "ab") as fh:
-        fh.write(b'{"round": 3, "client": "beth", "torn')
+        fh.write(b'{"round": 3, "site": "beth", "torn')
     assert state["round"] == 2
     result = run_cli("train", "--resume", "--out", str(run))
     assert result.returncode == 0, result.stderr
@@ -280,3 +280,22 @@ def test_without_its_seal_a_run_s_figures_are_stated_as_unverified(finished, tmp
     assert "UNVERIFIED" in result.stdout and "seal.json" in result.stdout
     page = (run / "report" / "report.md").read_text()
     assert page.index("UNVERIFIED") < page.index("0.9000")
+
+
+def test_a_run_folder_written_before_site_was_the_word_still_reads(finished, tmp_path):
+    # Records and settings said "client" then: metrics.jsonl's key and
+    # federation.clients; such a folder has no seal either.
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    metrics = run / "metrics.jsonl"
+    metrics.write_text(metrics.read_text().replace('"site":', '"client":'))
+    config = json.loads((run / "config.json").read_text())
+    config["federation"]["clients"] = config["federation"].pop("sites")
+    (run / "config.json").write_text(json.dumps(config))
+    (run / "seal.json").unlink()
+    assert '"client": "beth"' in metrics.read_text()
+    result = run_cli("report", str(run))
+    assert result.returncode == 0, result.stderr
+    page = (run / "report" / "report.md").read_text()
+    for site in SITES:
+        assert f"round 1, {site}" in page and f"| {site} |" in page

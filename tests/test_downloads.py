@@ -60,7 +60,7 @@ class MirrorSites(ReleasedAsReplies):
                     for n in self.uploads(site, message.round)
                 }
                 model.update(upload)  # its own training stays in its copy
-                record = {"round": message.round, "client": site, "examples": 5, "bytes_up": 8}
+                record = {"round": message.round, "site": site, "examples": 5, "bytes_up": 8}
             copies[message.round - 1] = model
             yield (
                 site,
@@ -129,7 +129,7 @@ def test_a_site_gets_what_changed_since_it_last_synced(tmp_path):
     assert not [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "rejected" in r]
     records = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "bytes_down" in r]
     assert all(r["bytes_down"] == 0 for r in records if r["round"] == 1)
-    round3 = {r["client"]: r["bytes_down"] for r in records if r["round"] == 3}
+    round3 = {r["site"]: r["bytes_down"] for r in records if r["round"] == 3}
     assert round3["late"] > round3["in-sync"]  # measured on what was sent
 
 
@@ -152,7 +152,7 @@ def test_a_copy_that_does_not_rebuild_the_global_model_gets_the_whole_model(tmp_
     run.run(sites)
     records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     rejected = [r for r in records if "rejected" in r]
-    assert [(r["client"], r["round"]) for r in rejected] == [("corrupt", 2)]
+    assert [(r["site"], r["round"]) for r in rejected] == [("corrupt", 2)]
     assert "stale or corrupt" in rejected[0]["rejected"]
     third = {site: m for site, m in sites.sent if m.round == 3}
     assert third["corrupt"].full and set(third["corrupt"].download) == set(NAMES)
@@ -215,7 +215,7 @@ def test_a_site_whose_starting_model_differs_spends_nothing_and_gets_the_whole_m
     assert first["partners"]["up"] == set()  # it did not train on the wrong model
     records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     rejected = [r for r in records if "rejected" in r]
-    assert [(r["client"], r["round"]) for r in rejected] == [("partners", 1)]
+    assert [(r["site"], r["round"]) for r in rejected] == [("partners", 1)]
     # Round 2: the whole model for it, what changed for the others; it trains.
     second = {m["site"]: m for m in traffic.of(2)}
     whole = second["partners"]["down"]

@@ -51,7 +51,7 @@ def good(site, message, value=1.0, examples=10, names=tuple(NAMES)):
     if message.kind == "evaluate":
         return Reply(site=site, evaluation=evaluation)
     upload = {n: torch.full((2,), value) for n in names}
-    record = {"round": message.round, "client": site, "examples": examples, "bytes_up": 16}
+    record = {"round": message.round, "site": site, "examples": examples, "bytes_up": 16}
     evaluated = evaluation if message.evaluate else None
     return Reply(site=site, upload=upload, record=record, evaluation=evaluated)
 
@@ -89,9 +89,9 @@ def test_the_mean_is_weighted_by_examples_and_bad_replies_are_left_out(tmp_path)
     expected = (1.0 * 10 + 4.0 * 30) / 40
     assert torch.allclose(run.global_state[NAMES[0]], torch.full((2,), expected))
     records = read_jsonl(tmp_path / "metrics.jsonl")
-    rejected = {r["client"]: r["rejected"] for r in records if "rejected" in r}
+    rejected = {r["site"]: r["rejected"] for r in records if "rejected" in r}
     assert "NaN or Inf" in rejected["nan"] and "unexpected parameter" in rejected["extra"]
-    assert sorted(r["client"] for r in records if "bytes_up" in r) == ["a", "b"]
+    assert sorted(r["site"] for r in records if "bytes_up" in r) == ["a", "b"]
 
 
 def test_a_round_short_of_min_sites_is_retried_then_the_run_stops(tmp_path):
@@ -104,7 +104,7 @@ def test_a_round_short_of_min_sites_is_retried_then_the_run_stops(tmp_path):
     assert transport.attempts[("down", 1)] == 3  # the first try and two retries
     assert "stopped in round 1" in summary["stopped"]
     failed = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "failed" in r]
-    assert len(failed) == 3 and all(r["client"] == "node down" for r in failed)
+    assert len(failed) == 3 and all(r["site"] == "node down" for r in failed)
     assert not (tmp_path / "state.json").exists()  # nothing was committed
 
 
@@ -203,7 +203,7 @@ def test_records_written_after_the_last_commit_are_cut_back_on_resume(tmp_path, 
     again = engine(tmp_path, rounds=3)
     again.resume()
     again.run(ScriptedTransport(["a", "b"], behave))
-    keys = [(r["round"], r.get("client")) for r in read_jsonl(tmp_path / "metrics.jsonl")]
+    keys = [(r["round"], r.get("site")) for r in read_jsonl(tmp_path / "metrics.jsonl")]
     assert len(keys) == len(set(keys)) == 3 * 3  # 3 rounds x (2 sites + 1 global record)
 
 
@@ -215,7 +215,7 @@ def test_an_evaluation_site_is_evaluated_never_trained_and_no_f1_without_evaluat
     def behave(site, message, attempt):
         if site == "external":  # held-out notes only
             evaluation = {"counts": {"": {"hits": [3, 4]}}, "examples": 4}
-            record = {"round": message.round, "client": site, "evaluation_only": True}
+            record = {"round": message.round, "site": site, "evaluation_only": True}
             record = record if message.kind == "train" else None
             return Reply(site=site, record=record, evaluation=evaluation)
         return trains_only(site, message, attempt)
@@ -225,10 +225,10 @@ def test_an_evaluation_site_is_evaluated_never_trained_and_no_f1_without_evaluat
     kinds = {(site, m.round): m.kind for site, m in transport.sent}
     # Told once it trains nothing, it is only asked to evaluate from then on.
     assert kinds[("external", 1)] == "train" and kinds[("external", 2)] == "evaluate"
-    records = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "client" not in r]
+    records = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "site" not in r]
     assert [r["f1"] for r in records] == [0.75, 0.75, 0.75]
     assert summary["f1"] == 0.75 and summary["evaluated_sites"] == 1
-    assert not any(r.get("client") == "external" for r in read_jsonl(tmp_path / "metrics.jsonl"))
+    assert not any(r.get("site") == "external" for r in read_jsonl(tmp_path / "metrics.jsonl"))
 
     # Nobody holds held-out data: no F1 at all, and the record says why.
     silent = engine(tmp_path / "silent", rounds=1).run(ScriptedTransport(["a"], trains_only))

@@ -88,7 +88,7 @@ def test_qk_bit_identical_after_warmup_and_never_uploaded(i2b2_corpus, tmp_path,
         for m in traffic.of(later):
             assert not any(is_query_key(k) for k in m["down"] | m["up"])
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    rounds = [r for r in records if "client" not in r]
+    rounds = [r for r in records if "site" not in r]
     assert [r["qk_frozen_from"] for r in rounds] == [2, 2, 2, 2]
     assert rounds[0]["qk_change"] > 0  # round 1 moved Q/K away from the starting model
     assert rounds[2]["qk_change"] == 0.0

@@ -125,7 +125,7 @@ def test_the_first_frozen_round_still_delivers_the_last_averaged_query_key():
 # ----------------------------------------------------------- run settings
 def test_flower_run_settings_refuse_what_belongs_to_the_simulator(tmp_path):
     with pytest.raises(ClinfedError, match="not a Flower setting"):
-        flower_run_config({"task": "i2b2", "strategy": "fedavg", "clients": 4}, tmp_path)
+        flower_run_config({"task": "i2b2", "strategy": "fedavg", "sites": 4}, tmp_path)
     with pytest.raises(ClinfedError, match="no Flower form"):
         flower_run_config({"task": "i2b2", "strategy": "centralized"}, tmp_path)
     # A warm start on Flower is a saved model every node loads and pins.
@@ -384,9 +384,9 @@ def test_flower_over_tls_with_node_keys_survives_a_killed_superlink_like_the_sim
     # the run's seed, and its proof held (nothing rejected). Then only the
     # planned tensors (Q/K and embeddings stay put).
     down = {
-        (r["round"], r["client"]): r["bytes_down"]
+        (r["round"], r["site"]): r["bytes_down"]
         for r in read_jsonl(run / "metrics.jsonl")
-        if "client" in r
+        if "site" in r
     }
     assert all(down[1, s] == 0 for s in SITES)
     whole = json.loads((run / "summary.json").read_text())["fedavg_mb_up"] * 1e6 / 3 / 3
@@ -459,13 +459,13 @@ def test_a_killed_node_is_tolerated_and_rejoins_with_its_ledger(tmp_path):
     records = read_jsonl(Path(config.out) / "metrics.jsonl")
     trained = {
         r["round"]: sorted(
-            x["client"] for x in records if x["round"] == r["round"] and "examples" in x
+            x["site"] for x in records if x["round"] == r["round"] and "examples" in x
         )
         for r in records
     }
     assert trained[2] == ["beth", "partners"]  # the round finished without site3
     assert trained[3] == list(SITES)  # and site3 came back for round 3
-    assert any(r.get("client") == "site3" and "failed" in r for r in records if r["round"] == 2)
+    assert any(r.get("site") == "site3" and "failed" in r for r in records if r["round"] == 2)
 
     after = [line for line in read_jsonl(ledger) if "mechanism" in line]
     assert [(r["round"], r["epsilon"]) for r in after[: len(before)]] == before  # kept
@@ -685,7 +685,7 @@ def test_pfeddc_over_flower_keeps_local_state_at_the_sites_like_the_simulator(tm
         simulated_site = load_file(str(tmp_path / "sim" / "sites" / site / name))
         assert all(torch.equal(at_site[k], simulated_site[k]) for k in simulated_site)
     # Only P_g travelled, both ways.
-    shared = [r for r in read_jsonl(run / "metrics.jsonl") if "client" in r]
+    shared = [r for r in read_jsonl(run / "metrics.jsonl") if "site" in r]
     assert all(r["uploaded_params"] == 2 * 8 * 32 for r in shared)
     assert all(r["bytes_down"] == r["bytes_up"] for r in shared)
 
@@ -746,9 +746,7 @@ def test_a_killed_serverapp_resumes_from_its_run_folder(tmp_path):
     ours = load_file(str(Path(config.out) / "model" / "model.safetensors"))
     theirs = load_file(str(tmp_path / "sim" / "model" / "model.safetensors"))
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
-    rounds = [
-        r["round"] for r in read_jsonl(Path(config.out) / "metrics.jsonl") if "client" not in r
-    ]
+    rounds = [r["round"] for r in read_jsonl(Path(config.out) / "metrics.jsonl") if "site" not in r]
     assert rounds == [1, 2, 3]  # the interrupted round's records were cut back, not doubled
 
 

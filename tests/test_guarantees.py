@@ -158,7 +158,7 @@ def test_a_site_weighs_its_update_by_units_whatever_the_window(
             neighbours="replace-one",  # the exact count is the weight released
         )  # fmt: skip
         records = [r for r in read_jsonl(out / "metrics.jsonl") if "bytes_up" in r]
-        released[max_length] = {r["client"]: r["examples"] for r in records}
+        released[max_length] = {r["site"]: r["examples"] for r in records}
     # Windows of 8 tokens cut many sentences into several rows; the weight
     # released is the number of sentences (privacy units) all the same.
     assert released[8] == released[64] == sentences
@@ -351,10 +351,10 @@ def test_in_process_sites_release_before_the_round_is_written(tmp_path, monkeypa
     def metrics(self, record):
         if "bytes_up" in record:
             lines = read_jsonl(
-                out / "sites" / record["client"] / "privacy" / f"{record['client']}.jsonl"
+                out / "sites" / record["site"] / "privacy" / f"{record['site']}.jsonl"
             )
             released = any(x.get("released") and x["round"] == record["round"] for x in lines)
-            written.append((record["client"], record["round"], released))
+            written.append((record["site"], record["round"], released))
         return original(self, record)
 
     monkeypatch.setattr(RoundEngine, "_metrics", metrics)
@@ -376,7 +376,7 @@ def test_the_release_table_covers_every_field_a_site_sends(tmp_path, tiny_run, t
     tiny_run(out, strategy="safl", top_layers=1, selection="private", target_epsilon=target_epsilon)
     sent = set()
     for record in read_jsonl(out / "metrics.jsonl"):
-        if "client" in record:
+        if "site" in record:
             sent |= set(record)
     assert sent and all(record_row(field) for field in sent), [
         field for field in sent if not record_row(field)
@@ -562,7 +562,7 @@ def test_a_dp_run_killed_at_any_stage_resumes_charging_each_round_once(
     assert summary["epsilon"] == whole["epsilon"]
 
     def rounds(run):
-        return [r["round"] for r in read_jsonl(run / "metrics.jsonl") if "client" not in r]
+        return [r["round"] for r in read_jsonl(run / "metrics.jsonl") if "site" not in r]
 
     assert rounds(out) == rounds(uninterrupted)
     ours = load_file(str(out / "model" / "model.safetensors"))

@@ -42,7 +42,7 @@ def test_a_torn_last_line_is_cut_back_and_charging_goes_on(tmp_path):
     first = ledger.charge(1, ROUND)
     second = ledger.charge(2, ROUND)
     with open(path, "ab") as fh:  # a crash in the middle of round 3's line
-        fh.write(b'{"client": "beth", "round": 3, "mech')
+        fh.write(b'{"site": "beth", "round": 3, "mech')
     torn = path.read_bytes()
     again = Ledger(path, "beth", 1e-5)
     assert again.torn_bytes > 0

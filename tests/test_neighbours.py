@@ -32,7 +32,7 @@ def test_add_remove_releases_one_noisy_count_and_costs_less_at_equal_noise(tiny_
 
     run = tmp_path / "add"
     records = [r for r in read_jsonl(run / "metrics.jsonl") if "examples" in r]
-    exact = {r["client"]: r["examples"] for r in read_jsonl(tmp_path / "replace" / "metrics.jsonl")
+    exact = {r["site"]: r["examples"] for r in read_jsonl(tmp_path / "replace" / "metrics.jsonl")
              if "examples" in r}  # fmt: skip
     for site in before["epsilon"]:
         charges = _charges(run, site)
@@ -41,7 +41,7 @@ def test_add_remove_releases_one_noisy_count_and_costs_less_at_equal_noise(tiny_
         assert [line["round"] for line in counts] == [0]  # released once, before round 1
         released = kept_count(count_path(run / "sites" / site / "privacy" / f"{site}.jsonl"))
         # What the site sent as its weight is the released count, never the exact one.
-        assert {r["examples"] for r in records if r["client"] == site} == {released}
+        assert {r["examples"] for r in records if r["site"] == site} == {released}
         sgd = [line for line in charges if line["mechanism"] == "dp-sgd"]
         assert all(line["sample_rate"] == pytest.approx(64 / released) or released < 64
                    for line in sgd)  # fmt: skip
@@ -117,7 +117,7 @@ def test_a_replayed_round_under_add_remove_is_charged_once(tmp_path):
     privacy = SitePrivacy(policy, "beth")
 
     def update(dp):
-        return {}, {"round": 0, "client": "beth"}
+        return {}, {"round": 0, "site": "beth"}
 
     privacy.run(1, update)
     privacy.release(1)

@@ -105,7 +105,7 @@ def test_pfeddc_run_uploads_only_the_global_prompt(i2b2_corpus, tmp_path, traffi
     records = [
         json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().split("\n") if x
     ]
-    rounds = [r for r in records if "client" not in r]
+    rounds = [r for r in records if "site" not in r]
     assert all("global_prompt_f1" in r and "per_site_f1" in r for r in rounds)
     assert summary["ratio_to_fedavg_up"] < 0.01
 

@@ -165,7 +165,7 @@ def test_ledger_is_append_only_reloads_and_enforces_its_budget(tmp_path):
     lines = read_jsonl(path)
     assert [line["round"] for line in lines] == list(range(1, round_number + 1))
     assert set(lines[0]) >= {
-        "client",
+        "site",
         "round",
         "epsilon",
         "delta",
@@ -773,7 +773,7 @@ def test_the_audit_compares_members_with_training_rows_set_aside(i2b2_corpus, tm
         task.read_documents(i2b2_corpus / "train", ProblemLog()), load_tokenizer("tiny"), 32,
         str(tmp_path / "cache"),
     )  # fmt: skip
-    trained = {r["client"]: r["examples"] for r in read_jsonl(run / "metrics.jsonl")
+    trained = {r["site"]: r["examples"] for r in read_jsonl(run / "metrics.jsonl")
                if r.get("round") == 1 and "examples" in r}  # fmt: skip
     for site, parts in holdout["sites"].items():
         members, non_members = set(parts["members"]), set(parts["non_members"])

@@ -109,7 +109,7 @@ def test_a_message_reads_back_as_it_was_sent(
     bytes_up=st.integers(0, 10**9),
 )
 def test_a_reply_reads_back_as_it_was_sent(upload, site, received, examples, bytes_up):
-    record = {"round": 3, "client": site, "examples": examples, "bytes_up": bytes_up}
+    record = {"round": 3, "site": site, "examples": examples, "bytes_up": bytes_up}
     sent = Reply(site=site, upload=upload, record=record, received=received, private=False)
     reply = decode_reply(encode_reply(sent))
     assert same_tensors(reply.upload, sent.upload)

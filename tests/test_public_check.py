@@ -92,7 +92,7 @@ def test_a_round_not_kept_leaves_the_global_model_and_the_sites_in_step(
     out = tmp_path / "run"
     result = _train(i2b2_corpus, out, "--public-check", str(public_i2b2))
     assert result.returncode == 0, result.stderr
-    records = [r for r in read_jsonl(out / "metrics.jsonl") if "client" not in r]
+    records = [r for r in read_jsonl(out / "metrics.jsonl") if "site" not in r]
     assert [r["public_check"]["kept"] for r in records] == [rises] * 3
     digests = json.loads((out / "state.json").read_text())["digests"]
     assert (digests["3"] == digests["0"]) is not rises
@@ -202,7 +202,7 @@ def test_icd_coding_rounds_are_judged_on_public_admissions(mimic_corpus, tmp_pat
         "--public-check", str(public), "--out", str(out),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    records = [r for r in read_jsonl(out / "metrics.jsonl") if "client" not in r]
+    records = [r for r in read_jsonl(out / "metrics.jsonl") if "site" not in r]
     checks = [r["public_check"] for r in records]
     assert len(checks) == 2 and all(0.0 <= c["f1_proposed"] <= 1.0 for c in checks)
     # Each round is judged against the model kept before it.

@@ -294,10 +294,10 @@ def test_the_neighbour_test_catches_an_exact_count_per_note(
 
 # ------------------------------------------------------------------ door
 def test_the_door_refuses_an_undeclared_field_and_sends_nothing():
-    reply = Reply(site="beth", record={"round": 1, "client": "beth", "k_median": 30.5})
+    reply = Reply(site="beth", record={"round": 1, "site": "beth", "k_median": 30.5})
     with pytest.raises(PrivacyError, match="record.k_median"):
         encode_reply(reply)
-    loss = Reply(site="beth", record={"round": 1, "client": "beth", "train_loss": 0.3})
+    loss = Reply(site="beth", record={"round": 1, "site": "beth", "train_loss": 0.3})
     with pytest.raises(PrivacyError, match="train_loss"):
         encode_reply(loss)  # a private site never sends its loss
     encode_reply(Reply(site="beth", record=dict(loss.record), private=False))

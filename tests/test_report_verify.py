@@ -79,7 +79,7 @@ def _roll_back(run: Path, name: str) -> None:
         records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         summary["round"] = 1
         summary["epsilon"] = {
-            r["client"]: r["epsilon"] for r in records if r.get("round") == 1 and "epsilon" in r
+            r["site"]: r["epsilon"] for r in records if r.get("round") == 1 and "epsilon" in r
         }
         path.write_text(json.dumps(summary))
     else:  # a seal: the digest of the ledger's first line
@@ -165,7 +165,7 @@ def test_damaged_records_are_one_line_and_exit_2(finished, tmp_path):
         path = run / name
         if damage == "middle":
             lines = path.read_text().splitlines(keepends=True)
-            lines[1] = '{"round": 1, "client"\n'
+            lines[1] = '{"round": 1, "site"\n'
             path.write_text("".join(lines))
         else:
             path.write_bytes(b"\x00garbage{")

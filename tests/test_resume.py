@@ -63,13 +63,13 @@ def test_sigkill_mid_round_then_resume_gives_the_same_final_weights(i2b2_corpus,
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
     # the interrupted round's lines were dropped: one record per round and client
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    keys = [(r["round"], r.get("client")) for r in records]
+    keys = [(r["round"], r.get("site")) for r in records]
     assert len(keys) == len(set(keys)) == 3 * 4  # 3 rounds x (3 sites + 1 global record)
     whole = [
         json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()
     ]
-    assert [r["f1"] for r in records if "client" not in r] == [
-        r["f1"] for r in whole if "client" not in r
+    assert [r["f1"] for r in records if "site" not in r] == [
+        r["f1"] for r in whole if "site" not in r
     ]
 
 
@@ -87,8 +87,8 @@ def test_resume_with_a_different_config_is_refused_and_changes_nothing(i2b2_corp
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--clients", "500"], "more than the"),
-        (["--clients", "2", "--partition", "sites"], "needs --partition iid or dirichlet"),
+        (["--sites", "500"], "more than the"),
+        (["--sites", "2", "--partition", "sites"], "needs --partition iid or dirichlet"),
         (["--fraction", "0"], "--fraction must be in (0, 1]"),
         (["--resume"], "no run to resume"),
     ],

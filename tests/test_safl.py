@@ -96,7 +96,7 @@ def test_safl_run_records_layers_scores_and_selection_cost(i2b2_corpus, tmp_path
         )
     )
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    sites = [r for r in records if "client" in r]
+    sites = [r for r in records if "site" in r]
     assert all(len(r["layers"]) == 1 and len(r["scores"]) == 2 for r in sites)
     if selection == "global":  # one choice per round, shared by every site
         for round_number in (1, 2):

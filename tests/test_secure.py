@@ -61,7 +61,7 @@ class SecureSites(ReleasedAsReplies):
         upload = upload_of(site, message.round, self.names.get(site, NAMES))
         record = {
             "round": message.round,
-            "client": site,
+            "site": site,
             "examples": self.examples[site],
             "bytes_up": 1,
         }
@@ -164,9 +164,7 @@ def test_a_site_that_drops_out_after_sharing_is_left_out_of_an_exact_mean(tmp_pa
     expected = plain_mean({s: n for s, n in examples.items() if s != "c"})
     for name in NAMES:
         assert torch.allclose(run.global_state[name], expected[name], atol=1e-6), name
-    records = {
-        r["client"]: r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "client" in r
-    }
+    records = {r["site"]: r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "site" in r}
     assert records["c"]["secure"] is False and "mask" in records["c"]["secure_dropped"]
     # Its pairwise masks were removed through its key's shares; its own
     # self-mask seed was never asked for.
@@ -212,8 +210,8 @@ def test_a_training_reply_without_its_keys_is_rejected_by_name(tmp_path):
     examples = {"a": 10, "b": 30, "c": 7}
     run = engine(tmp_path / "run")
     run.run(SecureSites(tmp_path / "sites", examples, keyless={"c"}))
-    records = {r["client"]: r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")
-               if r.get("round") == 1 and "client" in r}  # fmt: skip
+    records = {r["site"]: r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")
+               if r.get("round") == 1 and "site" in r}  # fmt: skip
     assert "public keys" in records["c"]["rejected"]
     assert "rejected" not in records["a"] and "rejected" not in records["b"]
 

@@ -210,7 +210,7 @@ def test_the_noise_added_has_the_std_the_ledger_line_charges(tmp_path):
         step.step()
         step.detach()
         moved = torch.cat([(b - p.detach()).flatten() for b, p in zip(before, model.parameters())])
-        return {}, {"round": 1, "client": "beth", "moved_std": float(moved.std())}
+        return {}, {"round": 1, "site": "beth", "moved_std": float(moved.std())}
 
     _, record = site.run(1, update)
     (line,) = [x for x in site.ledger.lines if x["mechanism"] == "dp-sgd"]

@@ -48,7 +48,7 @@ def test_ditto_keeps_a_personal_model_and_charges_both_trainings(i2b2_corpus, tm
         local_epochs=1,
     )
     records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
-    rounds = [r for r in records if "client" not in r]
+    rounds = [r for r in records if "site" not in r]
     # Each site's own model is the headline; the global model is reported beside it.
     assert all({"f1", "per_site_f1", "global_f1", "global_per_site_f1"} <= set(r) for r in rounds)
     assert set(summary["per_site_f1"]) == set(SITES)

@@ -101,11 +101,11 @@ class _ProgressReporter:
             if self.round_bar is None:
                 self.round_bar = p.add_task("rounds", total=self.rounds)
                 p.update(self.round_bar, completed=info["round"] - 1)
-            self._work(f"round {info['round']} {info['client']} train", None)
+            self._work(f"round {info['round']} {info['site']} train", None)
         elif event in ("site_step", "site_eval_step"):
             p.update(self.bar, total=info["total"], advance=info["done"])
         elif event == "site_eval_start":
-            self._work(f"{info['client']} evaluate", info["total"])
+            self._work(f"{info['site']} evaluate", info["total"])
         elif event == "site_end":
             # Under DP the training loss is not released; epsilon is shown instead.
             detail = (
@@ -114,13 +114,13 @@ class _ProgressReporter:
                 else f"loss {info['train_loss']:.4f}"
             )
             log.info(
-                f"round {info['round']} {info['client']}: {detail}  "
+                f"round {info['round']} {info['site']}: {detail}  "
                 f"up {info['bytes_up'] / 1e6:.1f} MB"
                 + (f"  {info['wall_s']:.0f} s" if "wall_s" in info else "")
             )
         elif event == "site_refused":
             log.warning(
-                f"round {info['round']} {info['client']}: refused, epsilon would reach "
+                f"round {info['round']} {info['site']}: refused, epsilon would reach "
                 f"{info['epsilon_if_trained']:.3f} (spent {info['epsilon']:.3f})"
             )
         elif event == "stopped":
@@ -160,15 +160,15 @@ def _columns() -> list:
 
 def _round_table(run: Path) -> None:
     """Per-round summary of a federated run, read back from its metrics.jsonl."""
-    from clinfed.runs import read_jsonl
+    from clinfed.runs import read_jsonl, site_keyed
 
-    records = read_jsonl(run / "metrics.jsonl")
+    records = [site_keyed(r) for r in read_jsonl(run / "metrics.jsonl")]
     table = Table(title=f"{run}")
     private = any("epsilon" in r for r in records)
-    columns = ("round", "f1", "clients", "MB up", "MB down") + (("max epsilon",) if private else ())
+    columns = ("round", "f1", "sites", "MB up", "MB down") + (("max epsilon",) if private else ())
     for column in columns:
         table.add_column(column, justify="right")
-    for record in (r for r in records if "client" not in r):
+    for record in (r for r in records if "site" not in r):
         sites = [r for r in records if "bytes_up" in r and r["round"] == record["round"]]
         row = [
             str(record["round"]),
@@ -260,8 +260,8 @@ def _run_config(config_file: Path | None, flags: dict[str, Any]) -> Any:
     values = merge(config_file, flags)
     if config_file is not None and "data" not in flags and values.get("data"):
         _check_recorded_data(Path(config_file), Path(str(values["data"])))
-    if values.get("clients") and "partition" not in values:
-        values["partition"] = "iid"  # N synthetic clients: dealt out at random
+    if values.get("sites") and "partition" not in values:
+        values["partition"] = "iid"  # N synthetic sites: dealt out at random
     config = RunConfig.from_values(values, str(config_file) if config_file else "flags")
     for required in ("data", "out"):
         if not values.get(required):

@@ -90,7 +90,7 @@ class ClientResult:
         """
         return {
             "round": round_number,
-            "client": site,
+            "site": site,
             "bytes_up": bytes_up,
             "trainable_params": self.trainable_params,
             "uploaded_params": sum(t.numel() for t in self.upload.values()),

@@ -346,14 +346,14 @@ class RoundEngine:
         replies.trained -= len(closed.dropped)
         # Write-ahead: the sites mark their charges released before any of
         # this round's results are written (or did as their replies left).
-        trainers = [r["client"] for r in records if "bytes_up" in r]
+        trainers = [r["site"] for r in records if "bytes_up" in r]
         self.ledger_digests |= transport.release(round_number, trainers)
         if replies.trained + replies.refused < self.deployment.min_sites or closed.failure:
             self._too_few(round_number, replies, closed.failure)
             return None
         if round_number > 1:
             self._evaluation_record(round_number - 1, replies.evaluations)
-        for record in sorted(records, key=lambda r: r["client"]):
+        for record in sorted(records, key=lambda r: r["site"]):
             self._metrics(record)
             if "bytes_up" in record:
                 self.report("site_end", record)
@@ -384,7 +384,7 @@ class RoundEngine:
         round_number = message.round
         site = self.site_of.get(address, f"node {address}")
         if isinstance(reply, str):
-            replies.records.append({"round": round_number, "client": site, "failed": reply})
+            replies.records.append({"round": round_number, "site": site, "failed": reply})
             self.log(f"round {round_number}: {site}: no usable reply ({reply})")
             return
         self.site_of[address] = site = reply.site
@@ -422,7 +422,7 @@ class RoundEngine:
                 replies.trained += 1
                 replies.records.append(record)
                 return
-        replies.records.append({"round": round_number, "client": site, "rejected": reason})
+        replies.records.append({"round": round_number, "site": site, "rejected": reason})
         self.log(f"round {round_number}: {site}: update rejected ({reason})")
         if stale is not None:
             self.holds[site] = WHOLE  # the whole model next time

@@ -248,7 +248,7 @@ class SecureRoundSum:
         stayed). A site that drops out is marked in its record; every byte
         of the stages is counted in ``bytes_up``."""
         session, round_number = self.session, context.round
-        by_site = {r["client"]: r for r in context.records if "bytes_up" in r}
+        by_site = {r["site"]: r for r in context.records if "bytes_up" in r}
         extra: dict[str, int] = {}
 
         def stage(requests: dict[str, dict[str, Any]], take: Callable) -> set[str]:

@@ -181,7 +181,7 @@ class SiteRunner:
         record = None
         replay = None
         if message.kind == "train":
-            self.report("site_start", {"round": message.round, "client": self.name})
+            self.report("site_start", {"round": message.round, "site": self.name})
             received = (
                 {k: v.detach().clone() for k, v in self.model.state_dict().items()}
                 if self.audit_dir is not None
@@ -426,10 +426,10 @@ class SiteRunner:
         counts = {}
         variants = self.strategy.evaluations(self.model, self.personal)
         total = len(self.test) * len(variants)
-        self.report("site_eval_start", {"client": self.name, "total": total})
+        self.report("site_eval_start", {"site": self.name, "total": total})
 
         def step(done: int) -> None:
-            self.report("site_eval_step", {"client": self.name, "done": done, "total": total})
+            self.report("site_eval_step", {"site": self.name, "done": done, "total": total})
 
         for variant, context in variants.items():
             with context:
@@ -457,7 +457,7 @@ class SiteRunner:
         site without training examples is an evaluation site: it says so and
         trains nothing."""
         if len(self.train) == 0:
-            return {}, {"round": round_number, "client": self.name, "evaluation_only": True}
+            return {}, {"round": round_number, "site": self.name, "evaluation_only": True}
         self.strategy.load_state_dict(strategy_state, None)
 
         def update(dp: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -487,7 +487,7 @@ class SiteRunner:
                 self.personal,
                 randomness,
                 on_step=lambda done, total: self.report(
-                    "site_step", {"client": self.name, "done": done, "total": total}
+                    "site_step", {"site": self.name, "done": done, "total": total}
                 ),
                 round_number=round_number,
             )

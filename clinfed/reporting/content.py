@@ -77,14 +77,14 @@ def _sent_grid(run_data: dict[str, Any]) -> dict[str, Any] | None:
     layers = max(int(r.get("num_layers", 0)) for r in sent)
     columns = ["embeddings"] + [f"layer {i}" for i in range(layers)] + ["head"]
     rows = []
-    for record in sorted(sent, key=lambda r: (r["round"], r["client"])):
+    for record in sorted(sent, key=lambda r: (r["round"], r["site"])):
         blocks, share = set(record["sent_blocks"]), record.get("sent_share")
         cells = [_sent_cell(["embeddings"], blocks, share)]
         for i in range(layers):
             kinds = [f"layer{i}.{k}" for k in ("query_key", "value", "rest")]
             cells.append(_sent_cell(kinds, blocks, share))
         cells.append(_sent_cell(["head"], blocks, share))
-        rows.append({"label": f"round {record['round']}, {record['client']}", "cells": cells})
+        rows.append({"label": f"round {record['round']}, {record['site']}", "cells": cells})
     return {"columns": columns, "rows": rows}
 
 
@@ -112,7 +112,7 @@ def _site_rows(run_data: dict[str, Any]) -> list[dict[str, Any]]:
         mechanisms = [Mechanism.from_line(x) for x in lines]
         delta = lines[0]["delta"] if lines else policy.get("delta", 1e-5)
         sgd = [x for x in lines if x["mechanism"] == "dp-sgd"]
-        sent = [r for r in run_data["records"] if r.get("client") == site and "bytes_up" in r]
+        sent = [r for r in run_data["records"] if r.get("site") == site and "bytes_up" in r]
         rows.append(
             {
                 "site": site,
@@ -131,7 +131,7 @@ def _site_rows(run_data: dict[str, Any]) -> list[dict[str, Any]]:
                 "refused_rounds": [
                     r["round"]
                     for r in run_data["records"]
-                    if r.get("client") == site and r.get("refused")
+                    if r.get("site") == site and r.get("refused")
                 ],
             }
         )
@@ -186,7 +186,7 @@ def _header(run: Path, run_data: dict[str, Any], raw: dict[str, Any]) -> list[tu
     config, summary = run_data["config"], run_data["summary"]
     pooled = _pooled(config.get("strategy"))
     records = run_data["records"]
-    done = max((r["round"] for r in records if "client" not in r and "round" in r), default=0)
+    done = max((r["round"] for r in records if "site" not in r and "round" in r), default=0)
     recorded = raw.get("versions") or {}
     versions = ", ".join(
         f"{name} {recorded.get(name, '?')}" for name in ("clinfed", "torch", "opacus", "flwr")
@@ -205,7 +205,7 @@ def _header(run: Path, run_data: dict[str, Any], raw: dict[str, Any]) -> list[tu
         rows.append(("Epochs", str(config.get("epochs"))))
     else:
         rows.append(("Rounds", f"{done} of {config.get('rounds')} planned"))
-        sites = sorted({r["client"] for r in records if "client" in r})
+        sites = sorted({r["site"] for r in records if "site" in r})
         rows.append(("Sites", f"{len(sites)}: {', '.join(sites)}"))
         rows.append(("Transport", "Flower" if raw.get("runner") == "flower" else "in-process"))
         rows.append(("Secure aggregation", "on" if config.get("secure_aggregation") else "off"))
@@ -365,7 +365,7 @@ def evaluation_queries(records: list[dict[str, Any]]) -> dict[str, int]:
     records whose per-site F1 names it)."""
     answered: dict[str, int] = {}
     for record in records:
-        if "client" in record:
+        if "site" in record:
             continue
         for site in record.get("per_site_f1", {}):
             answered[site] = answered.get(site, 0) + 1

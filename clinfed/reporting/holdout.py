@@ -18,9 +18,9 @@ AUDIT_UPDATES = Path("audit") / "updates"
 
 
 def set_aside(
-    config: Any, task: Any, train: Any, clients: dict[str, np.ndarray]
+    config: Any, task: Any, train: Any, sites: dict[str, np.ndarray]
 ) -> dict[str, dict[str, np.ndarray]]:
-    """With ``--audit-holdout F``: per client, a random share F of its
+    """With ``--audit-holdout F``: per site, a random share F of its
     training units set aside before training (``non_members``, whole units)
     and the rest (``members``). Seeded by the run's seed, so a resume sets
     aside the same rows."""
@@ -28,18 +28,18 @@ def set_aside(
         return {}
     rng = np.random.default_rng([config.seed, 2718])
     parts = {}
-    for client, idx in sorted(clients.items()):
+    for site, idx in sorted(sites.items()):
         units = task.unit_rows(train.select(idx), config.privacy_unit)
         held = int(round(config.audit_holdout * len(units)))
         if held == 0 or held == len(units):
             raise ClinfedError(
-                f"--audit-holdout {config.audit_holdout}: {client} has {len(units)} units, "
+                f"--audit-holdout {config.audit_holdout}: {site} has {len(units)} units, "
                 "too few to set some aside and train on the rest"
             )
         chosen = set(rng.choice(len(units), size=held, replace=False).tolist())
         out = np.sort(np.concatenate([units[u] for u in chosen]))
         kept = np.sort(np.concatenate([units[u] for u in range(len(units)) if u not in chosen]))
-        parts[client] = {"members": idx[kept], "non_members": idx[out]}
+        parts[site] = {"members": idx[kept], "non_members": idx[out]}
     return parts
 
 

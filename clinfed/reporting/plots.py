@@ -107,7 +107,7 @@ def make_plots(
         ax.set(xlabel="round", ylabel="epsilon spent (cumulative)", title="Privacy spent per site")
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         plots["epsilon"] = _png(fig)
-    global_records = [r for r in records if "client" not in r and "f1" in r]
+    global_records = [r for r in records if "site" not in r and "f1" in r]
     key = "round" if any("round" in r for r in global_records) else "epoch"
     if global_records:
         fig, ax = plt.subplots(figsize=(6.4, 3.2))

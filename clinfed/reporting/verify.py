@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from clinfed.errors import USER_ERRORS, ClinfedError
+from clinfed.runs import site_keyed
 from clinfed.settings import read_run_config
 
 # Epsilons written by two processes from the same lines: equal but for float
@@ -91,7 +92,7 @@ def load_run(run: Path) -> dict[str, Any]:
     return {
         "labels": read_json(run / "labels.json") or {},
         "config": read_run_config(run),
-        "records": read_records(run / "metrics.jsonl"),
+        "records": [site_keyed(r) for r in read_records(run / "metrics.jsonl")],
         "policy": read_json(run / "privacy" / "policy.json"),
         "ledgers": ledgers,
         "state": read_json(run / "state.json"),
@@ -139,7 +140,7 @@ def verify_run(run: Path, data: dict[str, Any]) -> str | None:
             f"{run / 'privacy' / 'policy.json'}: missing, though the run trained under DP: "
             "no epsilon can be stated"
         )
-    named = {r["client"] for r in records if "client" in r and "bytes_up" in r}
+    named = {r["site"] for r in records if "site" in r and "bytes_up" in r}
     named |= set((state or {}).get("ledgers", {}))
     named |= {site for site, eps in summary.get("epsilon", {}).items() if eps}
     for site in sorted(named):
@@ -187,7 +188,7 @@ def _check_commit(
                 f"round {state['round']}: they disagree; the run cannot be reported"
             )
         evaluated = max(
-            (int(r["round"]) for r in records if "client" not in r and "round" in r), default=0
+            (int(r["round"]) for r in records if "site" not in r and "round" in r), default=0
         )
         if stated is not None and (int(stated) != last or evaluated != int(stated)):
             raise ClinfedError(
@@ -227,7 +228,7 @@ def _check_ledger(
         last_epsilon = float(charges[-1]["epsilon"]) if charges else 0.0
     except (KeyError, TypeError, ValueError):
         raise ClinfedError(f"{path}: not a ledger; it cannot be trusted") from None
-    trained = [r for r in records if r.get("client") == site and "bytes_up" in r]
+    trained = [r for r in records if r.get("site") == site and "bytes_up" in r]
     missing = sorted({r["round"] for r in trained} - charged)
     if missing:
         raise ClinfedError(

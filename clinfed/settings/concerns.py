@@ -230,14 +230,14 @@ class FederationSettings:
     )
     partition: str = setting(
         "sites",
-        "Clients: sites (one per hospital, as the corpus says), iid, or dirichlet label skew "
-        "(with --clients).",
+        "How the data is dealt to sites: sites (one per hospital, as the corpus says), iid, "
+        "or dirichlet label skew (with --sites N).",
         choices=("sites", "iid", "dirichlet"),
         simulator_only=True,
     )
-    clients: int = setting(
+    sites: int = setting(
         0,
-        "With --partition iid|dirichlet: this many clients.",
+        "With --partition iid|dirichlet: this many synthetic sites.",
         minimum=0,
         simulator_only=True,
         maximum=10_000,

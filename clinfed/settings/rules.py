@@ -40,10 +40,10 @@ def check_run(config: Any, check_data: bool = True) -> None:
 def _check_task_and_sites(config: Any, task: Any, strategy: Any) -> None:
     if config.labels is not None and not task.accepts_fixed_labels:
         raise ClinfedError(f"--labels (a fixed label list) does not apply to --task {config.task}")
-    if config.partition != "sites" and config.clients < 1:
-        raise ClinfedError(f"--partition {config.partition} needs --clients N")
-    if config.partition == "sites" and config.clients:
-        raise ClinfedError("--clients N needs --partition iid or dirichlet")
+    if config.partition != "sites" and config.sites < 1:
+        raise ClinfedError(f"--partition {config.partition} needs --sites N")
+    if config.partition == "sites" and config.sites:
+        raise ClinfedError("--sites N needs --partition iid or dirichlet")
     if not strategy.shares_model and config.partition != "sites":
         raise ClinfedError(
             f"--strategy {config.strategy} evaluates each site's own model on its own data: "

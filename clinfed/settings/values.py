@@ -35,14 +35,20 @@ def unknown_key(key: str, source: str, names: list[str]) -> ClinfedError:
     return ClinfedError(f"{where(source, key)}: unknown setting {key!r}{hint}")
 
 
+# Settings renamed since a run folder may have been written: read as today's.
+RENAMED = {"clients": "sites"}
+
+
 def flatten(values: Mapping[str, Any], source: str) -> dict[str, Any]:
-    """Concern tables merged into one level; metadata keys dropped."""
+    """Concern tables merged into one level; metadata keys dropped; a
+    renamed setting (:data:`RENAMED`) read under its name today."""
     flat: dict[str, Any] = {}
     for key, value in values.items():
         if key in METADATA_KEYS:
             continue
         if key in CONCERNS and isinstance(value, Mapping):
             for inner, inner_value in value.items():
+                inner = RENAMED.get(inner, inner)
                 if inner in flat:
                     raise ClinfedError(f"{source}: setting {inner!r} given twice")
                 flat[inner] = inner_value
@@ -51,6 +57,7 @@ def flatten(values: Mapping[str, Any], source: str) -> dict[str, Any]:
                 raise ClinfedError(f"{source}: strategy_options must be a table")
             flat.setdefault("strategy_options", {}).update(value)
         else:
+            key = RENAMED.get(key, key)
             if key in flat:
                 raise ClinfedError(f"{source}: setting {key!r} given twice")
             flat[key] = value
