@@ -123,11 +123,15 @@ def check_public_text(config: RunConfig, task: Any, units: list, sizes: dict[str
             f"need {wanted:,} plus at least {MIN_TEST_UNITS} to score on"
         )
     mentions = task.public_mentions(units)
-    missing = [kind for kind in task.entity_types if not mentions.get(kind)]
+    # The types the run's declaration names (--types, or the i2b2 preset):
+    # what the sites' text is declared to hold, all of it public.
+    named = getattr(task, "named_types", None) or set(task.entity_types)
+    declared = [kind for kind in task.entity_types if kind in named]
+    missing = [kind for kind in declared if not mentions.get(kind)]
     if missing:
         raise ClinfedError(
             f"--public-data {config.public_data}: annotates no mention of {' or '.join(missing)} "
-            f"(the run scores {', '.join(task.entity_types)}); public text unlike the sites "
+            f"(the run's types name {', '.join(declared)}); public text unlike the sites "
             "gives a forecast that misleads, so none is made: give text that annotates "
             "every type (map its own with --public-types)"
         )
