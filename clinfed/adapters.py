@@ -74,11 +74,11 @@ def add_lora(model: nn.Module, rank: int, alpha: float, factors: str, seed: int)
     from peft import LoraConfig, inject_adapter_in_model
 
     if factors not in LORA_FACTORS:
-        raise ClinfedError(f"--lora-factors must be one of {', '.join(LORA_FACTORS)}")
+        raise ClinfedError(f"`lora_factors` must be one of {', '.join(LORA_FACTORS)}")
     present = {name.rsplit(".", 1)[-1] for name, _ in model.encoder.named_modules()}
     targets = sorted(present & set(LORA_TARGETS))
     if not targets:
-        raise ClinfedError("--adapter lora: the encoder has no linear layer LoRA knows")
+        raise ClinfedError("`adapter` lora: the encoder has no linear layer LoRA knows")
     torch.manual_seed(seed + 2)  # A's random start: the same at every party
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets)
     model.encoder = inject_adapter_in_model(config, model.encoder)
@@ -96,7 +96,7 @@ def add_bias(model: nn.Module) -> nn.Module:
     gazetteer first.
     """
     if not any(n.endswith(".bias") for n, _ in model.encoder.named_parameters()):
-        raise ClinfedError("--adapter bias: the encoder has no bias terms")
+        raise ClinfedError("`adapter` bias: the encoder has no bias terms")
     model.adapter = {"kind": "bias", "marks": gazetteer_of(model) is not None}
     return model
 

@@ -20,23 +20,17 @@ PosixPath('run/report/report.html')
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from clinfed.errors import USER_ERRORS, ClinfedError, worded
-
-_FLAG = re.compile(r"--([a-z][a-z0-9-]*)")
-
-
-def _as_setting(match: re.Match) -> str:
-    return match.group(1).replace("-", "_")
+from clinfed.errors import ClinfedError
+from clinfed.privacy.errors import PrivacyError
 
 
 @contextlib.contextmanager
 def _library_call() -> Iterator[None]:
-    """Quiet libraries, a private scratch folder, errors in settings' names."""
+    """Quiet libraries, a private scratch folder, one error type."""
     from clinfed.quiet import quiet_libraries
     from clinfed.scratch import private_scratch
 
@@ -44,8 +38,10 @@ def _library_call() -> Iterator[None]:
     try:
         with private_scratch():
             yield
-    except USER_ERRORS as exc:
-        raise ClinfedError(_FLAG.sub(_as_setting, worded(exc, flags=False))) from None
+    except PrivacyError as exc:
+        # One error type for a caller to catch; the words unchanged (library
+        # errors name settings as keywords already: `target_epsilon`).
+        raise ClinfedError(str(exc)) from None
 
 
 def train(

@@ -142,17 +142,17 @@ def clip_norm_from_public(
 
     if adapter is not None and adapter not in PLANS:
         raise ClinfedError(
-            f"--adapter {adapter}: choose one of {', '.join(PLANS)} (a LoRA factor's "
+            f"`adapter` {adapter}: choose one of {', '.join(PLANS)} (a LoRA factor's "
             "gradient depends on the run's seeded start: measure lora runs with bias or none)"
         )
     if not 0.0 <= percentile <= 100.0:
-        raise ClinfedError(f"--percentile {percentile:g}: must be between 0 and 100")
+        raise ClinfedError(f"`percentile` {percentile:g}: must be between 0 and 100")
     with temporary_folder("cache") as cache_dir:
         model, tokenizer, meta, task = saved_model_and_task(model_path, cache_dir)
         adapter = adapter or task.dp_adapter
         if privacy_unit not in task.units:
             raise ClinfedError(
-                f"--privacy-unit {privacy_unit}: --task {task.name} offers {', '.join(task.units)}"
+                f"`privacy_unit` {privacy_unit}: `task` {task.name} offers {', '.join(task.units)}"
             )
         problems = ProblemLog(on_error)
         records = task.read_documents(Path(data), problems)

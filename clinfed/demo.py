@@ -274,11 +274,11 @@ def _checked_settings(
 
     ensure_new_run_folder(out, "demo folder")
     if docs < 2:
-        raise ClinfedError(f"--docs must be at least 2, not {docs}")
+        raise ClinfedError(f"`docs` must be at least 2, not {docs}")
     if plan not in PLANS:
-        raise ClinfedError(f"--plan must be one of {', '.join(PLANS)}, not {plan!r}")
+        raise ClinfedError(f"`plan` must be one of {', '.join(PLANS)}, not {plan!r}")
     if public not in PUBLIC:
-        raise ClinfedError(f"--public must be one of {', '.join(PUBLIC)}, not {public!r}")
+        raise ClinfedError(f"`public` must be one of {', '.join(PUBLIC)}, not {public!r}")
     checkpoint_dir(model)
     settings = COMMON | PLANS[plan] | PUBLIC[public]
     settings |= {"model": model, "threads": threads, "seed": SEED}

@@ -30,18 +30,18 @@ def resolve_device(spec: str = "auto") -> torch.device:
     if spec == "cuda" or spec.startswith("cuda:"):
         index = spec.partition(":")[2]
         if index and not index.isdigit():
-            raise ClinfedError(f"--device {spec}: expected {DEVICES}")
+            raise ClinfedError(f"`device` {spec}: expected {DEVICES}")
         if not torch.cuda.is_available():
             raise ClinfedError(
-                f"--device {spec}: this machine has no CUDA device that torch "
-                f"{torch.__version__} can use; use --device cpu (or auto)"
+                f"`device` {spec}: this machine has no CUDA device that torch "
+                f"{torch.__version__} can use; use `device` cpu (or auto)"
             )
         if index and int(index) >= torch.cuda.device_count():
             raise ClinfedError(
-                f"--device {spec}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+                f"`device` {spec}: this machine has {torch.cuda.device_count()} CUDA device(s)"
             )
         return torch.device(spec)
-    raise ClinfedError(f"--device {spec}: expected {DEVICES}")
+    raise ClinfedError(f"`device` {spec}: expected {DEVICES}")
 
 
 def device_of(model: nn.Module) -> torch.device:

@@ -8,11 +8,12 @@ The CLI prints these on one line each and exits with status 2.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from clinfed.privacy.errors import PrivacyError, SettingError
+from clinfed.privacy.errors import PrivacyError, SettingError  # noqa: F401 (re-exported)
 
 EXIT_USAGE = 2
 
@@ -25,12 +26,30 @@ class ClinfedError(Exception):
 USER_ERRORS = (ClinfedError, PrivacyError)
 
 
-def worded(exc: BaseException, flags: bool = True) -> str:
-    """A user error's one line, its setting named as a command-line flag
-    (``flags``) or by its Python name."""
-    if isinstance(exc, SettingError):
-        return exc.worded(flag=flags)
-    return str(exc)
+# A setting named in a library message: its Python name in backticks.
+_SETTING = re.compile(r"`([a-z][a-z0-9_]*)`")
+SURFACES = ("flag", "keyword", "key")
+
+
+def name_settings(text: str, surface: str = "flag") -> str:
+    """``text`` with each setting it names (```max_grad_norm```) worded for
+    ``surface``: a command-line ``flag`` (``--max-grad-norm``), a Python
+    ``keyword`` (``max_grad_norm``) or a node config ``key``
+    (``max-grad-norm``)."""
+
+    def word(match: re.Match) -> str:
+        name = match.group(1)
+        if surface == "flag":
+            return "--" + name.replace("_", "-")
+        return name if surface == "keyword" else name.replace("_", "-")
+
+    return _SETTING.sub(word, text)
+
+
+def worded(exc: BaseException, surface: str = "flag") -> str:
+    """A user error's lines, the settings it names worded for ``surface``
+    (:func:`name_settings`). Library errors name settings, never flags."""
+    return name_settings(str(exc), surface)
 
 
 @dataclass
@@ -80,7 +99,7 @@ class ProblemLog:
     def __post_init__(self) -> None:
         if self.on_error not in ON_ERROR_CHOICES:
             raise ClinfedError(
-                f"--on-error must be one of {', '.join(ON_ERROR_CHOICES)}, not {self.on_error!r}"
+                f"`on_error` must be one of {', '.join(ON_ERROR_CHOICES)}, not {self.on_error!r}"
             )
 
     def add(self, path: Path | str, line: int | None, reason: str) -> None:

@@ -42,7 +42,7 @@ def make_model(config: RunConfig, task: Task) -> nn.Module:
     window = model_window(model)
     if config.max_length is not None and config.max_length > window:
         raise ClinfedError(
-            f"--max-length {config.max_length}: --model {config.model} reads at most {window} "
+            f"`max_length` {config.max_length}: `model` {config.model} reads at most {window} "
             "tokens at once"
         )
     if config.gazetteer:
@@ -50,9 +50,9 @@ def make_model(config: RunConfig, task: Task) -> nn.Module:
         earlier = gazetteer_of(model)
         if earlier is not None and earlier.sha256 != gazetteer.sha256:
             raise ClinfedError(
-                f"--gazetteer {config.gazetteer}: --model {config.model} was trained to read "
+                f"`gazetteer` {config.gazetteer}: `model` {config.model} was trained to read "
                 f"another name list (SHA-256 {earlier.sha256[:12]}…, {len(earlier.names):,} "
-                "names, kept in its folder): leave --gazetteer out to use that one"
+                "names, kept in its folder): leave `gazetteer` out to use that one"
             )
         attach_gazetteer(model, gazetteer, load_tokenizer(config.model))
     if config.dp and getattr(model.encoder.config, "relative_attention", False):
@@ -60,7 +60,7 @@ def make_model(config: RunConfig, task: Task) -> nn.Module:
         # every example shares: its weights' per-example gradients do not
         # separate, so no clipping mode can bound one example's influence.
         raise ClinfedError(
-            f"--model {config.model}: DP-SGD does not support relative attention "
+            f"`model` {config.model}: DP-SGD does not support relative attention "
             f"({model.encoder.config.model_type}): its layers project a table every example "
             "shares, so one example's gradient cannot be clipped alone; use a BERT or "
             "RoBERTa encoder under DP"

@@ -53,9 +53,9 @@ def parse_units(text: str) -> dict[str, int]:
         try:
             value = int(part.strip())
         except ValueError:
-            raise ClinfedError(f"--units: {part.strip()!r} is not a whole number") from None
+            raise ClinfedError(f"`units`: {part.strip()!r} is not a whole number") from None
         if not 1 <= value <= MAX_UNITS:
-            raise ClinfedError(f"--units: {value} is not a number of units from 1 to {MAX_UNITS:,}")
+            raise ClinfedError(f"`units`: {value} is not a number of units from 1 to {MAX_UNITS:,}")
         sizes[f"site{number}"] = value
     return sizes
 
@@ -119,7 +119,7 @@ def check_public_text(config: RunConfig, task: Any, units: list, sizes: dict[str
     wanted = sum(sizes.values())
     if len(units) < wanted + MIN_TEST_UNITS:
         raise ClinfedError(
-            f"--public-data {config.public_data}: {len(units):,} units, and the plan's sites "
+            f"`public_data` {config.public_data}: {len(units):,} units, and the plan's sites "
             f"need {wanted:,} plus at least {MIN_TEST_UNITS} to score on"
         )
     mentions = task.public_mentions(units)
@@ -130,10 +130,10 @@ def check_public_text(config: RunConfig, task: Any, units: list, sizes: dict[str
     missing = [kind for kind in declared if not mentions.get(kind)]
     if missing:
         raise ClinfedError(
-            f"--public-data {config.public_data}: annotates no mention of {' or '.join(missing)} "
+            f"`public_data` {config.public_data}: annotates no mention of {' or '.join(missing)} "
             f"(the run's types name {', '.join(declared)}); public text unlike the sites "
             "gives a forecast that misleads, so none is made: give text that annotates "
-            "every type (map its own with --public-types)"
+            "every type (map its own with `public_types`)"
         )
 
 
@@ -165,9 +165,9 @@ def forecast(
     from clinfed.sweep import run_sweep
 
     if not config.public_data:
-        raise ClinfedError("a forecast needs --public-data: annotated public text to run on")
+        raise ClinfedError("a forecast needs `public_data`: annotated public text to run on")
     if draws < 1:
-        raise ClinfedError(f"--forecast-draws: {draws} is not a positive number of draws")
+        raise ClinfedError(f"`forecast_draws`: {draws} is not a positive number of draws")
     with temporary_folder("cache") as cache:
         task = make_task(config.resolved(), cache)
     problems = ProblemLog(config.on_error)

@@ -125,18 +125,18 @@ class Gazetteer:
         if path.is_dir():
             files = sorted(path.glob("*.txt"))
             if not files:
-                raise ClinfedError(f"--gazetteer {path}: a folder with no .txt name list")
+                raise ClinfedError(f"`gazetteer` {path}: a folder with no .txt name list")
         elif path.is_file():
             files = [path]
         else:
-            raise ClinfedError(f"--gazetteer {path}: no such file or folder")
+            raise ClinfedError(f"`gazetteer` {path}: no such file or folder")
         lists: list[tuple[str, list[str]]] = []
         for file in files:
             for name, names in _lists_in(file):
                 per_list |= name is not None
                 lists.append((name or file.stem, names))
         if not any(names for _, names in lists):
-            raise ClinfedError(f"--gazetteer {path}: lists no name")
+            raise ClinfedError(f"`gazetteer` {path}: lists no name")
         if per_list:
             return cls.of_lists(lists)
         return cls.of(name for _, names in lists for name in names)
@@ -227,7 +227,7 @@ def _lists_in(file: Path) -> list[tuple[str | None, list[str]]]:
     try:
         raw = file.read_bytes()
     except OSError as exc:
-        raise ClinfedError(f"--gazetteer {file}: cannot read ({exc.strerror})") from None
+        raise ClinfedError(f"`gazetteer` {file}: cannot read ({exc.strerror})") from None
     lists: list[tuple[str | None, list[str]]] = [(None, [])]
     for number, line in enumerate(raw.split(b"\n"), start=1):
         try:
@@ -261,7 +261,7 @@ class PieceMarker:
             tokenizer.backend_tokenizer.model.__class__.__name__ != "WordPiece"
         ):
             raise ClinfedError(
-                "--gazetteer needs a WordPiece tokenizer (BERT family: minilm, tiny or a BERT "
+                "`gazetteer` needs a WordPiece tokenizer (BERT family: minilm, tiny or a BERT "
                 "checkpoint): it rebuilds words from ## pieces"
             )
         self.gazetteer = gazetteer

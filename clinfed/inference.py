@@ -56,7 +56,7 @@ def predict_run(
 ) -> int:
     """Write predictions for every document of ``data`` to the new folder
     ``out`` in the task's format; return how many records were predicted."""
-    ensure_new_run_folder(out, "predictions", {"--data": data, "RUN": run})
+    ensure_new_run_folder(out, "predictions", {"`data`": data, "RUN": run})
     problems = ProblemLog(on_error)
     with temporary_folder("cache") as cache:
         task, records, examples, outputs = _outputs(run, data, problems, cache, device)

@@ -81,7 +81,7 @@ def checkpoint_dir(spec: str) -> Path:
     path = Path(spec)
     if not (path / "config.json").is_file():
         raise ClinfedError(
-            f"--model {spec}: not 'minilm', 'tiny', a folder with a config.json checkpoint "
+            f"`model` {spec}: not 'minilm', 'tiny', a folder with a config.json checkpoint "
             "or a model a clinfed run saved (RUN/model)"
         )
     return path
@@ -99,7 +99,7 @@ _LOAD_ERRORS = (OSError, ValueError, KeyError, SafetensorError, RuntimeError)
 
 def _unreadable(what: str, folder: Path, exc: BaseException) -> ClinfedError:
     reason = " ".join(str(exc).split())[:200] or type(exc).__name__
-    return ClinfedError(f"--model {folder}: its {what} cannot be loaded ({reason})")
+    return ClinfedError(f"`model` {folder}: its {what} cannot be loaded ({reason})")
 
 
 def load_tokenizer(spec: str):
@@ -110,7 +110,7 @@ def load_tokenizer(spec: str):
     # model's kind (a handful of special tokens) and every word is unknown.
     if not any((Path(folder) / name).is_file() for name in _TOKENIZER_FILES):
         raise ClinfedError(
-            f"--model {folder}: its tokenizer cannot be loaded (none of "
+            f"`model` {folder}: its tokenizer cannot be loaded (none of "
             f"{', '.join(_TOKENIZER_FILES)} is there)"
         )
     try:
@@ -181,7 +181,7 @@ def check_family(model: nn.Module, spec: str) -> None:
         except ValueError:
             kind = getattr(getattr(model.encoder, "config", None), "model_type", "unknown")
             raise ClinfedError(
-                f"--model {spec}: the {kind} family is not supported (its parameter "
+                f"`model` {spec}: the {kind} family is not supported (its parameter "
                 f"{name} belongs to no block a plan is made of); supported: "
                 f"{SUPPORTED_FAMILIES}"
             ) from None
@@ -235,7 +235,7 @@ def attach_gazetteer(model: nn.Module, gazetteer: Gazetteer, tokenizer) -> nn.Mo
     table = getattr(getattr(model.encoder, "embeddings", None), "token_type_embeddings", None)
     if not inputs.takes_token_types or types < 2 or table is None:
         raise ClinfedError(
-            f"--gazetteer marks names through token-type ids; this encoder "
+            f"`gazetteer` marks names through token-type ids; this encoder "
             f"({config.model_type}) has {types} token type(s): use a BERT "
             "encoder (minilm, tiny or a BERT checkpoint)"
         )
@@ -443,7 +443,7 @@ def add_prompts(
     torch.manual_seed(seed + 1)  # distinct from the head's initialisation
     layers = model.encoder.config.num_hidden_layers
     if depth > layers:
-        raise ClinfedError(f"--prompt-depth {depth} exceeds the encoder's {layers} layers")
+        raise ClinfedError(f"`prompt_depth` {depth} exceeds the encoder's {layers} layers")
     model.prompt = DualPrompt(model.encoder.config.hidden_size, length, fusion, depth)
     return model
 

@@ -107,10 +107,10 @@ def check_resume(config: RunConfig) -> ResumePlan:
     out = Path(config.out)
     if STRATEGIES[config.strategy].pooled:
         raise ClinfedError(
-            f"--resume applies to federated strategies (rounds), not {config.strategy}"
+            f"`resume` applies to federated strategies (rounds), not {config.strategy}"
         )
     if (out / "config.json").is_file():
-        check_same_settings(config, out, "--resume of")
+        check_same_settings(config, out, "`resume` of")
     return plan_resume(out, config.rounds)
 
 
@@ -142,10 +142,9 @@ def check_same_settings(config: RunConfig, out: Path, doing: str) -> None:
                 same = before == value
             if not same:
                 raise ClinfedError(
-                    f"{doing} {out} with a different config: {key} was {before!r}, now "
-                    f"{value!r}; a run keeps its settings: to change {key}, start a new run: "
-                    f"clinfed train --config {Path(out) / 'config.json'} "
-                    f"--{key.replace('_', '-')} VALUE --out NEW"
+                    f"{doing} {out} with a different config: `{key}` was {before!r}, now "
+                    f"{value!r}; a run keeps its settings: to change `{key}`, start a new run "
+                    f"from {Path(out) / 'config.json'} with `{key}` changed and a new `out`"
                 )
 
 
@@ -354,7 +353,7 @@ def _check_round_one(policies: dict[str, PrivacyPolicy]) -> None:
     raise ClinfedError(
         f"no site can train round 1 within its privacy budget: one round costs epsilon "
         f"{costs[site]:.3g} at {site}, the cheapest site, against a budget of {budget:g}; "
-        "raise --target-epsilon or --noise-multiplier, or lower --local-epochs"
+        "raise `target_epsilon` or `noise_multiplier`, or lower `local_epochs`"
     )
 
 

@@ -132,7 +132,7 @@ def check_start_is_public(start: dict[str, Any] | None, model: str, data: str | 
         public_files = set(start.get("file_sha256") or ())
         if start.get("data_fingerprint") in private or public_files & private_files:
             raise ClinfedError(
-                f"--model {model}: warm-started on text with the bytes of the private data "
+                f"`model` {model}: warm-started on text with the bytes of the private data "
                 f"folder {data} (its recorded public start, {start.get('folder', '?')}): a "
                 "start trained on private notes without DP voids any epsilon; warm-start on "
                 "public text only"

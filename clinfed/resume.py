@@ -75,7 +75,7 @@ def refuse_unstarted(out: Path) -> None:
     if never_started(out):
         raise ClinfedError(
             f"{out}: the run never started (it was stopped right after claiming its folder): "
-            "run the same command without --resume; it takes the folder over"
+            "run the same command without `resume`; it takes the folder over"
         )
 
 

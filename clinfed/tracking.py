@@ -52,7 +52,7 @@ class TensorBoardTracker(Tracker):
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise ClinfedError(
-                "--report-to tensorboard needs TensorBoard: pip install 'clinfed[tensorboard]'"
+                "`report_to` tensorboard needs TensorBoard: pip install 'clinfed[tensorboard]'"
             ) from None
         self.writer = SummaryWriter(log_dir=str(folder))
 
@@ -69,7 +69,7 @@ class MLflowTracker(Tracker):
             import mlflow
         except ImportError:
             raise ClinfedError(
-                "--report-to mlflow needs MLflow: pip install 'clinfed[mlflow]'"
+                "`report_to` mlflow needs MLflow: pip install 'clinfed[mlflow]'"
             ) from None
         self.mlflow = mlflow
         if not mlflow.get_tracking_uri() or mlflow.get_tracking_uri().startswith("file:"):
@@ -93,7 +93,7 @@ def make_tracker(kind: str, run_folder: Path, settings: dict[str, Any]) -> Track
         return TensorBoardTracker(run_folder / "tensorboard")
     if kind == "mlflow":
         return MLflowTracker(run_folder, settings)
-    raise ClinfedError(f"--report-to must be none, tensorboard or mlflow, not {kind!r}")
+    raise ClinfedError(f"`report_to` must be none, tensorboard or mlflow, not {kind!r}")
 
 
 class Tracked:
@@ -108,7 +108,7 @@ class Tracked:
         needed = {"tensorboard": "tensorboard", "mlflow": "mlflow"}.get(kind)
         if needed is not None and importlib.util.find_spec(needed) is None:
             raise ClinfedError(
-                f"--report-to {kind} needs {needed}: pip install 'clinfed[{needed}]'"
+                f"`report_to` {kind} needs {needed}: pip install 'clinfed[{needed}]'"
             )
 
     def __call__(self, event: str, info: dict[str, Any]) -> None:

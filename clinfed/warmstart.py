@@ -78,7 +78,7 @@ def public_examples(
     drawn from ``order``; and the run types the public text annotates."""
     folder = Path(config.public_data)
     _, examples, annotated, labelled = read_public(
-        folder, "--public-data", config, task, tokenizer, cache_dir, problems, name_lists
+        folder, "`public_data`", config, task, tokenizer, cache_dir, problems, name_lists
     )
     if config.public_examples and config.public_examples < len(examples):
         keep = np.sort(order.choice(len(examples), config.public_examples, replace=False))
@@ -104,7 +104,7 @@ def public_check(
 
     folder = Path(config.public_check)
     records, examples, annotated, _ = read_public(
-        folder, "--public-check", config, task, tokenizer, cache_dir, problems
+        folder, "`public_check`", config, task, tokenizer, cache_dir, problems
     )
     task.check_public_judge(folder, records, annotated)
     judge = copy.deepcopy(model)
@@ -226,10 +226,10 @@ def warm_start_model(config: Any, report: Reporter = silent) -> dict[str, Any]:
     # A public phase without DP: the rates of a run without DP.
     config = replace(config, target_epsilon=None, noise_multiplier=None).resolved()
     if not config.public_data:
-        raise ClinfedError("clinfed warm-start needs --public-data")
+        raise ClinfedError("clinfed warm-start needs `public_data`")
     out = Path(config.out)
     if out.exists():
-        raise ClinfedError(f"--out {out}: already exists; name a new folder")
+        raise ClinfedError(f"`out` {out}: already exists; name a new folder")
     if config.data:
         for name in PUBLIC_INPUTS:
             if getattr(config, name):

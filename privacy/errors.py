@@ -1,8 +1,9 @@
 """The privacy library's errors: a bad setting, named by its field.
 
-The library knows settings by their names (``target_epsilon``); whoever
-shows the error to a person words the name their way (the command line as
-``--target-epsilon``, the Python API as ``target_epsilon``).
+The library knows settings by their names and writes them in backticks
+(```target_epsilon```); whoever shows the error to a person words the name
+their way (the command line as ``--target-epsilon``, the Python API as
+``target_epsilon``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ class PrivacyError(Exception):
 class SettingError(PrivacyError):
     """A setting with a value the library refuses.
 
+    The message names the setting in backticks (```noise_multiplier` must be
+    positive```), as every library error names a setting; whoever shows it
+    words the name their way (:func:`clinfed.errors.worded`).
+
     Attributes
     ----------
     setting
@@ -25,9 +30,4 @@ class SettingError(PrivacyError):
 
     def __init__(self, setting: str, reason: str):
         self.setting, self.reason = setting, reason
-        super().__init__(self.worded(flag=True))
-
-    def worded(self, flag: bool) -> str:
-        """The message with the setting as a command-line flag or by its name."""
-        name = "--" + self.setting.replace("_", "-") if flag else self.setting
-        return f"{name} {self.reason}"
+        super().__init__(f"`{setting}` {reason}")

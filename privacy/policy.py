@@ -269,7 +269,7 @@ class PrivacyPolicy:
         check_settings(target_epsilon, delta, noise_multiplier, max_grad_norm, clipping)
         batch_sizes, lr_scales = _batches(sizes, batch_size, reference_batch, steps_per_epoch)
         if target_epsilon is None and noise_multiplier is None:
-            raise PrivacyError("DP needs --target-epsilon or --noise-multiplier")
+            raise PrivacyError("DP needs `target_epsilon` or `noise_multiplier`")
         warnings = [
             f"--delta {delta:g} is not below 1/n = {1 / n:.2g} for {site} ({n} examples): "
             "a delta that large allows releasing an example outright"

@@ -133,7 +133,7 @@ def rows_to_dataset(
         except (OSError, ValueError):
             raise ClinfedError(
                 f"{record.parent}: a cached read without its problem record (an older "
-                "clinfed's cache); use a new --cache-dir"
+                "clinfed's cache); use a new `cache_dir`"
             ) from None
         for p in cached:
             problems.add(p["path"], p["line"], p["reason"])
@@ -242,7 +242,7 @@ class Task(ABC):
         sites' data); ``config`` is the run's resolved settings."""
         if cls.labels_from_data and not config.labels:
             raise ClinfedError(
-                f"--task {cls.name} on Flower needs --labels FILE (the labels to predict): "
+                f"`task` {cls.name} on Flower needs `labels` FILE (the labels to predict): "
                 "otherwise they come from pooled training data, which no server sees"
             )
 
@@ -422,7 +422,7 @@ class Task(ABC):
         units and clips the summed gradient of all a unit's rows jointly.
         ``unit`` is one of :attr:`units`."""
         if unit not in self.units:
-            raise ClinfedError(f"--privacy-unit {unit}: {self.name} offers {', '.join(self.units)}")
+            raise ClinfedError(f"`privacy_unit` {unit}: {self.name} offers {', '.join(self.units)}")
         return list(range(len(examples)))
 
     def unit_rows(self, examples: datasets.Dataset, unit: str) -> list[np.ndarray]:

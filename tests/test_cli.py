@@ -458,8 +458,10 @@ def test_the_documented_python_api_example_runs_as_written(tmp_path, monkeypatch
     import clinfed
     from clinfed.errors import ClinfedError
 
-    with pytest.raises(ClinfedError, match="^rounds must be at least 1"):
+    # The library's words, unchanged: the setting as a keyword, no flag.
+    with pytest.raises(ClinfedError, match="^`rounds` must be at least 1") as refused:
         clinfed.train(tmp_path / "data", tmp_path / "again", rounds=0)
+    assert "--" not in str(refused.value)
 
 
 def test_report_to_tensorboard_writes_event_files_with_each_rounds_figures(i2b2_corpus, tmp_path):

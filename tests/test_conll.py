@@ -77,7 +77,7 @@ def test_types_map_keep_or_come_from_a_toml_file(tmp_path):
     table.write_text('[types]\nDisease = "problem"\nChemical = "treatment"\n')
     assert parse_types(str(table)) == TYPES
     for bad in ("=problem", "Disease=", "Dis ease=problem", "Disease=O", "a=b=c"):
-        with pytest.raises(ClinfedError, match="--types"):
+        with pytest.raises(ClinfedError, match="`types`"):
             parse_types(bad)
     table.write_text("Disease = 3\n")
     with pytest.raises(ClinfedError, match="types.toml"):

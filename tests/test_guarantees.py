@@ -88,7 +88,7 @@ def test_declared_annotated_types_open_partial_labels_under_dp(tmp_path):
 
 def test_dp_refuses_entity_types_read_from_the_data(tmp_path):
     data = _conll(tmp_path, "data", SENTENCES_A[0])
-    with pytest.raises(ClinfedError, match="must be declared with --types"):
+    with pytest.raises(ClinfedError, match="must be declared with `types`"):
         I2b2Task(private=True).load(data, ProblemLog())
     I2b2Task(private=False).load(data, ProblemLog())  # without DP they may
 

@@ -108,7 +108,7 @@ def test_a_declared_type_set_stays_put_whatever_the_data(tmp_path):
 def test_flower_needs_declared_types_for_conll(tmp_path):
     from clinfed.flower.deploy import flower_run_config
 
-    with pytest.raises(ClinfedError, match="needs --types"):
+    with pytest.raises(ClinfedError, match="needs `types`"):
         flower_run_config({"task": "i2b2", "format": "conll", "model": "tiny"}, tmp_path / "run")
 
 

@@ -123,3 +123,25 @@ def test_one_place_builds_a_site_s_privacy_and_the_runner_knows_no_secure_aggreg
     assert uses["SiteRunner("] == {"clinfed.federated.assembly"}
     assert "clinfed.federated.site" not in uses["secure"]
     assert "clinfed.flower.handler" not in uses["secure"]
+
+
+def test_library_errors_name_settings_never_flags():
+    # A library error names a setting (`max_grad_norm`); the command line
+    # words it as a flag, the API keeps the keyword, a node config the key.
+    from clinfed.errors import name_settings
+
+    said = "`max_grad_norm` must be at most 1000; lower it or `target_epsilon`"
+    assert name_settings(said, "flag").startswith("--max-grad-norm must")
+    assert "--target-epsilon" in name_settings(said, "flag")
+    assert name_settings(said, "keyword") == said.replace("`", "")
+    assert name_settings(said, "key").startswith("max-grad-norm must")
+    flags = []
+    for name, path in _modules().items():
+        if name.startswith("clinfed.commands"):
+            continue  # the command line's own words
+        source = path.read_text()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                if "--" in (ast.get_source_segment(source, node.exc) or ""):
+                    flags.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert flags == []

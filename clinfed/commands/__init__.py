@@ -34,9 +34,8 @@ def _report_error(exc: Exception) -> None:
     from clinfed.commands.common import MAX_PROBLEMS_SHOWN, err
     from clinfed.errors import DataError, worded
 
-    lines = (
-        [str(p) for p in exc.problems] if isinstance(exc, DataError) else worded(exc).splitlines()
-    )
+    problems = exc.problems if isinstance(exc, DataError) else [exc]
+    lines = [line for problem in problems for line in worded(problem).splitlines()]
     for line in lines[:MAX_PROBLEMS_SHOWN]:
         # Escaped: a path or a hint in brackets ("clinfed[terminology]",
         # "notes[1].txt") is text, not rich markup to swallow.

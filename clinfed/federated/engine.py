@@ -77,9 +77,9 @@ class Deployment:
 
     def validate(self) -> None:
         if self.min_sites < 1:
-            raise ClinfedError("--min-sites must be at least 1")
+            raise ClinfedError("`min_sites` must be at least 1")
         if not (self.round_timeout > 0 and self.wait_for_sites >= 0 and self.round_retries >= 0):
-            raise ClinfedError("--round-timeout must be positive, waits and retries not negative")
+            raise ClinfedError("`round_timeout` must be positive, waits and retries not negative")
 
 
 def sample_sites(names: list[str], fraction: float, rng: np.random.Generator) -> list[str]:

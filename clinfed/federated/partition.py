@@ -42,22 +42,22 @@ def partition(
         Site of each example (used by ``mode="sites"``).
     """
     if mode not in PARTITIONS:
-        raise ClinfedError(f"--partition must be one of {', '.join(PARTITIONS)}, not {mode!r}")
+        raise ClinfedError(f"`partition` must be one of {', '.join(PARTITIONS)}, not {mode!r}")
     if mode == "sites":
         return {str(s): np.flatnonzero(sites == s) for s in sorted(set(sites.tolist()))}
     unique = np.unique(groups)
     if count < 1:
-        raise ClinfedError("--sites must be at least 1")
+        raise ClinfedError("`sites` must be at least 1")
     if count > len(unique):
         raise ClinfedError(
-            f"--sites {count} is more than the {len(unique)} training documents to share out"
+            f"`sites` {count} is more than the {len(unique)} training documents to share out"
         )
     rng = np.random.default_rng(seed)
     if mode == "iid":
         owner = dict(zip(rng.permutation(unique).tolist(), np.arange(len(unique)) % count))
     else:
         if alpha <= 0:
-            raise ClinfedError("--alpha must be positive")
+            raise ClinfedError("`alpha` must be positive")
         owner = _dirichlet_owners(unique, group_labels, count, alpha, rng)
     site_of = np.array([owner[g] for g in groups.tolist()])
     width = len(str(count))
@@ -86,6 +86,6 @@ def _dirichlet_owners(
         if len(set(owner.values())) == count:
             return owner
     raise ClinfedError(
-        f"--alpha {alpha} leaves some of the {count} sites without data; "
-        "use a larger --alpha or fewer --sites"
+        f"`alpha` {alpha} leaves some of the {count} sites without data; "
+        "use a larger `alpha` or fewer `sites`"
     )

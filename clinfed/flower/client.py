@@ -64,7 +64,7 @@ def answer(content: RecordDict, node_values: Mapping[str, Any]) -> RecordDict:
     """The reply records to one message's ``content`` at a node with
     ``node_values`` (its node config): from the node's long-lived worker,
     or handled here where the worker is off or unavailable."""
-    if strict_bool(node_values.get("worker", True), "--node-config worker"):
+    if strict_bool(node_values.get("worker", True), "`node_config` worker"):
         try:
             return worker.ask(node_values, content)
         except worker.Unavailable as exc:

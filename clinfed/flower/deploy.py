@@ -59,9 +59,9 @@ def environment(flwr_home: Path | None = None) -> dict[str, str]:
 
 def _tls(certs: Path | None, insecure: bool, what: str) -> None:
     if certs is None and not insecure:
-        raise ClinfedError(f"{what} needs TLS files (--certs / --root-cert) or --insecure")
+        raise ClinfedError(f"{what} needs TLS files (`certs` / `root_cert`) or `insecure`")
     if certs is not None and insecure:
-        raise ClinfedError(f"{what}: --insecure and TLS files exclude each other")
+        raise ClinfedError(f"{what}: `insecure` and TLS files exclude each other")
 
 
 def superlink_command(
@@ -126,7 +126,7 @@ def supernode_command(
     data and state folders and its policy (see ``clinfed.flower.node``)."""
     _tls(root_cert, insecure, "flower supernode")
     if not Path(data).is_dir():
-        raise ClinfedError(f"--data {data}: not a folder")
+        raise ClinfedError(f"`data` {data}: not a folder")
     values = {"data": str(Path(data).resolve()), "state": str(Path(state).resolve())}
     if site:
         values["site"] = site
@@ -203,7 +203,7 @@ def flower_run_config(settings: dict[str, Any], out: Path, resume: bool = False)
             # node must load the same starting model from disk.
             raise ClinfedError(
                 f"{name}: on Flower, train the starting model once with clinfed warm-start "
-                "and name its folder as the run's --model and in every node's config "
+                "and name its folder as the run's `model` and in every node's config "
                 "(model and model-sha256, which pins it)"
             )
         if key in ("gazetteer", "gazetteer_marks"):
@@ -212,8 +212,8 @@ def flower_run_config(settings: dict[str, Any], out: Path, resume: bool = False)
             # a path the server names.
             raise ClinfedError(
                 f"{name}: on Flower, make the starting model with clinfed warm-start "
-                "--gazetteer (its folder keeps the list) and name that folder as the run's "
-                "--model and in every node's config (model and model-sha256, which pins it "
+                "`gazetteer` (its folder keeps the list) and name that folder as the run's "
+                "`model` and in every node's config (model and model-sha256, which pins it "
                 "and its list)"
             )
         if key in fields and fields[key].metadata.get("simulator_only"):
@@ -221,9 +221,9 @@ def flower_run_config(settings: dict[str, Any], out: Path, resume: bool = False)
                 f"{name}: not a Flower setting (each SuperNode is a site with its own data)"
             )
     if "task" not in settings:
-        raise ClinfedError("a Flower run needs --task")
+        raise ClinfedError("a Flower run needs `task`")
     if config.fraction != 1.0:
-        raise ClinfedError("--fraction: not a Flower setting yet (every connected node trains)")
+        raise ClinfedError("`fraction`: not a Flower setting yet (every connected node trains)")
     config = config.replace(out=str(Path(out).resolve()), resume=resume)
     if config.public_check:
         # The ServerApp reads it (the server judges each round), from its own folder.
@@ -231,7 +231,7 @@ def flower_run_config(settings: dict[str, Any], out: Path, resume: bool = False)
     if config.task in TASKS:
         TASKS[config.task].check_deployment(config)
     if config.strategy in STRATEGIES and STRATEGIES[config.strategy].pooled:
-        raise ClinfedError(f"--strategy {config.strategy} pools the data: it has no Flower form")
+        raise ClinfedError(f"`strategy` {config.strategy} pools the data: it has no Flower form")
     config.validate(check_data=False)
     return config.resolved()
 
@@ -242,7 +242,7 @@ def read_labels(path: Path) -> list[str]:
 
     from clinfed.runs import read_user_file
 
-    text = read_user_file(path, f"--labels {path}")
+    text = read_user_file(path, f"`labels` {path}")
     if path.suffix == ".json":
         try:
             codes = json.loads(text)["labels"]

@@ -168,11 +168,11 @@ class NodeConfig:
         unknown = sorted(set(values) - set(declared))
         if unknown:
             raise ClinfedError(
-                f"--node-config: unknown key {unknown[0]!r} (known: {', '.join(sorted(declared))})"
+                f"`node_config`: unknown key {unknown[0]!r} (known: {', '.join(sorted(declared))})"
             )
         for key in ("data", "state"):
             if not values.get(key):
-                raise ClinfedError(f"--node-config needs {key}=FOLDER")
+                raise ClinfedError(f"`node_config` needs {key}=FOLDER")
         hints = typing.get_type_hints(cls)
         read = {
             f.name: _node_value(key, f, hints[f.name], values[key])
@@ -184,10 +184,10 @@ class NodeConfig:
         }
         node = cls(**read)
         if not node.data.is_dir():
-            raise ClinfedError(f"--node-config data={node.data}: not a folder")
+            raise ClinfedError(f"`node_config` data={node.data}: not a folder")
         if node.model is not None and node.model not in BUNDLED and not node.model_sha256:
             raise ClinfedError(
-                "--node-config model names a checkpoint folder: pin it with model-sha256 "
+                "`node_config` model names a checkpoint folder: pin it with model-sha256 "
                 "(clinfed data fingerprint FOLDER prints it)"
             )
         return node
@@ -239,7 +239,7 @@ class NodeConfig:
         if config.dp and self.max_epsilon is None:
             raise ClinfedError(
                 "this site has no privacy budget of its own: its operator sets "
-                "--max-epsilon (node config max-epsilon) before it trains under DP"
+                "`max_epsilon` (node config max-epsilon) before it trains under DP"
             )
         if config.dp and UNIT_STRENGTH.index(config.privacy_unit) < UNIT_STRENGTH.index(
             self.privacy_unit
@@ -276,7 +276,7 @@ def _node_value(key: str, f: Any, hint: Any, value: Any) -> Any:
     from clinfed.settings import check_bounds
 
     kinds = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
-    kind, where = kinds[0], f"--node-config {key}"
+    kind, where = kinds[0], f"`node_config` {key}"
     if kind is bool:
         return strict_bool(value, where)
     try:
@@ -372,13 +372,13 @@ def _encoded(
         # not train another head (types from its own data).
         raise ClinfedError(
             f"{node.data}: the labels its data gives ({len(task.labels)}) are not the "
-            f"run's ({len(planned)}); the run must declare them (--types for i2b2)"
+            f"run's ({len(planned)}); the run must declare them (`types` for i2b2)"
         )
     sites = corpus.sites
     if node.site is None and len(sites) != 1:
         raise ClinfedError(
             f"{node.data}: holds sites {', '.join(sites)}; name this node's with "
-            "--node-config site=NAME"
+            "`node_config` site=NAME"
         )
     name = node.site or sites[0]
     if name not in sites:

@@ -196,9 +196,9 @@ def _read_holdout(run: Path, path: Path) -> tuple[dict[str, Any], dict[str, tupl
     """The run's holdout record, and per site its member and non-member rows."""
     if not path.is_file():
         raise ClinfedError(
-            f"{run}: trained without --audit-holdout, so there are no held-out training rows "
+            f"{run}: trained without `audit_holdout`, so there are no held-out training rows "
             "to compare with (the test split is another distribution); train with "
-            "--audit-holdout 0.1 to audit"
+            "`audit_holdout` 0.1 to audit"
         )
     try:
         holdout = json.loads(path.read_text())
@@ -236,7 +236,7 @@ def audit(
     if not config_path.is_file() or not model_dir.is_dir():
         raise ClinfedError(f"{run}: no config.json or model/ (not a finished clinfed run?)")
     if max_examples < 2:
-        raise ClinfedError(f"--max-examples must be at least 2, not {max_examples}")
+        raise ClinfedError(f"`max_examples` must be at least 2, not {max_examples}")
     # The model and the rows set aside are the run's as it sealed them.
     unsealed = check_seal(run)
     holdout_path = run / AUDIT_HOLDOUT

@@ -32,14 +32,14 @@ def _finite(flag: str, value: float) -> None:
 
 
 def _check(sample_rate: float, steps: int, delta: float) -> None:
-    _finite("--sample-rate", sample_rate)
-    _finite("--delta", delta)
+    _finite("`sample_rate`", sample_rate)
+    _finite("`delta`", delta)
     if not 0 < sample_rate <= 1:
-        raise ClinfedError(f"--sample-rate must be in (0, 1], not {sample_rate}")
+        raise ClinfedError(f"`sample_rate` must be in (0, 1], not {sample_rate}")
     if steps < 1:
-        raise ClinfedError(f"--steps must be at least 1, not {steps}")
+        raise ClinfedError(f"`steps` must be at least 1, not {steps}")
     if not 0 < delta < 1:
-        raise ClinfedError(f"--delta must be in (0, 1), not {delta}")
+        raise ClinfedError(f"`delta` must be in (0, 1), not {delta}")
 
 
 def _once(relation: str, count: bool) -> list[Mechanism]:
@@ -48,7 +48,7 @@ def _once(relation: str, count: bool) -> list[Mechanism]:
     from clinfed.privacy.count import count_mechanism
 
     if relation not in RELATIONS:
-        raise ClinfedError(f"--neighbours must be one of {', '.join(RELATIONS)}, not {relation}")
+        raise ClinfedError(f"`neighbours` must be one of {', '.join(RELATIONS)}, not {relation}")
     return [count_mechanism()] if relation == "add-remove" and count else []
 
 
@@ -76,10 +76,10 @@ def epsilon_for(
     (``count``), which every private run's ledger charges."""
     relation = relation or _run_relation()
     _check(sample_rate, steps, delta)
-    _finite("--noise-multiplier", noise)
+    _finite("`noise_multiplier`", noise)
     if not noise >= MIN_NOISE_MULTIPLIER:
         raise ClinfedError(
-            f"--noise-multiplier must be at least {MIN_NOISE_MULTIPLIER} (below it one step "
+            f"`noise_multiplier` must be at least {MIN_NOISE_MULTIPLIER} (below it one step "
             f"costs epsilon in the tens and the accountant runs out of memory), not {noise}"
         )
     mechanisms = [*_once(relation, count), Mechanism("dp-sgd", noise, sample_rate, steps)]
@@ -104,9 +104,9 @@ def noise_for(
     (under add/remove with the count's release, as a run calibrates)."""
     relation = relation or _run_relation()
     _check(sample_rate, steps, delta)
-    _finite("--target-epsilon", target)
+    _finite("`target_epsilon`", target)
     if not target > 0:
-        raise ClinfedError(f"--target-epsilon must be positive, not {target}")
+        raise ClinfedError(f"`target_epsilon` must be positive, not {target}")
     once = _once(relation, count)
 
     def one_step(sigma: float) -> list[Mechanism]:

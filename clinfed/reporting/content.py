@@ -172,7 +172,7 @@ def _reference_f1(run: Path, config: dict[str, Any], reference: Path | None) -> 
         reference = guess
     elif Path(reference).resolve() == run.resolve():
         raise ClinfedError(
-            f"--reference {reference}: names the run itself; give the same run without DP"
+            f"`reference` {reference}: names the run itself; give the same run without DP"
         )
     path = Path(reference) / "summary.json"
     summary = read_json(path)

@@ -33,7 +33,7 @@ def set_aside(
         held = int(round(config.audit_holdout * len(units)))
         if held == 0 or held == len(units):
             raise ClinfedError(
-                f"--audit-holdout {config.audit_holdout}: {site} has {len(units)} units, "
+                f"`audit_holdout` {config.audit_holdout}: {site} has {len(units)} units, "
                 "too few to set some aside and train on the rest"
             )
         chosen = set(rng.choice(len(units), size=held, replace=False).tolist())

@@ -199,7 +199,7 @@ def _check_commit(
         if not _pooled(config):
             raise ClinfedError(
                 f"{run / 'summary.json'}: missing, though {run / 'state.json'} commits the last "
-                "round: finish the run with --resume, or the file was deleted"
+                "round: finish the run with `resume`, or the file was deleted"
             )
 
 

@@ -404,8 +404,10 @@ PUBLIC_INPUTS = ("public_data", "public_check", "gazetteer")
 
 
 def flag(name: str) -> str:
-    """A setting's command-line flag."""
-    return "--" + name.replace("_", "-")
+    """A setting as a library message names it (```public_data```): the
+    command line words it as a flag, the API as a keyword
+    (:func:`clinfed.errors.name_settings`)."""
+    return f"`{name}`"
 
 
 # Keys a run's config.json carries beside the settings (ignored on reading).

@@ -23,10 +23,10 @@ def check_run(config: Any, check_data: bool = True) -> None:
     from clinfed.tasks import TASKS
 
     if config.task not in TASKS:
-        raise ClinfedError(f"--task must be one of {', '.join(TASKS)}, not {config.task!r}")
+        raise ClinfedError(f"`task` must be one of {', '.join(TASKS)}, not {config.task!r}")
     if config.strategy not in STRATEGIES:
         raise ClinfedError(
-            f"--strategy must be one of {', '.join(STRATEGIES)}, not {config.strategy!r}"
+            f"`strategy` must be one of {', '.join(STRATEGIES)}, not {config.strategy!r}"
         )
     config.check_values()  # each setting within its declared bounds
     strategy = STRATEGIES[config.strategy]
@@ -39,19 +39,19 @@ def check_run(config: Any, check_data: bool = True) -> None:
 
 def _check_task_and_sites(config: Any, task: Any, strategy: Any) -> None:
     if config.labels is not None and not task.accepts_fixed_labels:
-        raise ClinfedError(f"--labels (a fixed label list) does not apply to --task {config.task}")
+        raise ClinfedError(f"`labels` (a fixed label list) does not apply to `task` {config.task}")
     if config.partition != "sites" and config.sites < 1:
-        raise ClinfedError(f"--partition {config.partition} needs --sites N")
+        raise ClinfedError(f"`partition` {config.partition} needs `sites` N")
     if config.partition == "sites" and config.sites:
-        raise ClinfedError("--sites N needs --partition iid or dirichlet")
+        raise ClinfedError("`sites` N needs `partition` iid or dirichlet")
     if not strategy.shares_model and config.partition != "sites":
         raise ClinfedError(
-            f"--strategy {config.strategy} evaluates each site's own model on its own data: "
-            "use --partition sites"
+            f"`strategy` {config.strategy} evaluates each site's own model on its own data: "
+            "use `partition` sites"
         )
     if config.privacy_unit not in task.units:
         raise ClinfedError(
-            f"--privacy-unit {config.privacy_unit}: --task {config.task} offers "
+            f"`privacy_unit` {config.privacy_unit}: `task` {config.task} offers "
             f"{', '.join(task.units)}"
         )
 
@@ -60,40 +60,40 @@ def _check_privacy(config: Any, strategy: Any) -> None:
     if config.secure_aggregation:
         if strategy.pooled or not strategy.uploads:
             raise ClinfedError(
-                f"--secure-aggregation: --strategy {config.strategy} sends no updates to sum"
+                f"`secure_aggregation`: `strategy` {config.strategy} sends no updates to sum"
             )
         if config.audit_holdout:
             raise ClinfedError(
-                "--audit-holdout attacks each site's own update, which secure aggregation "
+                "`audit_holdout` attacks each site's own update, which secure aggregation "
                 "keeps from everyone: choose one"
             )
     if not config.dp:
         return
     if config.precision != "fp32":
         raise ClinfedError(
-            f"--precision {config.precision} under DP: per-example gradient norms and "
+            f"`precision` {config.precision} under DP: per-example gradient norms and "
             "clipping must be exact (fp32), or the clipping bound the accounting assumes "
             "does not hold"
         )
     target = config.target_epsilon
     if target is not None and target > EPSILON_CEILING and not config.accept_large_epsilon:
         raise ClinfedError(
-            f"--target-epsilon {target:g} is above {EPSILON_CEILING:g}: a bound "
-            "that large protects nobody in practice; give --accept-large-epsilon to run it "
+            f"`target_epsilon` {target:g} is above {EPSILON_CEILING:g}: a bound "
+            "that large protects nobody in practice; give `accept_large_epsilon` to run it "
             "anyway"
         )
     if not (config.max_grad_norm > 0 and math.isfinite(config.max_grad_norm)):
-        raise ClinfedError("--max-grad-norm must be a positive finite number under DP")
+        raise ClinfedError("`max_grad_norm` must be a positive finite number under DP")
     if strategy.pooled:
         raise ClinfedError(
-            f"DP-SGD runs at the sites of a federated strategy, not --strategy {config.strategy}"
+            f"DP-SGD runs at the sites of a federated strategy, not `strategy` {config.strategy}"
         )
 
 
 def _check_inputs(config: Any, strategy: Any, check_data: bool) -> None:
     if config.public_check and (strategy.pooled or not strategy.shares_model):
         raise ClinfedError(
-            f"--public-check needs a strategy with one shared model, not --strategy "
+            f"`public_check` needs a strategy with one shared model, not `strategy` "
             f"{config.strategy}: the server scores the global model"
         )
     if not check_data:
@@ -106,9 +106,9 @@ def _check_inputs(config: Any, strategy: Any, check_data: bool) -> None:
             # Read before the run folder is claimed: a FIFO never blocks.
             read_user_file(value, f"{flag(name)} {value}")
     if config.public_check and not Path(config.public_check).is_dir():
-        raise ClinfedError(f"--public-check {config.public_check}: not a folder")
+        raise ClinfedError(f"`public_check` {config.public_check}: not a folder")
     if not Path(config.data).is_dir():
-        raise ClinfedError(f"--data {config.data}: not a folder")
+        raise ClinfedError(f"`data` {config.data}: not a folder")
     from clinfed.provenance import check_public_input, check_start_is_public
 
     for name in PUBLIC_INPUTS:
@@ -122,7 +122,7 @@ def _check_inputs(config: Any, strategy: Any, check_data: bool) -> None:
             start = json.loads((saved / "model.json").read_text()).get("public_start")
         except (OSError, ValueError, AttributeError):
             raise ClinfedError(
-                f"--model {config.model}: {saved / 'model.json'} is not a clinfed model record"
+                f"`model` {config.model}: {saved / 'model.json'} is not a clinfed model record"
             ) from None
         check_start_is_public(start, config.model, config.data)
     if config.out:

@@ -154,7 +154,7 @@ class I2b2Task(Task):
         super().check_deployment(config)
         if config.format in ("conll", "brat") and not config.types:
             raise ClinfedError(
-                f"--format {config.format} on Flower needs --types (the entity types to "
+                f"`format` {config.format} on Flower needs `types` (the entity types to "
                 "predict): otherwise they come from pooled training data, which no server sees"
             )
 
@@ -168,7 +168,7 @@ class I2b2Task(Task):
         annotated_types: Any = None,
     ):
         if format not in FORMATS:
-            raise ClinfedError(f"--format must be one of {', '.join(FORMATS)}, not {format!r}")
+            raise ClinfedError(f"`format` must be one of {', '.join(FORMATS)}, not {format!r}")
         self.split_key, self.format, self.types = str(split_key), format, parse_types(types)
         self.partial_labels = partial_labels
         self.private = private
@@ -208,7 +208,7 @@ class I2b2Task(Task):
             seen = [name for name, there in present.items() if there]
             if len(seen) > 1:
                 raise ClinfedError(
-                    f"{folder}: holds {' and '.join(seen)} files; say which with --format"
+                    f"{folder}: holds {' and '.join(seen)} files; say which with `format`"
                 )
             found = seen[0] if seen else "i2b2"
         if self.types:
@@ -252,7 +252,7 @@ class I2b2Task(Task):
         if not self.types and found != "i2b2" and self.private:
             raise ClinfedError(
                 f"{data}: under DP the entity types of {found} files must be declared with "
-                "--types (types read from the training split would let one annotation change "
+                "`types` (types read from the training split would let one annotation change "
                 "every sentence's labels)"
             )
         if not self.types and found != "i2b2":
@@ -290,12 +290,12 @@ class I2b2Task(Task):
             unknown = sorted(set(types) - named)
             if unknown:
                 raise ClinfedError(
-                    f"--annotated-types: {site} names {unknown[0]!r}, not a type of this run "
+                    f"`annotated_types`: {site} names {unknown[0]!r}, not a type of this run "
                     f"({', '.join(self.entity_types)})"
                 )
             if site != "*" and site not in sites:
                 raise ClinfedError(
-                    f"--annotated-types: no site {site!r} (found {', '.join(sites)})"
+                    f"`annotated_types`: no site {site!r} (found {', '.join(sites)})"
                 )
         for site in sites:
             if site in self.annotated or "*" in self.annotated:
@@ -319,7 +319,7 @@ class I2b2Task(Task):
         missing = [t for t in self.entity_types if t not in annotated]
         if not records or missing:
             raise ClinfedError(
-                f"--public-check {folder}: "
+                f"`public_check` {folder}: "
                 + (f"no span of type {missing[0]}" if records else "no annotated documents")
                 + ": its F1 scores every type of the run, so it needs text that annotates them all"
             )
@@ -362,7 +362,7 @@ class I2b2Task(Task):
         if unknown:
             raise ClinfedError(
                 f"{flag} {folder}: type {unknown[0]} is not one of the run's "
-                f"({', '.join(self.entity_types)}); map it with --public-types"
+                f"({', '.join(self.entity_types)}); map it with `public_types`"
             )
         for document in documents:
             document.site = PUBLIC_SITE

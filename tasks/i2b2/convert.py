@@ -49,7 +49,7 @@ def _char_offsets(doc: Document) -> list[list[tuple[int, int]]]:
 def write_documents(documents: list[Document], folder: Path, target: str) -> int:
     """Write ``documents`` under ``folder`` (which must not hold files yet)."""
     if target not in TARGETS:
-        raise ClinfedError(f"--to must be one of {', '.join(TARGETS)}, not {target!r}")
+        raise ClinfedError(f"`to` must be one of {', '.join(TARGETS)}, not {target!r}")
     create_run_folder(folder)
     by_site: dict[str, list[Document]] = {}
     for doc in documents:

@@ -107,12 +107,12 @@ def parse_types(spec: str | Mapping[str, str] | None) -> dict[str, str] | None:
 
         path = Path(spec)
         try:
-            table = tomllib.loads(read_user_file(path, f"--types {path}"))
+            table = tomllib.loads(read_user_file(path, f"`types` {path}"))
         except tomllib.TOMLDecodeError as exc:
-            raise ClinfedError(f"--types {path}: not TOML ({exc})") from None
+            raise ClinfedError(f"`types` {path}: not TOML ({exc})") from None
         table = table.get("types", table)
         if not isinstance(table, dict) or not all(isinstance(v, str) for v in table.values()):
-            raise ClinfedError(f'--types {path}: expected NAME = "TYPE" pairs')
+            raise ClinfedError(f'`types` {path}: expected NAME = "TYPE" pairs')
         pairs = list(table.items())
     else:
         pairs = []
@@ -124,11 +124,11 @@ def parse_types(spec: str | Mapping[str, str] | None) -> dict[str, str] | None:
         for name in (source, target):
             if not _NAME.fullmatch(name):
                 raise ClinfedError(
-                    f"--types {spec}: {name!r} is not a type name (one word; expected "
+                    f"`types` {spec}: {name!r} is not a type name (one word; expected "
                     "NAME=TYPE,NAME or a .toml file)"
                 )
         if target == OUTSIDE:
-            raise ClinfedError(f"--types {spec}: 'O' is the outside tag, not a type")
+            raise ClinfedError(f"`types` {spec}: 'O' is the outside tag, not a type")
         mapped[source] = target
     return mapped
 
@@ -144,7 +144,7 @@ def parse_annotated(value: Any) -> dict[str, list[str]]:
         site, sep, types = part.partition("=")
         if not sep or not site.strip():
             raise ClinfedError(
-                f"--annotated-types: {part.strip()!r} is not SITE=TYPE,TYPE "
+                f"`annotated_types`: {part.strip()!r} is not SITE=TYPE,TYPE "
                 "(e.g. beth=problem,test;partners=problem)"
             )
         parsed[site.strip()] = [t.strip() for t in types.split(",") if t.strip()]

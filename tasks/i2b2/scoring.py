@@ -28,13 +28,13 @@ def score_i2b2(
     """
     pred_dir = Path(pred_dir)
     if not pred_dir.is_dir():
-        raise ClinfedError(f"--pred {pred_dir}: not a folder")
+        raise ClinfedError(f"`pred` {pred_dir}: not a folder")
     declared = parse_types(types)
     names = TypeNames(declared) if declared else PRESET
     kinds = run_types(declared.values()) if declared else CONCEPT_TYPES
     gold_docs = [d for d in read_corpus(gold_dir, problems, names) if d.annotated]
     if not gold_docs:
-        raise ClinfedError(f"--gold {gold_dir}: no annotated documents (.con files)")
+        raise ClinfedError(f"`gold` {gold_dir}: no annotated documents (.con files)")
     by_stem = {d.doc_id: d for d in gold_docs}
     predicted: dict[str, list] = {}
     for path in sorted(pred_dir.rglob("*.con")):

@@ -200,9 +200,9 @@ class Mimic3Task(Task):
         labels: list[str] | None = None,
     ):
         if top_k < 0:
-            raise ClinfedError("--top-k must be 0 (all codes) or more")
+            raise ClinfedError("`top_k` must be 0 (all codes) or more")
         if max_chunks < 1:
-            raise ClinfedError("--max-chunks must be at least 1")
+            raise ClinfedError("`max_chunks` must be at least 1")
         self.codes, self.top_k, self.max_chunks = codes, top_k, max_chunks
         self.split_key = str(split_key)
         self.cache_dir = cache_dir
@@ -322,7 +322,7 @@ class Mimic3Task(Task):
     ) -> tuple[datasets.Dataset, Any, list[str], dict[str, int]]:
         if public_types:
             raise ClinfedError(
-                f"--public-types maps entity types; task {self.name} reads ICD-9 codes, "
+                f"`public_types` maps entity types; task {self.name} reads ICD-9 codes, "
                 "which keep their names"
             )
         del name_lists  # they mark the input; an admission's codes take no span labels

@@ -229,7 +229,7 @@ class CodeTable:
 def read_codes(folder: Path, kind: str, problems: ProblemLog) -> CodeTable:
     """Dotted codes per HADM_ID from DIAGNOSES_ICD and/or PROCEDURES_ICD."""
     if kind not in CODE_KINDS:
-        raise ClinfedError(f"--codes must be one of {', '.join(CODE_KINDS)}, not {kind!r}")
+        raise ClinfedError(f"`codes` must be one of {', '.join(CODE_KINDS)}, not {kind!r}")
     table = CodeTable(defaultdict(set), {})
     sources = ("diagnoses", "procedures") if kind == "both" else (kind,)
     for source in sources:

@@ -23,7 +23,7 @@ def score_mimic3(
     """
     pred_file = Path(pred_file)
     if not pred_file.is_file():
-        raise ClinfedError(f"--pred {pred_file}: not a file")
+        raise ClinfedError(f"`pred` {pred_file}: not a file")
     rows = []
     with open(pred_file, encoding="utf-8", newline="") as fh:
         reader = csv.reader(fh)

@@ -157,9 +157,7 @@ class Strategy(ABC):
         own = {f.name for f in fields(cls.options)}
         for key in values:
             if key not in own:
-                raise ClinfedError(
-                    f"--{key.replace('_', '-')} does not apply to --strategy {name or cls.name}"
-                )
+                raise ClinfedError(f"`{key}` does not apply to `strategy` {name or cls.name}")
         options = cls.options(**dict(values))
         validate = getattr(options, "validate", None)
         if validate is not None:

@@ -59,7 +59,7 @@ class FedFrozenOptions:
     def validate(self) -> None:
         value = str(self.freeze_from)
         if value != "auto" and not (value.isdigit() and int(value) >= 1):
-            raise ClinfedError("--freeze-from must be a round number >= 1 or 'auto'")
+            raise ClinfedError("`freeze_from` must be a round number >= 1 or 'auto'")
         self.freeze_from = value
 
     @property

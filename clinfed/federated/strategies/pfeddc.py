@@ -63,7 +63,7 @@ class PFedDC(Strategy):
     @classmethod
     def check_config(cls, config: Any) -> None:
         if config.adapter not in (None, "none"):
-            raise ClinfedError("--adapter: pfeddc trains prompts on a frozen encoder already")
+            raise ClinfedError("`adapter`: pfeddc trains prompts on a frozen encoder already")
 
     summary = "personalized prompts on a frozen encoder; only shared prompts travel"
     options = PFedDCOptions
@@ -83,7 +83,7 @@ class PFedDC(Strategy):
         window = model.encoder.config.max_position_embeddings
         if (max_length or 0) + model.prompt.tokens > window:
             raise ClinfedError(
-                f"--max-length {max_length} plus {model.prompt.tokens} prompt vectors "
+                f"`max_length` {max_length} plus {model.prompt.tokens} prompt vectors "
                 f"exceeds the encoder's {window} positions"
             )
 

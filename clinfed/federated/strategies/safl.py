@@ -135,7 +135,7 @@ class SAFL(Strategy):
         layers = num_layers(parameter_blocks(names))
         if options.top_layers > layers:
             raise ClinfedError(
-                f"--top-layers {options.top_layers} exceeds the model's {layers} layers"
+                f"`top_layers` {options.top_layers} exceeds the model's {layers} layers"
             )
 
     # ------------------------------------------------------------ selection
@@ -152,7 +152,7 @@ class SAFL(Strategy):
         layers_total = num_layers(parameter_blocks([n for n, _ in model.named_parameters()]))
         if self.top_k > layers_total:
             raise ClinfedError(
-                f"--top-layers {self.top_k} exceeds the model's {layers_total} layers"
+                f"`top_layers` {self.top_k} exceeds the model's {layers_total} layers"
             )
         info: dict[str, Any] = {"selection": self.selection}
         if (
