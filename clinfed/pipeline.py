@@ -143,8 +143,8 @@ def check_same_settings(config: RunConfig, out: Path, doing: str) -> None:
             if not same:
                 raise ClinfedError(
                     f"{doing} {out} with a different config: `{key}` was {before!r}, now "
-                    f"{value!r}; a run keeps its settings: to change `{key}`, start a new run "
-                    f"from {Path(out) / 'config.json'} with `{key}` changed and a new `out`"
+                    f"{value!r}; a run keeps its settings: to change `{key}`, start a new run: "
+                    f"clinfed train `config` {Path(out) / 'config.json'} `{key}` VALUE `out` NEW"
                 )
 
 

@@ -645,6 +645,11 @@ def test_resume_repairs_a_torn_metrics_line_and_refuses_a_damaged_one(i2b2_corpu
     metrics = out / "metrics.jsonl"
     with open(metrics, "ab") as fh:  # a crash in the middle of an append
         fh.write(b'{"round": 3, "cli')
+    # A finished run's seal says what its records were: a tail added since
+    # is refused. A run that died before sealing (no seal) is repaired.
+    sealed = run_cli(*args, "--resume")
+    assert sealed.returncode == 2 and f"{metrics}: changed since the run sealed it" in sealed.stderr
+    (out / "seal.json").unlink()
     resumed = run_cli(*args, "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert all(line.endswith("}") for line in metrics.read_text().splitlines())
@@ -666,6 +671,13 @@ def test_report_refuses_a_ledger_it_cannot_verify(i2b2_corpus, tmp_path):
     assert run_cli("report", str(out)).returncode == 0
     copy = out / "privacy" / "beth.jsonl"
     whole = copy.read_bytes()
+    # Sealed, any edit is refused by name; below, the ledger checks alone
+    # (a run folder from before seals) must catch each.
+    copy.write_bytes(whole + whole.splitlines(keepends=True)[-1])
+    sealed = run_cli("report", str(out))
+    assert sealed.returncode == 2 and f"{copy}: changed since the run sealed it" in sealed.stderr
+    copy.write_bytes(whole)
+    (out / "seal.json").unlink()
 
     def up_to_round_one(data: bytes) -> bytes:
         lines = data.splitlines(keepends=True)
@@ -709,7 +721,7 @@ def test_resume_needs_only_the_run_folder_and_refuses_other_flags(i2b2_corpus, t
                     "--eval-batch-size", "8")  # fmt: skip
     assert moved.returncode == 0, moved.stderr
     other = run_cli("train", "--resume", "--out", str(out), "--lr", "0.5")
-    assert other.returncode == 2 and "different config: lr" in other.stderr
+    assert other.returncode == 2 and "different config: --lr was" in other.stderr
     inside = run_cli(*args[:-2], "--out", str(i2b2_corpus / "runs" / "x"))
     assert inside.returncode == 2 and "is inside --data" in inside.stderr
     assert not (i2b2_corpus / "runs").exists()

@@ -160,7 +160,7 @@ def test_a_setting_changed_on_resume_is_refused_by_name_with_the_command(finishe
     shutil.copytree(finished, run)
     before = _checksums(run)
     result = run_cli("train", "--resume", "--out", str(run), "--rounds", "3")
-    assert result.returncode == 2 and "rounds was 2, now 3" in result.stderr
+    assert result.returncode == 2 and "--rounds was 2, now 3" in result.stderr
     assert f"clinfed train --config {run / 'config.json'} --rounds VALUE --out NEW" in (
         result.stderr.replace("\n", "")
     )

@@ -23,12 +23,12 @@ def test_unset_settings_take_the_task_defaults(tmp_path):
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"task": "radiology"}, "--task must be one of"),
-        ({"strategy": "fedsomething"}, "--strategy must be one of"),
-        ({"batch_size": 0}, "--batch-size must be at least 1"),
-        ({"lr": -1.0}, r"--lr must be in \(0, 1\]"),
-        ({"head_lr": 0.0}, r"--head-lr must be in \(0, 1\]"),
-        ({"lr": float("inf")}, "--lr must be a finite number"),
+        ({"task": "radiology"}, "`task` must be one of"),
+        ({"strategy": "fedsomething"}, "`strategy` must be one of"),
+        ({"batch_size": 0}, "`batch_size` must be at least 1"),
+        ({"lr": -1.0}, r"`lr` must be in \(0, 1\]"),
+        ({"head_lr": 0.0}, r"`head_lr` must be in \(0, 1\]"),
+        ({"lr": float("inf")}, "`lr` must be a finite number"),
         ({"data": "/no/such/folder"}, "not a folder"),
         ({"secure_aggregation": True, "strategy": "centralized"}, "centralized sends no updates"),
         ({"secure_aggregation": True, "strategy": "local"}, "local sends no updates"),

@@ -80,7 +80,7 @@ def test_resume_with_a_different_config_is_refused_and_changes_nothing(i2b2_corp
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
     again = run_cli(*train_args(i2b2_corpus, run, "--rounds", "1", "--seed", "5", "--resume"))
     assert again.returncode == 2
-    assert "different config: seed was 0, now 5" in again.stderr
+    assert "different config: --seed was 0, now 5" in again.stderr
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
 

@@ -201,6 +201,7 @@ def test_the_audit_measures_from_the_warm_started_model(i2b2_corpus, tmp_path):
     from clinfed.federated import payload
     from clinfed.models import load_saved_model
     from clinfed.reporting.audit import starting_model
+    from clinfed.seal import seal_run
     from clinfed.settings import RunConfig, read_run_config
 
     public = _public(tmp_path / "public")
@@ -225,6 +226,7 @@ def test_the_audit_measures_from_the_warm_started_model(i2b2_corpus, tmp_path):
     assert json.loads((run / "audit.json").read_text())["starting_model"]["matches_run"] is True
     state["digests"]["0"] = "0" * 64  # as if the run had started from another model
     (run / "state.json").write_text(json.dumps(state))
+    seal_run(run)  # ... and had sealed its folder so
     audited = run_cli("audit", str(run), "--max-examples", "20")
     assert audited.returncode == 0 and "not the run's by digest" in audited.stdout
     assert json.loads((run / "audit.json").read_text())["starting_model"]["matches_run"] is False

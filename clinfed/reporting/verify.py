@@ -149,8 +149,10 @@ def verify_run(run: Path, data: dict[str, Any]) -> str | None:
                 f"{run / 'privacy' / f'{site}.jsonl'}: missing, though the run names {site} "
                 "as a site that trained: its epsilon cannot be stated"
             )
+    # Where the sites kept their ledgers: config.json's record of the runner.
+    runner = (read_json(run / "config.json") or {}).get("runner")
     for site, lines in data["ledgers"].items():
-        _check_ledger(run, site, lines, records, state, summary, config.get("runner"))
+        _check_ledger(run, site, lines, records, state, summary, runner)
     return unverified
 
 

@@ -88,8 +88,9 @@ def check_value(f: Field, value: Any, source: str) -> Any:
     """``value`` checked against the field's type (strictly: no bool for an
     int, no float for an int) and bounds; returned normalised."""
     kind, optional = field_type(f)
-    flag = "--" + f.name.replace("_", "-")
-    named = flag if source in ("flags", "settings") else f"{where(source, f.name)}: {f.name}"
+    named = (
+        f"`{f.name}`" if source in ("flags", "settings") else f"{where(source, f.name)}: {f.name}"
+    )
     if value is None:
         if optional:
             return None
@@ -128,7 +129,7 @@ def check_bounds(f: Field, value: Any, where: str | None = None) -> None:
     if value is None:
         return
     meta = f.metadata
-    where = where or "--" + f.name.replace("_", "-")
+    where = where or f"`{f.name}`"
     if isinstance(value, float):
         if math.isnan(value) or (math.isinf(value) and not meta.get("allow_inf")):
             raise ClinfedError(f"{where} must be a finite number, not {value}")
