@@ -150,11 +150,12 @@ def clip_norm_from_public(
             f"`adapter` {adapter}: choose one of {', '.join(PLANS)} (a LoRA factor's "
             "gradient depends on the run's seeded start: measure lora runs with bias or none)"
         )
+    target = resolve_device(device)
     if not 0.0 <= percentile <= 100.0:
         raise ClinfedError(f"`percentile` {percentile:g}: must be between 0 and 100")
     with temporary_folder("cache") as cache_dir:
         model, tokenizer, meta, task = saved_model_and_task(model_path, cache_dir)
-        model.to(resolve_device(device))
+        model.to(target)
         adapter = adapter or task.dp_adapter
         if privacy_unit not in task.units:
             raise ClinfedError(

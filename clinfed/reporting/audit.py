@@ -236,6 +236,7 @@ def audit(
     from clinfed.factories import make_model, make_task
     from clinfed.seal import SEAL, check_seal, seal_run
 
+    target = resolve_device(device)  # a machine without it: said before any work
     run = Path(run)
     config_path, model_dir = run / "config.json", run / "model"
     if not config_path.is_file() or not model_dir.is_dir():
@@ -258,7 +259,6 @@ def audit(
         public_start = json.loads(config_path.read_text()).get("public_start")
         initial = starting_model(config, task, tokenizer, cache, public_start)
         start = _start_check(run, initial)  # on the CPU: the digest is the run's
-        target = resolve_device(device)
         model.to(target)
         initial.to(target)
         if any(i >= len(examples) for m, n in sites.values() for i in m + n):
