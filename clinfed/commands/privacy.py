@@ -144,9 +144,9 @@ def privacy_clip_norm(
     use_threads(settings.get("threads"))
 
     from clinfed.clip_norm import clip_norm_from_public
-    from clinfed.commands.train import PROGRESS, _columns
+    from clinfed.commands.progress import PROGRESS, columns
 
-    with Progress(*_columns(), **PROGRESS, console=err, disable=progress_disabled()) as progress:
+    with Progress(*columns(), **PROGRESS, console=err, disable=progress_disabled()) as progress:
 
         def bar(label: str, total: int):
             task = progress.add_task(label, total=total)
