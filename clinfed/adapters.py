@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from clinfed.errors import ClinfedError
+from clinfed.families import FAMILIES
 from clinfed.gazetteer import gazetteer_of
 
 # Head layers every label shares: --adapter labels keeps them at the start.
@@ -60,12 +61,10 @@ SHARED_HEAD_LAYERS = ("head.project.",)
 # (the usual LoRA rate for BERT-sized encoders; the head keeps its own).
 TRAINING_DEFAULTS = {"lr": 1e-3}
 LORA_FACTORS = ("b", "ab")
-# Every linear layer of an encoder or decoder layer (attention and feed-forward).
-LORA_TARGETS = (
-    *("query", "key", "value", "dense"),  # BERT, RoBERTa, ELECTRA
-    *("q_lin", "k_lin", "v_lin", "out_lin", "lin1", "lin2"),  # DistilBERT
-    *("q_proj", "k_proj", "v_proj", "o_proj"),  # Llama, Qwen2, Mistral: attention
-    *("gate_proj", "up_proj", "down_proj"),  # ... and their gated feed-forward
+# Every linear layer of an encoder or decoder layer (attention and
+# feed-forward), as each registered family names them (clinfed.families).
+LORA_TARGETS = tuple(
+    dict.fromkeys(name for family in FAMILIES.values() for name in family.lora_targets)
 )
 
 

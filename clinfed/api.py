@@ -159,13 +159,16 @@ def export(run: str | Path, out: str | Path) -> dict[str, Any]:
         return export_run(Path(run), Path(out))
 
 
-def audit(run: str | Path, max_examples: int = 400) -> dict[str, Any]:
+def audit(
+    run: str | Path, max_examples: int = 400, threads: int | None = None, device: str = "auto"
+) -> dict[str, Any]:
     """Membership inference against a finished run trained with
-    ``audit_holdout``; writes and returns ``run/audit.json``."""
+    ``audit_holdout``; writes and returns ``run/audit.json`` (``threads``
+    default the run's own, ``device`` as ``train``'s)."""
     with _library_call():
         from clinfed.reporting.audit import audit as run_audit
 
-        return run_audit(Path(run), max_examples)
+        return run_audit(Path(run), max_examples, threads=threads, device=device)
 
 
 def plan(

@@ -4,9 +4,8 @@ Blocks: ``embeddings``; per encoder layer ``i`` the attention ``query_key``
 (the attention kernel, which FedFrozen freezes), ``value`` and ``rest``
 (attention output, feed-forward, layer norms); ``head``; and for pfeddc's
 prompts ``global_prompt`` (P_g, shared) and ``local_prompt`` (P_l and the
-fusion block, never shared). Names are read for BERT, RoBERTa (same module
-names as BERT), DeBERTa-v2 (``query_proj``/``key_proj``/``value_proj``; its
-relative-position table is an embedding) and DistilBERT.
+fusion block, never shared). Names are read by the rules of every
+registered model family (:mod:`clinfed.families`).
 """
 
 from __future__ import annotations
@@ -14,27 +13,17 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-_LAYER_PATTERNS = (
-    # BERT / RoBERTa / ELECTRA: encoder.layer.3.attention.self.query.weight
-    re.compile(r"(?:^|\.)encoder\.layer\.(?P<layer>\d+)\.(?P<rest>.+)$"),
-    # DistilBERT: transformer.layer.3.attention.q_lin.weight
-    re.compile(r"(?:^|\.)transformer\.layer\.(?P<layer>\d+)\.(?P<rest>.+)$"),
-    # Llama / Qwen2 / Mistral: encoder.layers.3.self_attn.q_proj.weight
-    re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)\.(?P<rest>.+)$"),
-)
-_QUERY_KEY = re.compile(
-    r"(?:^|\.)(?:attention\.self\.(?:query|key)(?:_proj)?|attention\.(?:q_lin|k_lin)"
-    r"|self_attn\.[qk]_proj)\."
-)
-_VALUE = re.compile(
-    r"(?:^|\.)(?:attention\.self\.value(?:_proj)?|attention\.v_lin|self_attn\.v_proj)\."
-)
-# A decoder's token table, and its final norm (applied to the top layer's
-# output, read by the head alone).
-_DECODER_EMBEDDINGS = re.compile(r"(?:^|\.)embed_tokens\.")
-_DECODER_FINAL_NORM = re.compile(r"(?:^|\.)norm\.(?:weight|bias)$")
-# DeBERTa-v2: the relative-position table every layer reads (and its norm).
-_RELATIVE = re.compile(r"(?:^|\.)encoder\.(?:rel_embeddings|LayerNorm)\.")
+from clinfed.families import FAMILIES, either
+
+# Each registered family's rules (clinfed.families), read as one.
+_LAYER_PATTERNS = tuple(re.compile(f.layers) for f in FAMILIES.values())
+_QUERY_KEY = either([f.query_key for f in FAMILIES.values()])
+_VALUE = either([f.value for f in FAMILIES.values()])
+# Token and position tables beyond a module called "embeddings" (a decoder's
+# token table, DeBERTa's relative positions), and a decoder's final norm
+# (applied to the top layer's output, read by the head alone).
+_EMBEDDINGS = either([f.embeddings for f in FAMILIES.values()])
+_FINAL_NORM = either([f.final_norm for f in FAMILIES.values()])
 
 
 @dataclass(frozen=True, order=True)
@@ -70,18 +59,18 @@ def block_of(name: str) -> Block:
         return GLOBAL_PROMPT
     if name.startswith("prompt."):
         return LOCAL_PROMPT  # pfeddc's local prompt and fusion block: never leave a site
-    if ".embeddings." in f".{name}" or _RELATIVE.search(name) or _DECODER_EMBEDDINGS.search(name):
+    if ".embeddings." in f".{name}" or (_EMBEDDINGS and _EMBEDDINGS.search(name)):
         return EMBEDDINGS
-    if _DECODER_FINAL_NORM.search(name):
+    if _FINAL_NORM and _FINAL_NORM.search(name):
         return HEAD
     for pattern in _LAYER_PATTERNS:
         match = pattern.search(name)
         if match:
             layer = int(match["layer"])
             tail = "." + match["rest"]
-            if _QUERY_KEY.search(tail):
+            if _QUERY_KEY and _QUERY_KEY.search(tail):
                 return Block("query_key", layer)
-            if _VALUE.search(tail):
+            if _VALUE and _VALUE.search(tail):
                 return Block("value", layer)
             return Block("rest", layer)
     raise ValueError(f"parameter {name!r} belongs to no known block")

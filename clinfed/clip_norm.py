@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from clinfed.adapters import add_bias, add_head, add_labels, shared_names
+from clinfed.device import device_of, to_device
 from clinfed.errors import ClinfedError, ProblemLog
 
 __all__ = ["PLANS", "clip_norm_from_public", "unit_gradient_norms"]
@@ -85,7 +86,7 @@ def unit_gradient_norms(
     norms = np.empty(len(units))
     try:
         for i, rows in enumerate(units):
-            batch = task.collate(examples[rows.tolist()])
+            batch = to_device(task.collate(examples[rows.tolist()]), device_of(model))
             losses = task.example_losses(model(**task.model_inputs(batch)), batch)
             grads = torch.autograd.grad(losses.sum(), params, allow_unused=True)
             norms[i] = float(sum(float((g**2).sum()) for g in grads if g is not None)) ** 0.5
@@ -108,6 +109,7 @@ def clip_norm_from_public(
     seed: int = 0,
     on_error: str = "strict",
     progress: Callable[[str, int], Callable[[int], None]] | None = None,
+    device: str = "auto",
 ) -> dict[str, Any]:
     """Propose a clip norm: the ``percentile`` of the public units' gradient norms.
 
@@ -129,6 +131,8 @@ def clip_norm_from_public(
         ``example``, ``document`` or ``patient``, as ``--privacy-unit``.
     seed
         Which units are drawn (public data: the draw need not be secret).
+    device
+        Where the gradients are computed (``--device``: auto, cpu, cuda).
 
     Returns
     -------
@@ -137,6 +141,7 @@ def clip_norm_from_public(
         ``quantiles`` (10th to 90th), ``share_above`` (of the units, above a
         few norms) and ``share_clipped`` (above the proposal).
     """
+    from clinfed.device import resolve_device
     from clinfed.inference import saved_model_and_task
     from clinfed.scratch import temporary_folder
 
@@ -145,10 +150,12 @@ def clip_norm_from_public(
             f"`adapter` {adapter}: choose one of {', '.join(PLANS)} (a LoRA factor's "
             "gradient depends on the run's seeded start: measure lora runs with bias or none)"
         )
+    target = resolve_device(device)
     if not 0.0 <= percentile <= 100.0:
         raise ClinfedError(f"`percentile` {percentile:g}: must be between 0 and 100")
     with temporary_folder("cache") as cache_dir:
         model, tokenizer, meta, task = saved_model_and_task(model_path, cache_dir)
+        model.to(target)
         adapter = adapter or task.dp_adapter
         if privacy_unit not in task.units:
             raise ClinfedError(
@@ -165,6 +172,18 @@ def clip_norm_from_public(
             units = [units[i] for i in chosen]
         tick = progress("unit gradients", len(units)) if progress else None
         norms, parameters = unit_gradient_norms(PLANS[adapter](model), task, examples, units, tick)
+    return _proposal(norms, percentile, adapter, privacy_unit, parameters, problems)
+
+
+def _proposal(
+    norms: np.ndarray,
+    percentile: float,
+    adapter: str,
+    privacy_unit: str,
+    parameters: int,
+    problems: ProblemLog,
+) -> dict[str, Any]:
+    """What :func:`clip_norm_from_public` returns for the measured norms."""
     clip = float(np.percentile(norms, percentile))
     return {
         "clip_norm": clip,

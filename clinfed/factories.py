@@ -16,6 +16,7 @@ from torch import nn
 
 from clinfed.adapters import add_bias, add_head, add_labels, add_lora
 from clinfed.errors import ClinfedError
+from clinfed.families import family_of
 from clinfed.federated.strategies import STRATEGIES, Strategy, StrategyContext
 from clinfed.federated.summation import PlainSummation, Summation
 from clinfed.gazetteer import Gazetteer
@@ -55,14 +56,13 @@ def make_model(config: RunConfig, task: Task) -> nn.Module:
                 "names, kept in its folder): leave `gazetteer` out to use that one"
             )
         attach_gazetteer(model, gazetteer, load_tokenizer(config.model))
-    if config.dp and getattr(model.encoder.config, "relative_attention", False):
-        # DeBERTa's layers also project the relative-position table, an input
-        # every example shares: its weights' per-example gradients do not
-        # separate, so no clipping mode can bound one example's influence.
+    family = family_of(getattr(model.encoder.config, "model_type", ""))
+    if config.dp and family is not None and family.dp_refusal:
+        # The family says why no clipping mode can bound one example's
+        # influence (DeBERTa: relative attention over a shared table).
         raise ClinfedError(
-            f"`model` {config.model}: DP-SGD does not support relative attention "
-            f"({model.encoder.config.model_type}): its layers project a table every example "
-            "shares, so one example's gradient cannot be clipped alone; use a BERT or "
+            f"`model` {config.model}: DP-SGD does not support {family.name} "
+            f"({model.encoder.config.model_type}): {family.dp_refusal}; use a BERT or "
             "RoBERTa encoder under DP"
         )
     STRATEGIES[config.strategy].prepare_model(

@@ -14,7 +14,8 @@ from clinfed.adapters import fedavg_bytes, load_shared, shared_names, shared_sta
 from clinfed.errors import ProblemLog
 from clinfed.factories import make_model, make_strategy, make_task, summation
 from clinfed.models import gazetteer_of, load_tokenizer, save_model
-from clinfed.pipeline import check_resume, config_record
+from clinfed.pipeline import config_record
+from clinfed.resume import check_resume
 from clinfed.runs import atomic_write_json, claimed_run_folder, create_run_folder
 from clinfed.scratch import temporary_folder
 from clinfed.settings import RunConfig

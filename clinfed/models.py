@@ -25,6 +25,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, AutoTokenizer, BertConfig, BertModel
 
 from clinfed.errors import ClinfedError
+from clinfed.families import FAMILIES
 from clinfed.gazetteer import FILE as GAZETTEER_FILE
 from clinfed.gazetteer import Gazetteer, PieceMarker, gazetteer_of
 from clinfed.privacy import bookkeeping
@@ -40,10 +41,10 @@ TINY_CONFIG = {
     "max_position_embeddings": 512,
 }
 # Model types whose base model takes add_pooling_layer (we never use a pooler:
-# an untrained pooler would be dead weight in every plan and payload).
-_POOLER_TYPES = {"bert", "roberta", "xlm-roberta", "camembert", "electra"}
-# RoBERTa numbers positions from padding_idx + 1.
-_OFFSET_POSITIONS = {"roberta", "xlm-roberta", "camembert"}
+# an untrained pooler would be dead weight in every plan and payload), and
+# those numbering positions from padding_idx + 1 (RoBERTa): their families'.
+_POOLER_TYPES = {t for f in FAMILIES.values() if f.pooler for t in f.model_types}
+_OFFSET_POSITIONS = {t for f in FAMILIES.values() if f.position_offset for t in f.model_types}
 
 
 def minilm_path() -> Path:
@@ -163,11 +164,13 @@ def load_encoder(spec: str, seed: int = 0) -> nn.Module:
         raise _unreadable("weights", path, exc) from None
 
 
-# The families whose every parameter clinfed can place in a block (what
-# every plan, DP's layer rules and SAFL's choice are made of).
-SUPPORTED_FAMILIES = (
-    "BERT, RoBERTa, ELECTRA, DistilBERT, DeBERTa-v2 (no DP), Llama, Qwen2, Mistral, Gemma"
-)
+def supported_families() -> str:
+    """The registered families and the model types each covers."""
+    return "; ".join(
+        f"{f.name} ({', '.join(sorted(f.model_types))})"
+        + (" (not under DP)" if f.dp_refusal else "")
+        for f in FAMILIES.values()
+    )
 
 
 def check_family(model: nn.Module, spec: str) -> None:
@@ -183,7 +186,7 @@ def check_family(model: nn.Module, spec: str) -> None:
             raise ClinfedError(
                 f"`model` {spec}: the {kind} family is not supported (its parameter "
                 f"{name} belongs to no block a plan is made of); supported: "
-                f"{SUPPORTED_FAMILIES}"
+                f"{supported_families()}"
             ) from None
 
 

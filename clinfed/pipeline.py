@@ -54,7 +54,7 @@ from clinfed.factories import (
 from clinfed.federated.assembly import SitePlace, build_site, site_privacy
 from clinfed.federated.engine import RoundEngine
 from clinfed.federated.inprocess import InProcessTransport
-from clinfed.federated.partition import partition
+from clinfed.federated.partition import deal_sites
 from clinfed.federated.public_check import PublicCheck
 from clinfed.federated.secure_site import with_secure_aggregation
 from clinfed.federated.strategies import STRATEGIES
@@ -67,7 +67,7 @@ from clinfed.models import (
 from clinfed.privacy.policy import PrivacyPolicy
 from clinfed.privacy.site import SitePrivacy
 from clinfed.reporting.holdout import AUDIT_HOLDOUT, AUDIT_UPDATES, holdout_record, set_aside
-from clinfed.resume import ResumePlan, plan_resume
+from clinfed.resume import check_resume
 from clinfed.runs import (
     append_jsonl,
     atomic_write_json,
@@ -75,7 +75,7 @@ from clinfed.runs import (
     create_run_folder,
 )
 from clinfed.scratch import temporary_folder
-from clinfed.settings import RunConfig, load_file
+from clinfed.settings import RunConfig
 from clinfed.tasks.base import SYNTHETIC_MARK, Corpus, Task
 from clinfed.training import linear_schedule, make_optimizer, predict, train_epoch
 from clinfed.version import __version__
@@ -94,58 +94,6 @@ def config_record(config: RunConfig, runner: str) -> dict[str, Any]:
         # Absolute: the file read back from another folder names the same data.
         config = config.replace(data=str(Path(config.data).resolve()))
     return config.to_dict() | {"clinfed_version": __version__, "runner": runner} | provenance()
-
-
-# Machine settings --resume may change that still change floating-point
-# rounding (the order of sums across threads, another device's kernels).
-ROUNDING_SETTINGS = ("threads", "device")
-
-
-def check_resume(config: RunConfig) -> ResumePlan:
-    """A resumed run must be the same run: same settings, same data, its
-    folder whole (:mod:`clinfed.resume`: every check before any write)."""
-    out = Path(config.out)
-    if STRATEGIES[config.strategy].pooled:
-        raise ClinfedError(
-            f"`resume` applies to federated strategies (rounds), not {config.strategy}"
-        )
-    if (out / "config.json").is_file():
-        check_same_settings(config, out, "`resume` of")
-    return plan_resume(out, config.rounds)
-
-
-def check_same_settings(config: RunConfig, out: Path, doing: str) -> None:
-    """Refuse ``config`` (resolved) unless the run in ``out`` was made with the
-    same settings (those ``--resume`` may change aside): ``doing`` names
-    what is refused (``--resume of``, ``sweep --resume: cell``)."""
-    saved_path = Path(out) / "config.json"
-    saved = RunConfig.from_values(load_file(saved_path), str(saved_path)).to_dict()
-    ours = config.to_dict()
-    from clinfed.settings import schema_fields
-
-    resumable = {n for n, f in schema_fields().items() if f.metadata.get("resumable")}
-    for concern, values in ours.items():
-        for key, value in values.items():
-            before = saved.get(concern, {}).get(key)
-            if key in resumable:
-                if key in ROUNDING_SETTINGS and before != value:
-                    # Allowed (a run moved to another machine resumes), but the
-                    # sums run in another order: not bit for bit the same run.
-                    logging.getLogger("clinfed").warning(
-                        f"{doing} {out}: {key} was {before!r}, now {value!r}; the "
-                        "rounds from here are not bit-identical to an uninterrupted run"
-                    )
-                continue
-            if concern == "data" and key == "data":
-                same = Path(str(before)).resolve() == Path(str(value)).resolve()
-            else:
-                same = before == value
-            if not same:
-                raise ClinfedError(
-                    f"{doing} {out} with a different config: `{key}` was {before!r}, now "
-                    f"{value!r}; a run keeps its settings: to change `{key}`, start a new run: "
-                    f"clinfed train `config` {Path(out) / 'config.json'} `{key}` VALUE `out` NEW"
-                )
 
 
 @dataclass
@@ -308,7 +256,7 @@ def _federated_start(
     """The sites dealt their data and their privacy checked, the run folder
     written (not on a resume), then the rounds."""
     task, corpus = prep.task, prep.corpus
-    sites, test_parts = _deal_sites(config, task, corpus, train, test)
+    sites, test_parts = deal_sites(config, task, corpus, train, test)
     holdout = set_aside(config, task, train, sites)
     sites = {c: holdout[c]["members"] if holdout else idx for c, idx in sites.items()}
     strategy = make_strategy(config, task, prep.tokenizer, prep.cache_dir)
@@ -409,47 +357,6 @@ def _loaded(report, train, test, corpus, sites, problems) -> None:
             "warnings": [str(p) for p in problems.problems],
         },
     )
-
-
-def _deal_sites(config: RunConfig, task: Task, corpus: Corpus, train, test):
-    """Training and held-out example indices per site. With sites from
-    the data each hospital evaluates on its own held-out examples; with
-    synthetic sites the held-out set is dealt out the same way."""
-    groups, labels = task.partition_keys(corpus.train, train)
-    sites = partition(
-        groups,
-        labels,
-        np.asarray(train["site"]),
-        config.partition,
-        config.sites,
-        config.alpha,
-        config.seed,
-    )
-    test_groups, test_labels = task.partition_keys(corpus.test, test)
-    try:
-        test_parts = partition(
-            test_groups,
-            test_labels,
-            np.asarray(test["site"]),
-            config.partition,
-            config.sites,
-            config.alpha,
-            config.seed,
-        )
-    except ClinfedError:
-        # Fewer held-out documents than sites: deal them out in turn.
-        order = np.arange(len(test))
-        test_parts = {c: order[i :: len(sites)] for i, c in enumerate(sorted(sites))}
-    parts = {c: test_parts.get(c, np.array([], dtype=int)) for c in sites}
-    if config.partition == "sites":
-        # A site with held-out documents and no training documents is an
-        # evaluation site (external validation): it evaluates every round,
-        # never trains.
-        for site, idx in test_parts.items():
-            if site not in sites and len(idx):
-                sites[site] = np.array([], dtype=int)
-                parts[site] = idx
-    return sites, parts
 
 
 def _pooled(prep: _Prepared, config: RunConfig, train, test, report: Reporter) -> dict:

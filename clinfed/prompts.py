@@ -147,10 +147,11 @@ def encode_with_prompt(
 
 
 def encoder_layers(encoder: nn.Module) -> list[nn.Module]:
-    """The transformer layers of a BERT-style (``encoder.layer``),
-    DistilBERT-style (``transformer.layer``) or decoder (Llama, Qwen2,
-    Mistral: ``layers``) model, in order."""
-    for path in ("encoder.layer", "transformer.layer", "layers"):
+    """The transformer layers of a model, in order: where its family says
+    they are (``encoder.layer``, ``transformer.layer``, ``layers``...)."""
+    from clinfed.families import FAMILIES
+
+    for path in dict.fromkeys(f.layer_path for f in FAMILIES.values()):
         module = encoder
         for part in path.split("."):
             module = getattr(module, part, None)
@@ -158,4 +159,4 @@ def encoder_layers(encoder: nn.Module) -> list[nn.Module]:
                 break
         if module is not None:
             return list(module)
-    raise ValueError("deep prompts need a model with encoder.layer, transformer.layer or layers")
+    raise ValueError("deep prompts need a model whose family says where its layers are")

@@ -30,6 +30,7 @@ from typing import Any
 
 from clinfed.errors import USER_ERRORS, ClinfedError
 from clinfed.runs import RUN_LOCK, append_jsonl
+from clinfed.settings import RunConfig, load_file
 
 log = logging.getLogger("clinfed")
 REPAIRS = "repairs.jsonl"
@@ -202,3 +203,57 @@ def plan_resume(out: Path, rounds: int) -> ResumePlan:
         except USER_ERRORS as exc:
             raise ClinfedError(str(exc)) from None
     return plan
+
+
+# Machine settings --resume may change that still change floating-point
+# rounding (the order of sums across threads, another device's kernels).
+ROUNDING_SETTINGS = ("threads", "device")
+
+
+def check_resume(config: RunConfig) -> ResumePlan:
+    """A resumed run must be the same run: same settings, same data, its
+    folder whole (:mod:`clinfed.resume`: every check before any write)."""
+    from clinfed.federated.strategies import STRATEGIES
+
+    out = Path(config.out)
+    if STRATEGIES[config.strategy].pooled:
+        raise ClinfedError(
+            f"`resume` applies to federated strategies (rounds), not {config.strategy}"
+        )
+    if (out / "config.json").is_file():
+        check_same_settings(config, out, "`resume` of")
+    return plan_resume(out, config.rounds)
+
+
+def check_same_settings(config: RunConfig, out: Path, doing: str) -> None:
+    """Refuse ``config`` (resolved) unless the run in ``out`` was made with the
+    same settings (those ``--resume`` may change aside): ``doing`` names
+    what is refused (``--resume of``, ``sweep --resume: cell``)."""
+    saved_path = Path(out) / "config.json"
+    saved = RunConfig.from_values(load_file(saved_path), str(saved_path)).to_dict()
+    ours = config.to_dict()
+    from clinfed.settings import schema_fields
+
+    resumable = {n for n, f in schema_fields().items() if f.metadata.get("resumable")}
+    for concern, values in ours.items():
+        for key, value in values.items():
+            before = saved.get(concern, {}).get(key)
+            if key in resumable:
+                if key in ROUNDING_SETTINGS and before != value:
+                    # Allowed (a run moved to another machine resumes), but the
+                    # sums run in another order: not bit for bit the same run.
+                    logging.getLogger("clinfed").warning(
+                        f"{doing} {out}: {key} was {before!r}, now {value!r}; the "
+                        "rounds from here are not bit-identical to an uninterrupted run"
+                    )
+                continue
+            if concern == "data" and key == "data":
+                same = Path(str(before)).resolve() == Path(str(value)).resolve()
+            else:
+                same = before == value
+            if not same:
+                raise ClinfedError(
+                    f"{doing} {out} with a different config: `{key}` was {before!r}, now "
+                    f"{value!r}; a run keeps its settings: to change `{key}`, start a new run: "
+                    f"clinfed train `config` {Path(out) / 'config.json'} `{key}` VALUE `out` NEW"
+                )

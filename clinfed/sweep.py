@@ -30,7 +30,8 @@ import matplotlib
 
 from clinfed.errors import ClinfedError
 from clinfed.federated.strategies import STRATEGIES
-from clinfed.pipeline import RunConfig, check_same_settings, run_training
+from clinfed.pipeline import RunConfig, run_training
+from clinfed.resume import check_same_settings
 from clinfed.runs import append_jsonl, atomic_write_json, atomic_write_text, read_jsonl
 from clinfed.settings import read_run_config
 

@@ -890,11 +890,15 @@ def test_the_python_api_covers_plan_warm_start_export_and_audit(tiny_run, public
 
 
 def test_every_command_that_computes_takes_the_machine_s_threads():
-    # A shared machine's thread count, as train's --threads; evaluate and
-    # predict also take --device.
+    # A shared machine's thread count, as train's --threads; evaluate,
+    # predict, audit and clip-norm also take --device.
     for command in (["train"], ["warm-start"], ["sweep"], ["evaluate"], ["predict"],
                     ["export"], ["audit"], ["privacy", "clip-norm"]):  # fmt: skip
         shown = run_cli(*command, "--help-all" if command == ["train"] else "--help")
         assert "--threads" in shown.stdout, command
-    for command in (["evaluate"], ["predict"]):
+    for command in (["evaluate"], ["predict"], ["audit"], ["privacy", "clip-norm"]):
         assert "--device" in run_cli(*command, "--help").stdout, command
+    # A device this machine lacks is refused by name before any work.
+    for command in (["audit", "RUN"], ["privacy", "clip-norm", "--model", "m", "--data", "d"]):
+        refused = run_cli(*command, "--device", "tpu")
+        assert refused.returncode == 2 and "--device tpu" in refused.stderr, refused.stderr

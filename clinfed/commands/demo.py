@@ -8,7 +8,7 @@ import typer
 from rich.progress import Progress
 
 from clinfed.commands.common import JSON, _print_json, app, err, log, out, progress_disabled
-from clinfed.commands.train import PROGRESS, _columns, _duration, _ProgressReporter
+from clinfed.commands.progress import PROGRESS, ProgressReporter, columns, duration
 
 
 @app.command("demo")
@@ -39,9 +39,9 @@ def demo(
     from clinfed.demo import PLAN, run_demo
 
     with Progress(
-        *_columns(), **PROGRESS, console=err, transient=True, disable=progress_disabled()
+        *columns(), **PROGRESS, console=err, transient=True, disable=progress_disabled()
     ) as progress:
-        reporter = _ProgressReporter(progress, 1, rounds or PLAN["rounds"])
+        reporter = ProgressReporter(progress, 1, rounds or PLAN["rounds"])
         summary = run_demo(
             out_dir,
             model,
@@ -58,7 +58,7 @@ def demo(
         raise typer.Exit(1 if summary.get("stopped") else 0)
     gap = 100 * (summary["f1_no_dp"] - summary["f1_private"])
     spent = ", ".join(f"{site} {eps:.2f}" for site, eps in summary["epsilon"].items())
-    out.print(f"[bold]clinfed demo[/]: done; {_duration(summary['wall_s'])}")
+    out.print(f"[bold]clinfed demo[/]: done; {duration(summary['wall_s'])}")
     out.print(
         f"  F1 (strict, held-out): [bold]{summary['f1_private']:.3f}[/] under DP at epsilon "
         f"{summary['target_epsilon']:g}, {summary['f1_no_dp']:.3f} without DP "

@@ -144,17 +144,18 @@ def privacy_clip_norm(
     use_threads(settings.get("threads"))
 
     from clinfed.clip_norm import clip_norm_from_public
-    from clinfed.commands.train import PROGRESS, _columns
+    from clinfed.commands.progress import PROGRESS, columns
 
-    with Progress(*_columns(), **PROGRESS, console=err, disable=progress_disabled()) as progress:
+    with Progress(*columns(), **PROGRESS, console=err, disable=progress_disabled()) as progress:
 
         def bar(label: str, total: int):
             task = progress.add_task(label, total=total)
             return lambda done: progress.advance(task, done)
 
         result = clip_norm_from_public(
-            model, data, adapter, percentile, units, privacy_unit, seed, on_error.value, bar
-        )
+            model, data, adapter, percentile, units, privacy_unit, seed, on_error.value, bar,
+            device=settings.get("device") or "auto",
+        )  # fmt: skip
     _warn(result.pop("warnings"))
     if as_json:
         _print_json(result)
@@ -226,7 +227,9 @@ def audit_cmd(
     from clinfed.reporting.audit import audit
     from clinfed.reporting.render import possessive
 
-    result = audit(run, max_examples, threads=settings.get("threads"))
+    result = audit(
+        run, max_examples, threads=settings.get("threads"), device=settings.get("device") or "auto"
+    )
     if as_json:
         _print_json(result)
         return
@@ -343,5 +346,5 @@ privacy_app.command("plan")(plan_cmd)
 
 
 # CPU work on a machine that may be shared: its thread count, as train's.
-with_parameters(privacy_clip_norm, settings_parameters(only=("threads",)))
-with_parameters(audit_cmd, settings_parameters(only=("threads",)))
+with_parameters(privacy_clip_norm, settings_parameters(only=("threads", "device")))
+with_parameters(audit_cmd, settings_parameters(only=("threads", "device")))

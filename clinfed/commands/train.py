@@ -7,14 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
+from rich.progress import Progress
 from rich.table import Table
 
 from clinfed.commands.common import (
@@ -36,128 +29,17 @@ from clinfed.commands.options import (
     settings_parameters,
     with_parameters,
 )
+from clinfed.commands.progress import (
+    PROGRESS,
+    ProgressReporter,
+    columns,
+    duration,
+    f1_text,
+)
 from clinfed.errors import ClinfedError
 
 
 # ---------------------------------------------------------------- train
-class _ProgressReporter:
-    """Turns the pipeline's events into log lines (``logging``: one
-    timestamped line per event outside a terminal) and rich progress bars
-    with ETA: rounds, the site at work (training, then evaluation), or a
-    centralized epoch."""
-
-    def __init__(self, progress: Progress, epochs: int, rounds: int):
-        self.progress, self.epochs, self.rounds = progress, epochs, rounds
-        self.bar: Any = None
-        self.round_bar: Any = None
-        # The round at work, when it and the first round seen started (for
-        # each round's time and the time left, in logs as on the bars).
-        self.current: int | None = None
-        self.round_started = self.first_started = 0.0
-        self.first_round = 1
-
-    def _round_starts(self, round_number: int) -> None:
-        """A line when a round starts, and one for the round it ends: its
-        time and, from the mean round so far, the time left."""
-        now = time.perf_counter()
-        if self.current is not None:
-            done = self.current - self.first_round + 1
-            left = (now - self.first_started) / done * (self.rounds - self.current)
-            log.info(
-                f"round {self.current}/{self.rounds} trained in {_span(now - self.round_started)}; "
-                f"about {_span(left)} left"
-            )
-        else:
-            self.first_started, self.first_round = now, round_number
-        self.current, self.round_started = round_number, now
-        log.info(f"round {round_number}/{self.rounds} started")
-
-    def _work(self, description: str, total: float | None) -> None:
-        if self.bar is not None:
-            self.progress.remove_task(self.bar)
-        self.bar = self.progress.add_task(description, total=total)
-
-    def __call__(self, event: str, info: dict[str, Any]) -> None:
-        p = self.progress
-        if event == "loaded":
-            _warn(info["warnings"])
-            log.info(
-                f"{info['train']} training and {info['test']} held-out examples "
-                f"from sites {', '.join(info['sites'])}"
-            )
-        elif event in ("epoch_start", "eval_start"):
-            label = "train" if event == "epoch_start" else "evaluate"
-            self._work(f"epoch {info['epoch']}/{self.epochs} {label}", info["examples"])
-        elif event in ("step", "eval_step"):
-            p.advance(self.bar, info["examples"])
-        elif event == "epoch_end":
-            log.info(
-                f"epoch {info['epoch']}: f1 {info['f1']:.4f}  loss {info['train_loss']:.4f}  "
-                f"{info['tokens_per_s']:.0f} tokens/s"
-            )
-        elif event == "site_start":
-            if info["round"] != self.current:
-                self._round_starts(info["round"])
-            if self.round_bar is None:
-                self.round_bar = p.add_task("rounds", total=self.rounds)
-                p.update(self.round_bar, completed=info["round"] - 1)
-            self._work(f"round {info['round']} {info['site']} train", None)
-        elif event in ("site_step", "site_eval_step"):
-            p.update(self.bar, total=info["total"], advance=info["done"])
-        elif event == "site_eval_start":
-            self._work(f"{info['site']} evaluate", info["total"])
-        elif event == "site_end":
-            # Under DP the training loss is not released; epsilon is shown instead.
-            detail = (
-                f"epsilon {info['epsilon']:.3f}"
-                if "epsilon" in info
-                else f"loss {info['train_loss']:.4f}"
-            )
-            log.info(
-                f"round {info['round']} {info['site']}: {detail}  "
-                f"up {info['bytes_up'] / 1e6:.1f} MB"
-                + (f"  {info['wall_s']:.0f} s" if "wall_s" in info else "")
-            )
-        elif event == "site_refused":
-            log.warning(
-                f"round {info['round']} {info['site']}: refused, epsilon would reach "
-                f"{info['epsilon_if_trained']:.3f} (spent {info['epsilon']:.3f})"
-            )
-        elif event == "stopped":
-            log.warning(info["reason"])
-        elif event == "round_end":
-            if info["round"] == self.rounds and self.current == self.rounds:
-                now = time.perf_counter()
-                log.info(
-                    f"round {self.rounds}/{self.rounds} trained and evaluated in "
-                    f"{_span(now - self.round_started)}"
-                )
-            log.info(f"round {info['round']}: f1 {_f1(info)}")
-            if self.round_bar is not None:
-                p.update(self.round_bar, completed=info["round"])
-
-
-def _f1(record: dict) -> str:
-    """A record's F1, or why it has none (a round no site evaluated)."""
-    return f"{record['f1']:.4f}" if "f1" in record else "none (no site evaluated)"
-
-
-# A round takes minutes: the ETA averages over the whole run (rich's default
-# window of 30 s holds no finished round, so it would show no estimate).
-PROGRESS = {"speed_estimate_period": 24 * 3600.0}
-
-
-def _columns() -> list:
-    return [
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("eta"),
-        TimeRemainingColumn(),
-    ]
-
-
 def _round_table(run: Path) -> None:
     """Per-round summary of a federated run, read back from its metrics.jsonl."""
     from clinfed.runs import read_jsonl, site_keyed
@@ -172,7 +54,7 @@ def _round_table(run: Path) -> None:
         sites = [r for r in records if "bytes_up" in r and r["round"] == record["round"]]
         row = [
             str(record["round"]),
-            _f1(record),
+            f1_text(record),
             str(len(sites)),
             f"{sum(r['bytes_up'] for r in sites) / 1e6:.1f}",
             f"{sum(r['bytes_down'] for r in sites) / 1e6:.1f}",
@@ -220,9 +102,9 @@ def train(
     FAREWELL.append(f"terminated: {_interrupted_words(config, out_dir)}")
     try:
         with Progress(
-            *_columns(), **PROGRESS, console=err, transient=True, disable=progress_disabled()
+            *columns(), **PROGRESS, console=err, transient=True, disable=progress_disabled()
         ) as progress:
-            reporter = _ProgressReporter(progress, config.epochs, config.rounds)
+            reporter = ProgressReporter(progress, config.epochs, config.rounds)
             summary = run_training(config, reporter)
     except KeyboardInterrupt:
         err.print(f"[yellow]interrupted[/]: {_interrupted_words(config, out_dir)}", soft_wrap=True)
@@ -279,7 +161,7 @@ def _print_done(summary: dict[str, Any], out_dir: Path, wall: float) -> None:
         out.print(
             f"{word}: held-out f1 {summary['f1']:.4f} "
             f"({summary['tokens_per_s']:.0f} training tokens/s); run folder {out_dir}; "
-            f"{_duration(wall)}"
+            f"{duration(wall)}"
         )
         return
     _round_table(out_dir)
@@ -287,10 +169,10 @@ def _print_done(summary: dict[str, Any], out_dir: Path, wall: float) -> None:
         spent = ", ".join(f"{k} {v:.3f}" for k, v in summary["epsilon"].items())
         out.print(f"privacy spent (epsilon at delta {summary['delta']:g}): {spent}")
     out.print(
-        f"{word}: held-out f1 {_f1(summary)}; uploaded {summary['mb_up']:.1f} MB, "
+        f"{word}: held-out f1 {f1_text(summary)}; uploaded {summary['mb_up']:.1f} MB, "
         f"downloaded {summary['mb_down']:.1f} MB "
         f"({100 * summary['ratio_to_fedavg_up']:.3g}% of "
-        f"FedAvg's upload); run folder {out_dir} ({_folder_size(out_dir)}); {_duration(wall)}"
+        f"FedAvg's upload); run folder {out_dir} ({_folder_size(out_dir)}); {duration(wall)}"
     )
     # What a person does next with it.
     out.print(f"next: clinfed report {out_dir}   (and clinfed export {out_dir} --out MODEL)")
@@ -309,22 +191,6 @@ def _folder_size(folder: Path) -> str:
             return f"{size:.0f} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
         size /= 1000
     return f"{size:.1f} GB"
-
-
-def _span(seconds: float) -> str:
-    """A short duration: 4.2 s, 3 min 05 s, 1 h 02 min."""
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    minutes, secs = divmod(int(round(seconds)), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours} h {minutes:02d} min" if hours else f"{minutes} min {secs:02d} s"
-
-
-def _duration(seconds: float) -> str:
-    minutes, secs = divmod(int(round(seconds)), 60)
-    hours, minutes = divmod(minutes, 60)
-    text = f"{hours} h {minutes:02d} min" if hours else f"{minutes} min {secs:02d} s"
-    return f"wall time {text}" if seconds >= 60 else f"wall time {seconds:.1f} s"
 
 
 def _interrupted_words(config: Any, out_dir: Path) -> str:
@@ -378,7 +244,7 @@ def sweep_cmd(
             raise ClinfedError(f"--{required} is required (a flag or a key of --config)")
     names = [s.strip() for s in strategies.split(",") if s.strip()]
 
-    with Progress(*_columns(), **PROGRESS, console=err, disable=progress_disabled()) as progress:
+    with Progress(*columns(), **PROGRESS, console=err, disable=progress_disabled()) as progress:
         cells: Any = None
 
         def show(event: str, info: dict[str, Any]) -> None:
@@ -550,7 +416,7 @@ def warm_start_cmd(
         f"[bold]done[/]: starting model {record['model']} ({record['examples']:,} public "
         f"examples, {record['epochs']} epoch(s), final loss {record['final_loss']:.3f}); "
         f"start runs from it with --model {config.out}; "
-        f"{_duration(time.perf_counter() - started)}"
+        f"{duration(time.perf_counter() - started)}"
     )
 
 

@@ -26,7 +26,6 @@ has each site write its predictions where it keeps them.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,11 +39,12 @@ from clinfed.errors import ClinfedError
 from clinfed.events import Reporter, silent
 from clinfed.federated import payload, state
 from clinfed.federated.messages import Message, Reply, Transport
+from clinfed.federated.outputs import write_privacy, write_summary
 from clinfed.federated.public_check import PublicCheck
 from clinfed.federated.replies import check_record, check_upload, summed_evaluation
 from clinfed.federated.strategies import Strategy
 from clinfed.federated.summation import PlainSummation, RoundContext, Summation
-from clinfed.runs import append_jsonl, atomic_write_json, atomic_write_text
+from clinfed.runs import append_jsonl
 from clinfed.tasks.base import Task
 
 # Digests of this many recent global rounds are kept: a site that lags
@@ -544,57 +544,13 @@ class RoundEngine:
         return self.summary()
 
     def summary(self) -> dict[str, Any]:
-        from clinfed.runs import read_jsonl
-
-        sites = [r for r in read_jsonl(self.out / "metrics.jsonl") if "bytes_up" in r]
-        up = sum(r["bytes_up"] for r in sites)
-        down = sum(r["bytes_down"] for r in sites)
-        fedavg = self.full_bytes * len(sites)
-        summary = dict(self.last_record) | {
-            "mb_up": up / 1e6,
-            "mb_down": down / 1e6,
-            "fedavg_mb_up": fedavg / 1e6,
-            "ratio_to_fedavg_up": up / fedavg if fedavg else 0.0,
-        }
+        """The run's summary (also ``RUN/summary.json``): the last record,
+        communication totals and, under DP, each site's epsilon."""
         if self.stopped:
-            summary["stopped"] = self.stopped
             self.log(self.stopped)
-        if self.ledgers:
-            summary["epsilon"] = {
-                site: (ledger["lines"][-1]["epsilon"] if ledger["lines"] else 0.0)
-                for site, ledger in sorted(self.ledgers.items())
-            }
-            summary["epsilon_reported_by_sites"] = True
-            summary["delta"] = next(iter(self.ledgers.values()))["policy"]["delta"]
-            reproducible = [
-                line["not_private"]
-                for ledger in self.ledgers.values()
-                for line in ledger["lines"]
-                if line.get("not_private")
-            ]
-            if reproducible:
-                summary["not_private"] = reproducible[0]
-        from clinfed.provenance import provenance
-
-        summary |= provenance()
-        atomic_write_json(self.out / "summary.json", summary)
-        return summary
+        return write_summary(
+            self.out, self.last_record, self.full_bytes, self.ledgers, self.stopped
+        )
 
     def _write_privacy(self) -> None:
-        """The sites' ledgers as they reported them (each site keeps its
-        own), marked so, and the policy as the sites described it."""
-        if not self.ledgers:
-            return
-        folder = self.out / "privacy"
-        folder.mkdir(parents=True, exist_ok=True)
-        sites = {}
-        common: dict[str, Any] = {}
-        for site, ledger in sorted(self.ledgers.items()):
-            lines = [line | {"reported_by_site": True} for line in ledger["lines"]]
-            text = "".join(json.dumps(line, sort_keys=True) + "\n" for line in lines)
-            atomic_write_text(folder / f"{site}.jsonl", text)
-            sites[site] = ledger["site"] | {"budget": ledger.get("budget")}
-            common = ledger["policy"]
-        atomic_write_json(
-            folder / "policy.json", common | {"sites": sites, "reported_by_sites": True}
-        )
+        write_privacy(self.out, self.ledgers)

@@ -13,6 +13,8 @@ a document never straddles two sites.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from clinfed.errors import ClinfedError
@@ -89,3 +91,44 @@ def _dirichlet_owners(
         f"`alpha` {alpha} leaves some of the {count} sites without data; "
         "use a larger `alpha` or fewer `sites`"
     )
+
+
+def deal_sites(config: Any, task: Any, corpus: Any, train: Any, test: Any):
+    """Training and held-out example indices per site. With sites from
+    the data each hospital evaluates on its own held-out examples; with
+    synthetic sites the held-out set is dealt out the same way."""
+    groups, labels = task.partition_keys(corpus.train, train)
+    sites = partition(
+        groups,
+        labels,
+        np.asarray(train["site"]),
+        config.partition,
+        config.sites,
+        config.alpha,
+        config.seed,
+    )
+    test_groups, test_labels = task.partition_keys(corpus.test, test)
+    try:
+        test_parts = partition(
+            test_groups,
+            test_labels,
+            np.asarray(test["site"]),
+            config.partition,
+            config.sites,
+            config.alpha,
+            config.seed,
+        )
+    except ClinfedError:
+        # Fewer held-out documents than sites: deal them out in turn.
+        order = np.arange(len(test))
+        test_parts = {c: order[i :: len(sites)] for i, c in enumerate(sorted(sites))}
+    parts = {c: test_parts.get(c, np.array([], dtype=int)) for c in sites}
+    if config.partition == "sites":
+        # A site with held-out documents and no training documents is an
+        # evaluation site (external validation): it evaluates every round,
+        # never trains.
+        for site, idx in test_parts.items():
+            if site not in sites and len(idx):
+                sites[site] = np.array([], dtype=int)
+                parts[site] = idx
+    return sites, parts

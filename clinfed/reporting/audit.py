@@ -218,19 +218,25 @@ def _sample(rows: list[int], cap: int, rng: np.random.Generator) -> list[int]:
 
 
 def audit(
-    run: Path, max_examples: int = 400, seed: int = 0, threads: int | None = None
+    run: Path,
+    max_examples: int = 400,
+    seed: int = 0,
+    threads: int | None = None,
+    device: str = "auto",
 ) -> dict[str, Any]:
     """Run both attacks on ``run``; write and return ``RUN/audit.json``.
 
     ``max_examples``: members and non-members each, at most, per target.
     ``threads``: torch's CPU threads (default the run's own ``--threads``,
     so that a warm start rebuilt for the calibrated attack sums in the same
-    order as the run's and matches it bit for bit).
+    order as the run's and matches it bit for bit). ``device``: where the
+    models score the examples (``--device``).
     """
-    from clinfed.device import use_threads
+    from clinfed.device import resolve_device, use_threads
     from clinfed.factories import make_model, make_task
     from clinfed.seal import SEAL, check_seal, seal_run
 
+    target = resolve_device(device)  # a machine without it: said before any work
     run = Path(run)
     config_path, model_dir = run / "config.json", run / "model"
     if not config_path.is_file() or not model_dir.is_dir():
@@ -252,7 +258,9 @@ def audit(
         examples = task.encode(corpus.train, tokenizer, meta["max_length"], cache)
         public_start = json.loads(config_path.read_text()).get("public_start")
         initial = starting_model(config, task, tokenizer, cache, public_start)
-        start = _start_check(run, initial)
+        start = _start_check(run, initial)  # on the CPU: the digest is the run's
+        model.to(target)
+        initial.to(target)
         if any(i >= len(examples) for m, n in sites.values() for i in m + n):
             raise ClinfedError(f"{holdout_path}: rows beyond the data's; was the data changed?")
 
@@ -270,7 +278,7 @@ def audit(
             "final_model": attack(model, pooled_members, pooled_non),
             "site_updates": {},
         }
-        site_model = make_model(config, task)
+        site_model = make_model(config, task).to(target)
         for site, (members, non_members) in sorted(sites.items()):
             path = run / AUDIT_UPDATES / f"{site}.safetensors"
             if not path.is_file() or not members or not non_members:

@@ -22,7 +22,7 @@ from torch.nn import functional as F
 
 from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.models import pad_token_id
-from clinfed.tasks.base import PUBLIC_SITE, SPLIT_KEY, Corpus, ScoreTable, Task
+from clinfed.tasks.base import SPLIT_KEY, Corpus, ScoreTable, Task
 from clinfed.tasks.i2b2.bio import allowed_transitions, best_valid_tags
 from clinfed.tasks.i2b2.brat import read_brat
 from clinfed.tasks.i2b2.conll import conll_files, read_conll
@@ -36,7 +36,7 @@ from clinfed.tasks.i2b2.encoding import (
 from clinfed.tasks.i2b2.format import Document, check_annotated, read_corpus, summary_of, write_con
 from clinfed.tasks.i2b2.metrics import f1_by_site, prf, score_concepts, summable_counts
 from clinfed.tasks.i2b2.options import BASELINES, I2b2Options
-from clinfed.tasks.i2b2.public import label_listed_names
+from clinfed.tasks.i2b2.public_text import PublicText
 from clinfed.tasks.i2b2.schema import (
     CONCEPT_TYPES,
     PRESET,
@@ -54,7 +54,6 @@ TEST_FRACTION = 0.2
 # The most whitespace tokens one line (one sentence) may hold.
 MAX_LINE_TOKENS = 10_000
 FORMATS = ("auto", "i2b2", "conll", "brat")
-PROBE_SEED = 20_101
 
 
 def _held_out(doc_id: str, key: str) -> bool:
@@ -62,7 +61,7 @@ def _held_out(doc_id: str, key: str) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < TEST_FRACTION
 
 
-class I2b2Task(Task):
+class I2b2Task(PublicText, Task):
     """Concept extraction over i2b2 2010 ``.txt``/``.con`` corpora.
 
     Parameters
@@ -315,15 +314,6 @@ class I2b2Task(Task):
         """All documents of one folder (for ``evaluate`` and ``predict``)."""
         return self._read(folder, problems)
 
-    def check_public_judge(self, folder: Path, records: Any, annotated: list[str]) -> None:
-        missing = [t for t in self.entity_types if t not in annotated]
-        if not records or missing:
-            raise ClinfedError(
-                f"`public_check` {folder}: "
-                + (f"no span of type {missing[0]}" if records else "no annotated documents")
-                + ": its F1 scores every type of the run, so it needs text that annotates them all"
-            )
-
     def at_node(self, split_key: str, annotated_types: Any) -> None:
         # What the site annotates is the site's declaration, never the
         # server's, and under DP never its data's.
@@ -338,70 +328,6 @@ class I2b2Task(Task):
     def restore_loaded_state(self, state: dict[str, Any]) -> None:
         super().restore_loaded_state(state)
         self.site_types = {s: set(t) for s, t in state.get("site_types", {}).items()}
-
-    def read_public(
-        self,
-        folder: Path,
-        flag: str,
-        public_types: Any,
-        tokenizer: Any,
-        max_length: int,
-        cache_dir: str,
-        problems: ProblemLog,
-        name_lists: Any = None,
-    ) -> tuple[list[Document], Any, list[str], dict[str, int]]:
-        # The public text's own type names, mapped onto the run's.
-        reader = I2b2Task(format="auto", types=public_types)
-        corpus = reader.load(folder, problems)
-        documents = [d for d in (*corpus.train, *corpus.test) if d.concepts or d.annotated]
-        labelled: dict[str, int] = {}
-        if name_lists is not None:
-            labelled = reader.distant_labels(documents, name_lists, self.entity_types)
-        annotated = sorted({c.type for d in documents for c in d.concepts})
-        unknown = [t for t in annotated if t not in self.entity_types]
-        if unknown:
-            raise ClinfedError(
-                f"{flag} {folder}: type {unknown[0]} is not one of the run's "
-                f"({', '.join(self.entity_types)}); map it with `public_types`"
-            )
-        for document in documents:
-            document.site = PUBLIC_SITE
-        # Under partial labels an O of the public text says nothing against a
-        # run type it never annotates.
-        self.site_types[PUBLIC_SITE] = set(annotated)
-        try:
-            examples = self.encode(documents, tokenizer, max_length, cache_dir)
-        finally:
-            del self.site_types[PUBLIC_SITE]
-        return documents, examples, annotated, labelled
-
-    def distant_labels(
-        self, documents: list[Document], gazetteer: Any, run_types: tuple[str, ...]
-    ) -> dict[str, int]:
-        # A list is named as a type of the text (mapped as --types maps the
-        # text's own) or as a run type; a list of no run type labels nothing.
-        mapped = {kind: (self.types or {}).get(kind, kind) for kind in gazetteer.kinds}
-        types = {kind: run for kind, run in mapped.items() if run in run_types}
-        return label_listed_names(documents, gazetteer, types)
-
-    def public_units(self, folder: Path, public_types: Any, problems: ProblemLog) -> list:
-        from clinfed.tasks.i2b2.units import read_units
-
-        reader = I2b2Task(format="auto", types=public_types)
-        return read_units(reader, folder, problems)
-
-    def public_mentions(self, units: list) -> dict[str, int]:
-        from clinfed.tasks.i2b2.units import mentions
-
-        return mentions(units)
-
-    def write_public_sites(self, sites: dict[str, list], test: list, out: Path) -> None:
-        from clinfed.tasks.i2b2.units import write_units
-
-        write_units(sites, test, out)
-
-    def forecast_settings(self) -> dict[str, Any]:
-        return {"format": "conll", "types": ",".join(self.entity_types)}
 
     def summarize(self, data: Path, problems: ProblemLog) -> dict[str, Any]:
         docs = self._read(Path(data), problems)
@@ -581,14 +507,6 @@ class I2b2Task(Task):
             "f1": prf(*counts["exact"])["f1"],
             "inexact_f1": prf(*counts["inexact"])["f1"],
         }
-
-    def public_probe(self, tokenizer, max_length: int, cache_dir: str) -> datasets.Dataset:
-        from clinfed.tasks.i2b2.synth import generate
-
-        folder = Path(cache_dir) / "probe"
-        generate(folder, sites=3, docs=4, seed=PROBE_SEED)
-        records = read_corpus(folder / "train", ProblemLog())  # the generator writes i2b2
-        return self.encode(records, tokenizer, max_length, cache_dir).shuffle(seed=PROBE_SEED)
 
     def write_predictions(
         self, records: list[Document], examples: datasets.Dataset, outputs: list[Any], folder: Path

@@ -34,7 +34,6 @@ from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.models import pad_token_id, special_tokens
 from clinfed.runs import atomic_write_text
 from clinfed.tasks.base import (
-    PUBLIC_SITE,
     SPLIT_KEY,
     Corpus,
     ScoreTable,
@@ -50,6 +49,7 @@ from clinfed.tasks.mimic3.format import (
 )
 from clinfed.tasks.mimic3.metrics import THRESHOLD, multilabel_metrics
 from clinfed.tasks.mimic3.options import BASELINES, Mimic3Options
+from clinfed.tasks.mimic3.public_text import PublicAdmissions
 
 log = logging.getLogger("clinfed.tasks")
 
@@ -107,10 +107,7 @@ def balanced_chunks(ids: list[int], window: int) -> list[list[int]]:
     return [ids[i : i + size] for i in range(0, len(ids), size)] if ids else [[]]
 
 
-PROBE_SEED = 20_101
-
-
-class Mimic3Task(Task):
+class Mimic3Task(PublicAdmissions, Task):
     """ICD-9 coding of MIMIC-III discharge summaries.
 
     Parameters
@@ -309,45 +306,6 @@ class Mimic3Task(Task):
     public_label_kind = "codes"
     one_row_per_example = False  # a note's chunks are rows of one example
 
-    def read_public(
-        self,
-        folder: Path,
-        flag: str,
-        public_types: Any,
-        tokenizer: Any,
-        max_length: int,
-        cache_dir: str,
-        problems: ProblemLog,
-        name_lists: Any = None,
-    ) -> tuple[datasets.Dataset, Any, list[str], dict[str, int]]:
-        if public_types:
-            raise ClinfedError(
-                f"`public_types` maps entity types; task {self.name} reads ICD-9 codes, "
-                "which keep their names"
-            )
-        del name_lists  # they mark the input; an admission's codes take no span labels
-        records, codes = self.public_admissions(folder, flag, problems)
-        records = records.map(lambda _: {"site": PUBLIC_SITE}, input_columns="site")
-        return records, self.encode(records, tokenizer, max_length, cache_dir), codes, {}
-
-    def public_admissions(
-        self, folder: Path, flag: str, problems: ProblemLog
-    ) -> tuple[datasets.Dataset, list[str]]:
-        """A public warm start's text (``flag``: the option that named
-        ``folder``): every admission of the folder, both splits, that has a
-        discharge summary and one of the model's codes; and the codes they
-        carry. The label set stays the model's (public, never counted from
-        the text); other codes are left out, as for a site."""
-        records = self.read_documents(folder, problems)
-        kept = set(self.labels)
-        records = records.filter(lambda codes: any(c in kept for c in codes), input_columns="codes")
-        if not len(records):
-            raise ClinfedError(
-                f"{flag} {folder}: no admission has a discharge summary and one of the run's "
-                f"{len(self.labels)} label codes"
-            )
-        return records, sorted({c for codes in records["codes"] for c in codes if c in kept})
-
     def summarize(self, data: Path, problems: ProblemLog) -> dict[str, Any]:
         sites = site_folders(data)
         parts = self._read_sites(sites, problems)
@@ -534,14 +492,6 @@ class Mimic3Task(Task):
             for code, score in zip(self.labels, scores)
             if score >= THRESHOLD
         )
-
-    def public_probe(self, tokenizer, max_length: int, cache_dir: str) -> datasets.Dataset:
-        from clinfed.tasks.mimic3.synth import generate
-
-        folder = Path(cache_dir) / "probe"
-        generate(folder, sites=1, docs=24, seed=PROBE_SEED)
-        records = self.read_documents(folder, ProblemLog())
-        return self.encode(records, tokenizer, max_length, cache_dir).shuffle(seed=PROBE_SEED)
 
     def write_predictions(
         self,
