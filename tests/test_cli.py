@@ -889,7 +889,7 @@ def test_the_python_api_covers_plan_warm_start_export_and_audit(tiny_run, public
         clinfed.export(tmp_path / "run", tmp_path / "hf")
 
 
-def test_every_command_that_computes_takes_the_machine_s_threads():
+def test_every_command_that_computes_takes_the_machine_s_threads(tmp_path):
     # A shared machine's thread count, as train's --threads; evaluate,
     # predict, audit and clip-norm also take --device.
     for command in (["train"], ["warm-start"], ["sweep"], ["evaluate"], ["predict"],
@@ -899,6 +899,10 @@ def test_every_command_that_computes_takes_the_machine_s_threads():
     for command in (["evaluate"], ["predict"], ["audit"], ["privacy", "clip-norm"]):
         assert "--device" in run_cli(*command, "--help").stdout, command
     # A device this machine lacks is refused by name before any work.
-    for command in (["audit", "RUN"], ["privacy", "clip-norm", "--model", "m", "--data", "d"]):
+    folder = str(tmp_path)
+    for command in (
+        ["audit", folder],
+        ["privacy", "clip-norm", "--model", folder, "--data", folder],
+    ):
         refused = run_cli(*command, "--device", "tpu")
         assert refused.returncode == 2 and "--device tpu" in refused.stderr, refused.stderr
