@@ -902,7 +902,7 @@ def test_every_command_that_computes_takes_the_machine_s_threads(tmp_path):
     folder = str(tmp_path)
     for command in (
         ["audit", folder],
-        ["privacy", "clip-norm", "--model", folder, "--data", folder],
+        ["privacy", "clip-norm", folder, "--data", folder],
     ):
         refused = run_cli(*command, "--device", "tpu")
         assert refused.returncode == 2 and "--device tpu" in refused.stderr, refused.stderr
