@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from clinfed.errors import ClinfedError
+from clinfed.events import as_pairs, silent
 from clinfed.privacy.errors import PrivacyError
 
 
@@ -65,7 +66,8 @@ def train(
     task, strategy
         As ``--task`` and ``--strategy``.
     on_event
-        Called with each progress event (``round_end``, ``site_end``, ...).
+        Called with each progress event as ``(name, info)`` (``round_end`` and
+        its record, ``site_end``, ...; :mod:`clinfed.events` lists them).
     **settings
         Any other setting of ``clinfed train``, by its name with underscores
         (``rounds=5``, ``target_epsilon=8.0``, ``top_layers=2``,
@@ -84,7 +86,7 @@ def train(
         config = RunConfig.of(
             data=str(data), out=str(out), task=task, strategy=strategy, **settings
         )
-        return run_training(config, on_event or (lambda event, info: None))
+        return run_training(config, as_pairs(on_event) if on_event else silent)
 
 
 def evaluate(run: str | Path, data: str | Path) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from clinfed.errors import ClinfedError
+from clinfed.events import Reporter, silent
 
 # The private run's settings (the reference run differs only in having no
 # DP), common to every plan, then each plan's own. See the module docstring.
@@ -115,7 +116,7 @@ def private_and_reference(
     reference: Any,
     threads: int,
     on_step: Callable[[str], None],
-    on_event: Callable[[str, dict[str, Any]], None],
+    on_event: Reporter,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The private run and its reference, side by side where there are two
     cores or more (half the threads each, the reference in a second process:
@@ -188,7 +189,7 @@ def run_demo(
     plan: str = DEFAULT_PLAN,
     public: str = DEFAULT_PUBLIC,
     on_step: Callable[[str], None] = lambda text: None,
-    on_event: Callable[[str, dict[str, Any]], None] = lambda event, info: None,
+    on_event: Reporter = silent,
 ) -> dict[str, Any]:
     """Corpus, private run, reference run, audit and report under ``out``
     (a new folder); returns the summary the command prints (also

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from clinfed.errors import ClinfedError, ProblemLog
+from clinfed.events import Reporter, silent
 from clinfed.privacy.accountants import epsilon
 from clinfed.privacy.policy import COUNT_MECHANISM, PrivacyPolicy
 from clinfed.privacy.recipe import steps_per_epoch
@@ -152,7 +153,7 @@ def forecast(
     epsilons: list[float],
     out: Path,
     draws: int = FORECAST_DRAWS,
-    report=lambda event, info: None,
+    report: Reporter = silent,
 ) -> dict[str, Any]:
     """Run the plan on ``config.public_data`` dealt into sites of ``sizes``:
     ``draws`` times at each budget, each draw its own deal and seed, and

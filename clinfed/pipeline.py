@@ -42,7 +42,16 @@ from clinfed.adapters import (
 )
 from clinfed.device import resolve_device, use_threads
 from clinfed.errors import ClinfedError, ProblemLog
-from clinfed.events import Reporter, silent
+from clinfed.events import (
+    EpochEnd,
+    EpochStart,
+    EvalStart,
+    EvalStep,
+    Loaded,
+    Reporter,
+    Step,
+    silent,
+)
 from clinfed.factories import (
     after_saved_start,
     make_model,
@@ -349,13 +358,12 @@ def _write_start(
 
 def _loaded(report, train, test, corpus, sites, problems) -> None:
     report(
-        "loaded",
-        {
-            "train": len(train),
-            "test": len(test),
-            "sites": sorted(sites) if sites else list(corpus.sites),
-            "warnings": [str(p) for p in problems.problems],
-        },
+        Loaded(
+            train=len(train),
+            test=len(test),
+            sites=sorted(sites) if sites else list(corpus.sites),
+            warnings=[str(p) for p in problems.problems],
+        )
     )
 
 
@@ -370,7 +378,7 @@ def _pooled(prep: _Prepared, config: RunConfig, train, test, report: Reporter) -
     metrics: dict[str, Any] = {}
     outputs: list = []
     for epoch in range(1, config.epochs + 1):
-        report("epoch_start", {"epoch": epoch, "examples": len(train)})
+        report(EpochStart(epoch=epoch, examples=len(train)))
         stats = train_epoch(
             model,
             task,
@@ -379,17 +387,17 @@ def _pooled(prep: _Prepared, config: RunConfig, train, test, report: Reporter) -
             config.batch_size,
             order,
             scheduler,
-            on_step=lambda n: report("step", {"examples": n}),
+            on_step=lambda n: report(Step(examples=n)),
             precision=config.precision,
         )
-        report("eval_start", {"epoch": epoch, "examples": len(test)})
+        report(EvalStart(epoch=epoch, examples=len(test)))
         started = time.perf_counter()
         outputs = predict(
             model,
             task,
             test,
             config.eval_batch_size,
-            on_step=lambda n: report("eval_step", {"examples": n}),
+            on_step=lambda n: report(EvalStep(examples=n)),
         )
         metrics = task.evaluate(prep.corpus.test, test, outputs)
         record = {
@@ -402,7 +410,7 @@ def _pooled(prep: _Prepared, config: RunConfig, train, test, report: Reporter) -
             "eval_seconds": round(time.perf_counter() - started, 3),
         } | {k: v for k, v in metrics.items() if k not in ("f1", "scores")}
         append_jsonl(prep.out / "metrics.jsonl", record)
-        report("epoch_end", record)
+        report(EpochEnd(record))
         if not math.isfinite(stats.loss):
             stopped = (
                 f"stopped in epoch {epoch}: training diverged (the loss is not finite): lower "

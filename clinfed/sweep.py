@@ -21,7 +21,6 @@ import json
 import math
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from typing import Any
 import matplotlib
 
 from clinfed.errors import ClinfedError
+from clinfed.events import CellEnd, CellStart, Reporter, SweepStart, silent
 from clinfed.federated.strategies import STRATEGIES
 from clinfed.pipeline import RunConfig, run_training
 from clinfed.resume import check_same_settings
@@ -99,7 +99,7 @@ def run_sweep(
     strategies: list[str],
     epsilons: list[float],
     seeds: int,
-    report: Callable[[str, dict[str, Any]], None] = lambda e, i: None,
+    report: Reporter = silent,
     options: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Run every missing cell; return one row per finished cell.
@@ -134,7 +134,7 @@ def run_sweep(
         # A finished cell is kept only if it is the cell this sweep asks for
         # (checked for every cell before any trains).
         check_same_settings(planned[name].resolved(), out / name, "sweep --resume: cell")
-    report("sweep_start", {"cells": len(planned), "finished": len(finished)})
+    report(SweepStart(cells=len(planned), finished=len(finished)))
     for name, config in planned.items():
         folder = out / name
         if name in finished:
@@ -144,13 +144,13 @@ def run_sweep(
         resume = folder.exists()
         if resume and not (folder / "config.json").is_file():
             raise ClinfedError(f"{folder}: not a clinfed run folder; the sweep will not touch it")
-        report("cell_start", {"cell": name})
+        report(CellStart(cell=name))
         started = time.perf_counter()
         run_training(replace(config, resume=resume))
         seconds = round(time.perf_counter() - started, 1)
         append_jsonl(out / TIMES, {"cell": name, "seconds": seconds})
         write_table(out, collect(out))
-        report("cell_end", {"cell": name, "seconds": seconds})
+        report(CellEnd(cell=name, seconds=seconds))
     rows = collect(out)
     write_table(out, rows)
     return rows

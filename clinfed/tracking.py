@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from clinfed.errors import ClinfedError
-from clinfed.events import Reporter
+from clinfed.events import EpochEnd, Event, Reporter, RoundEnd, SiteEnd
 
 
 class Tracker(ABC):
@@ -29,15 +29,16 @@ class Tracker(ABC):
     def close(self) -> None:
         """Flush and release the backend."""
 
-    def listen(self, event: str, info: dict[str, Any]) -> None:
-        """One pipeline event (see :func:`clinfed.pipeline.run_training`)."""
-        if event in ("round_end", "epoch_end"):
+    def listen(self, event: Event) -> None:
+        """One pipeline event (:mod:`clinfed.events`)."""
+        info = event.info()
+        if isinstance(event, (RoundEnd, EpochEnd)):
             step = int(info.get("round", info.get("epoch", 0)))
             for key in ("f1", "micro_f1", "macro_f1", "train_loss"):
                 value = info.get(key)
                 if isinstance(value, (int, float)):
                     self.scalar(f"global/{key}", float(value), step)
-        elif event == "site_end":
+        elif isinstance(event, SiteEnd):
             step, site = int(info["round"]), info["site"]
             self.scalar(f"{site}/mb_up", info["bytes_up"] / 1e6, step)
             if "bytes_down" in info:
@@ -111,12 +112,12 @@ class Tracked:
                 f"`report_to` {kind} needs {needed}: pip install 'clinfed[{needed}]'"
             )
 
-    def __call__(self, event: str, info: dict[str, Any]) -> None:
+    def __call__(self, event: Event) -> None:
         if self.tracker is None and self.kind != "none":
             self.tracker = make_tracker(self.kind, self.run_folder, self.settings)
         if self.tracker is not None:
-            self.tracker.listen(event, info)
-        self.report(event, info)
+            self.tracker.listen(event)
+        self.report(event)
 
     def close(self) -> None:
         if self.tracker is not None:

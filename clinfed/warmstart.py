@@ -29,7 +29,7 @@ from torch import nn
 
 from clinfed.device import use_threads
 from clinfed.errors import ClinfedError, ProblemLog
-from clinfed.events import Reporter, silent
+from clinfed.events import PublicEpoch, Reporter, silent
 from clinfed.federated.public_check import PublicCheck, Scored, micro_f1
 from clinfed.models import gazetteer_of, load_tokenizer, save_model
 from clinfed.runs import ensure_outside
@@ -131,7 +131,7 @@ def warm_start(
     tokenizer: Any,
     cache_dir: str,
     problems: ProblemLog,
-    report=lambda event, info: None,
+    report: Reporter = silent,
 ) -> dict[str, Any]:
     """Train ``model`` (every parameter) on ``config.public_data`` for
     ``config.public_epochs``; returns what ``config.json`` and the report
@@ -171,7 +171,7 @@ def warm_start(
     started = time.perf_counter()
     loss = None
     for epoch in range(1, config.public_epochs + 1):
-        report("public_epoch", {"epoch": epoch, "examples": len(examples)})
+        report(PublicEpoch(epoch=epoch, examples=len(examples)))
         loss = train_epoch(
             model, task, examples, optimizer, batch_size, order, precision=config.precision
         ).loss

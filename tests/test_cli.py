@@ -560,7 +560,7 @@ def test_the_demo_s_reference_run_fails_in_its_process_as_the_caller_s_clear_err
     reference = RunConfig.of(data=str(missing), out=str(tmp_path / "no-dp"), **common)
     steps = []
     with pytest.raises(ClinfedError, match="no-such-corpus"):
-        private_and_reference(private, reference, 2, steps.append, lambda event, info: None)
+        private_and_reference(private, reference, 2, steps.append, lambda event: None)
     assert any("beside it" in step for step in steps)  # two cores: side by side
     assert (tmp_path / "private" / "summary.json").is_file()  # the private run still ended
 

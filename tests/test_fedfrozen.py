@@ -7,6 +7,7 @@ import json
 import torch
 from safetensors.torch import load_file
 
+from clinfed.events import RoundEnd
 from clinfed.federated.strategies.fedfrozen import FedFrozen, FedFrozenOptions, is_query_key
 from clinfed.pipeline import RunConfig, run_training
 
@@ -53,8 +54,8 @@ def test_qk_bit_identical_after_warmup_and_never_uploaded(i2b2_corpus, tmp_path,
     run = tmp_path / "run"
     checkpoints: dict[int, dict[str, torch.Tensor]] = {}
 
-    def report(event, info):
-        if event == "round_end" and (run / "state.json").is_file():
+    def report(event):
+        if isinstance(event, RoundEnd) and (run / "state.json").is_file():
             state = json.loads((run / "state.json").read_text())
             checkpoints[state["round"]] = load_file(str(run / state["checkpoint"]))
 

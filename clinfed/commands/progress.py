@@ -17,6 +17,23 @@ from rich.progress import (
 )
 
 from clinfed.commands.common import _warn, log
+from clinfed.events import (
+    EpochEnd,
+    EpochStart,
+    EvalStart,
+    EvalStep,
+    Event,
+    Loaded,
+    RoundEnd,
+    SiteEnd,
+    SiteEvalStart,
+    SiteEvalStep,
+    SiteRefused,
+    SiteStart,
+    SiteStep,
+    Step,
+    Stopped,
+)
 
 
 class ProgressReporter:
@@ -56,64 +73,71 @@ class ProgressReporter:
             self.progress.remove_task(self.bar)
         self.bar = self.progress.add_task(description, total=total)
 
-    def __call__(self, event: str, info: dict[str, Any]) -> None:
+    def __call__(self, event: Event) -> None:
         p = self.progress
-        if event == "loaded":
-            _warn(info["warnings"])
+        if isinstance(event, Loaded):
+            _warn(event.warnings)
             log.info(
-                f"{info['train']} training and {info['test']} held-out examples "
-                f"from sites {', '.join(info['sites'])}"
+                f"{event.train} training and {event.test} held-out examples "
+                f"from sites {', '.join(event.sites)}"
             )
-        elif event in ("epoch_start", "eval_start"):
-            label = "train" if event == "epoch_start" else "evaluate"
-            self._work(f"epoch {info['epoch']}/{self.epochs} {label}", info["examples"])
-        elif event in ("step", "eval_step"):
-            p.advance(self.bar, info["examples"])
-        elif event == "epoch_end":
+        elif isinstance(event, (EpochStart, EvalStart)):
+            label = "train" if isinstance(event, EpochStart) else "evaluate"
+            self._work(f"epoch {event.epoch}/{self.epochs} {label}", event.examples)
+        elif isinstance(event, (Step, EvalStep)):
+            p.advance(self.bar, event.examples)
+        elif isinstance(event, EpochEnd):
             log.info(
-                f"epoch {info['epoch']}: f1 {info['f1']:.4f}  loss {info['train_loss']:.4f}  "
-                f"{info['tokens_per_s']:.0f} tokens/s"
+                f"epoch {event['epoch']}: f1 {event['f1']:.4f}  loss {event['train_loss']:.4f}  "
+                f"{event['tokens_per_s']:.0f} tokens/s"
             )
-        elif event == "site_start":
-            if info["round"] != self.current:
-                self._round_starts(info["round"])
+        elif isinstance(event, SiteStart):
+            if event.round != self.current:
+                self._round_starts(event.round)
             if self.round_bar is None:
                 self.round_bar = p.add_task("rounds", total=self.rounds)
-                p.update(self.round_bar, completed=info["round"] - 1)
-            self._work(f"round {info['round']} {info['site']} train", None)
-        elif event in ("site_step", "site_eval_step"):
-            p.update(self.bar, total=info["total"], advance=info["done"])
-        elif event == "site_eval_start":
-            self._work(f"{info['site']} evaluate", info["total"])
-        elif event == "site_end":
-            # Under DP the training loss is not released; epsilon is shown instead.
-            detail = (
-                f"epsilon {info['epsilon']:.3f}"
-                if "epsilon" in info
-                else f"loss {info['train_loss']:.4f}"
-            )
-            log.info(
-                f"round {info['round']} {info['site']}: {detail}  "
-                f"up {info['bytes_up'] / 1e6:.1f} MB"
-                + (f"  {info['wall_s']:.0f} s" if "wall_s" in info else "")
-            )
-        elif event == "site_refused":
+                p.update(self.round_bar, completed=event.round - 1)
+            self._work(f"round {event.round} {event.site} train", None)
+        elif isinstance(event, (SiteStep, SiteEvalStep)):
+            p.update(self.bar, total=event.total, advance=event.done)
+        elif isinstance(event, SiteEvalStart):
+            self._work(f"{event.site} evaluate", event.total)
+        elif isinstance(event, SiteEnd):
+            self._site_end(event.info())
+        elif isinstance(event, SiteRefused):
             log.warning(
-                f"round {info['round']} {info['site']}: refused, epsilon would reach "
-                f"{info['epsilon_if_trained']:.3f} (spent {info['epsilon']:.3f})"
+                f"round {event['round']} {event['site']}: refused, epsilon would reach "
+                f"{event['epsilon_if_trained']:.3f} (spent {event['epsilon']:.3f})"
             )
-        elif event == "stopped":
-            log.warning(info["reason"])
-        elif event == "round_end":
-            if info["round"] == self.rounds and self.current == self.rounds:
-                now = time.perf_counter()
-                log.info(
-                    f"round {self.rounds}/{self.rounds} trained and evaluated in "
-                    f"{span(now - self.round_started)}"
-                )
-            log.info(f"round {info['round']}: f1 {f1_text(info)}")
-            if self.round_bar is not None:
-                p.update(self.round_bar, completed=info["round"])
+        elif isinstance(event, Stopped):
+            log.warning(event.reason)
+        elif isinstance(event, RoundEnd):
+            self._round_end(event.info())
+
+    @staticmethod
+    def _site_end(info: dict[str, Any]) -> None:
+        # Under DP the training loss is not released; epsilon is shown instead.
+        detail = (
+            f"epsilon {info['epsilon']:.3f}"
+            if "epsilon" in info
+            else f"loss {info['train_loss']:.4f}"
+        )
+        log.info(
+            f"round {info['round']} {info['site']}: {detail}  "
+            f"up {info['bytes_up'] / 1e6:.1f} MB"
+            + (f"  {info['wall_s']:.0f} s" if "wall_s" in info else "")
+        )
+
+    def _round_end(self, info: dict[str, Any]) -> None:
+        if info["round"] == self.rounds and self.current == self.rounds:
+            now = time.perf_counter()
+            log.info(
+                f"round {self.rounds}/{self.rounds} trained and evaluated in "
+                f"{span(now - self.round_started)}"
+            )
+        log.info(f"round {info['round']}: f1 {f1_text(info)}")
+        if self.round_bar is not None:
+            self.progress.update(self.round_bar, completed=info["round"])
 
 
 def f1_text(record: dict) -> str:

@@ -37,6 +37,7 @@ from clinfed.commands.progress import (
     f1_text,
 )
 from clinfed.errors import ClinfedError
+from clinfed.events import CellEnd, CellStart, Event, PublicEpoch, SweepStart
 
 
 # ---------------------------------------------------------------- train
@@ -247,15 +248,15 @@ def sweep_cmd(
     with Progress(*columns(), **PROGRESS, console=err, disable=progress_disabled()) as progress:
         cells: Any = None
 
-        def show(event: str, info: dict[str, Any]) -> None:
+        def show(event: Event) -> None:
             nonlocal cells
-            if event == "sweep_start":
-                cells = progress.add_task("sweep cells", total=info["cells"])
-                progress.update(cells, completed=info["finished"])
-            elif event == "cell_start":
-                log.info(f"sweep: running {info['cell']}")
-            elif event == "cell_end":
-                log.info(f"sweep: {info['cell']} done in {info['seconds']:.0f} s")
+            if isinstance(event, SweepStart):
+                cells = progress.add_task("sweep cells", total=event.cells)
+                progress.update(cells, completed=event.finished)
+            elif isinstance(event, CellStart):
+                log.info(f"sweep: running {event.cell}")
+            elif isinstance(event, CellEnd):
+                log.info(f"sweep: {event.cell} done in {event.seconds:.0f} s")
                 progress.advance(cells)
 
         rows = run_sweep(base, out_dir, names, parse_epsilons(epsilons), seeds, show, options)
@@ -403,10 +404,10 @@ def warm_start_cmd(
     config = RunConfig.from_values(values, str(config_file) if config_file else "flags")
     started = time.perf_counter()
 
-    def show(event: str, info: dict[str, Any]) -> None:
-        if event == "public_epoch":
+    def show(event: Event) -> None:
+        if isinstance(event, PublicEpoch):
             # Counts only: nothing of the public corpus is printed.
-            log.info(f"warm start: epoch {info['epoch']} over {info['examples']:,} public examples")
+            log.info(f"warm start: epoch {event.epoch} over {event.examples:,} public examples")
 
     record = warm_start_model(config, show)
     if as_json:

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from clinfed.errors import ClinfedError
-from clinfed.events import Reporter, silent
+from clinfed.events import Reporter, RoundEnd, SiteEnd, SiteRefused, Stopped, silent
 from clinfed.federated import payload, state
 from clinfed.federated.messages import Message, Reply, Transport
 from clinfed.federated.outputs import write_privacy, write_summary
@@ -356,14 +356,14 @@ class RoundEngine:
         for record in sorted(records, key=lambda r: r["site"]):
             self._metrics(record)
             if "bytes_up" in record:
-                self.report("site_end", record)
+                self.report(SiteEnd(record))
         if not replies.trained:
             # Nothing is committed: what the sites hold is still what the
             # last committed round left them (the final evaluation's base).
             self.stopped = (
                 f"stopped before round {round_number}: no site can train within its privacy budget"
             )
-            self.report("stopped", {"round": round_number, "reason": self.stopped})
+            self.report(Stopped(round=round_number, reason=self.stopped))
             return False
         self.holds |= replies.holds
         self._apply(round_number, *summed.mean(self.global_state))
@@ -414,7 +414,7 @@ class RoundEngine:
             if "refused" in record:
                 replies.refused += 1
                 replies.records.append(record)
-                self.report("site_refused", record)
+                self.report(SiteRefused(record))
                 return
             record["bytes_down"] = bytes_down[address]
             reason = summed.add(address, reply, record["examples"])
@@ -494,7 +494,7 @@ class RoundEngine:
         record |= self.pending_observed
         self._metrics(record)
         self.last_record = record
-        self.report("round_end", record)
+        self.report(RoundEnd(record))
         if "f1" in record:
             self.log(f"round {round_number}: f1 {record['f1']:.4f} on {len(evaluations)} sites")
         else:

@@ -46,7 +46,7 @@ from torch import nn
 from clinfed.adapters import shared_names, shared_state
 from clinfed.blocks import block_of, num_layers, parameter_blocks
 from clinfed.errors import ClinfedError
-from clinfed.events import Reporter, silent
+from clinfed.events import Reporter, SiteEvalStart, SiteEvalStep, SiteStart, SiteStep, silent
 from clinfed.federated import payload
 from clinfed.federated.client import LocalSettings, LocalWork, site_generator
 from clinfed.federated.state import load_tensors, save_tensors
@@ -181,7 +181,7 @@ class SiteRunner:
         record = None
         replay = None
         if message.kind == "train":
-            self.report("site_start", {"round": message.round, "site": self.name})
+            self.report(SiteStart(round=message.round, site=self.name))
             received = (
                 {k: v.detach().clone() for k, v in self.model.state_dict().items()}
                 if self.audit_dir is not None
@@ -426,10 +426,10 @@ class SiteRunner:
         counts = {}
         variants = self.strategy.evaluations(self.model, self.personal)
         total = len(self.test) * len(variants)
-        self.report("site_eval_start", {"site": self.name, "total": total})
+        self.report(SiteEvalStart(site=self.name, total=total))
 
         def step(done: int) -> None:
-            self.report("site_eval_step", {"site": self.name, "done": done, "total": total})
+            self.report(SiteEvalStep(site=self.name, done=done, total=total))
 
         for variant, context in variants.items():
             with context:
@@ -487,7 +487,7 @@ class SiteRunner:
                 self.personal,
                 randomness,
                 on_step=lambda done, total: self.report(
-                    "site_step", {"site": self.name, "done": done, "total": total}
+                    SiteStep(site=self.name, done=done, total=total)
                 ),
                 round_number=round_number,
             )
