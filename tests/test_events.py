@@ -3,10 +3,9 @@ runner; the Python API hands them on as (name, info)."""
 
 from __future__ import annotations
 
-import json
-
 from clinfed import events
 from clinfed.pipeline import run_training
+from clinfed.runs import read_jsonl
 
 
 def test_a_run_reports_typed_events_that_carry_its_records(tiny_config, tmp_path):
@@ -16,9 +15,7 @@ def test_a_run_reports_typed_events_that_carry_its_records(tiny_config, tmp_path
     assert kinds[0] is events.Loaded and seen[0].sites == ["beth", "partners", "site3"]
     assert {events.SiteStart, events.SiteStep, events.SiteEnd, events.RoundEnd} <= set(kinds)
     # A round's event is its record of metrics.jsonl, as the file holds it.
-    records = [
-        json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().split("\n") if x
-    ]
+    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     rounds = [e.info() for e in seen if isinstance(e, events.RoundEnd)]
     assert [r["round"] for r in rounds] == [1, 2]
     assert all(r in records for r in rounds)
