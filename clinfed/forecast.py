@@ -8,7 +8,8 @@ its averaged step (:func:`noise_plan`, instant, no data read). With public
 annotated text it also forecasts F1: the same plan runs on that text dealt
 into sites of the same sizes, several times per budget (each draw its own
 deal, seed and secret noise) and once without DP; the forecast is the
-draws' mean with an interval (their range widened by F1's scoring error),
+draws' mean with an interval (their range widened by F1's scoring error
+on the public held-out text and on the sites' own, estimated from sizes),
 and the forecast cost of DP its difference from the run without
 (:func:`forecast`). No private text is read at any point.
 
@@ -138,13 +139,27 @@ def check_public_text(config: RunConfig, task: Any, units: list, sizes: dict[str
         )
 
 
-def interval(values: list[float], mentions: int) -> tuple[float, float, float]:
+def interval(
+    values: list[float], public_mentions: int, site_mentions: int
+) -> tuple[float, float, float]:
     """The point forecast (the draws' mean) and its interval: the draws'
-    range widened by twice F1's scoring error on ``mentions`` gold mentions
-    (``sqrt(F(1-F)/n)``), so that one draw still carries an interval."""
+    range widened by twice the scoring error of an F1 measured twice, once
+    on the forecast's ``public_mentions`` and once on the sites' own held-out
+    ``site_mentions`` (``sqrt(F(1-F)/n)`` each): what the sites will measure
+    carries their test set's sampling error too, and one draw still gets an
+    interval."""
     point = sum(values) / len(values)
-    error = 2 * math.sqrt(max(point * (1 - point), 0.0) / max(mentions, 1))
+    spread = max(point * (1 - point), 0.0)
+    error = 2 * math.sqrt(spread / max(public_mentions, 1) + spread / max(site_mentions, 1))
     return point, max(0.0, min(values) - error), min(1.0, max(values) + error)
+
+
+def site_mentions(task: Any, sizes: dict[str, int], mentions_per_unit: float) -> int:
+    """The mentions the sites' held-out notes hold, estimated from their
+    training units, the task's held-out share and the public text's
+    mentions per unit (the sites' own counts are private)."""
+    share = task.held_out_share
+    return max(1, round(sum(sizes.values()) * share / (1 - share) * mentions_per_unit))
 
 
 def forecast(
@@ -194,9 +209,10 @@ def forecast(
             if row["f1"] is not None:
                 f1[row["target_epsilon"]].append(row["f1"])
     per_draw = mentions // draws
+    at_sites = site_mentions(task, sizes, per_draw / max(len(test), 1))
     forecasts = {
         ("inf" if math.isinf(e) else f"{e:g}"): dict(
-            zip(("f1", "low", "high"), interval(values, per_draw)), draws=values
+            zip(("f1", "low", "high"), interval(values, per_draw, at_sites)), draws=values
         )
         for e, values in f1.items()
         if values
@@ -207,6 +223,7 @@ def forecast(
         "sites": sizes,
         "test_units": len(test),
         "test_mentions": per_draw,
+        "site_mentions_estimate": at_sites,
         "forecasts": forecasts,
         "f1": {name: made["f1"] for name, made in forecasts.items()},
         "cost_points": {

@@ -196,6 +196,9 @@ class Task(ABC):
     options: ClassVar[type | None] = None
     # The task in words (the report's header).
     description: ClassVar[str] = ""
+    # The share of a site's data it holds out (when its folder has no test
+    # split): the forecast sizes the sites' own scoring error from it.
+    held_out_share: ClassVar[float] = 0.2
     # What one record of its corpus is, plural (``clinfed data synth``).
     records: ClassVar[str] = "documents"
     # The model-free baselines it offers (``clinfed baseline --kind``).

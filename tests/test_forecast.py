@@ -64,6 +64,7 @@ def test_the_forecast_runs_the_plan_on_public_text_in_sites_of_those_sizes(tmp_p
     assert len(at8["draws"]) == 2 and len(reference["draws"]) == 1
     assert at8["f1"] == pytest.approx(sum(at8["draws"]) / 2)
     assert at8["low"] < min(at8["draws"]) <= max(at8["draws"]) < at8["high"]
+    assert made["site_mentions_estimate"] > 0  # the sites' own scoring error counts too
     assert made["cost_points"]["8"] == pytest.approx(100 * (reference["f1"] - at8["f1"]))
     for draw in (0, 1):
         dp = json.loads((folder / f"runs-{draw}" / "fedavg-eps8-seed0" / "config.json").read_text())

@@ -96,6 +96,7 @@ class I2b2Task(PublicText, Task):
     """
 
     name = "i2b2"
+    held_out_share = TEST_FRACTION
     head = "token"
     defaults = {"max_length": 128, "batch_size": 16, "lr": 1e-4, "head_lr": 1e-3}
     # Every weight under DP: 2e-3 and 0.0345 at batch 760 were BC5CDR's best

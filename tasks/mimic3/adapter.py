@@ -127,6 +127,7 @@ class Mimic3Task(PublicAdmissions, Task):
     """
 
     name = "mimic3"
+    held_out_share = TEST_FRACTION
     head = "multilabel"
     # Few, long examples and a sigmoid head over many codes: smaller batches
     # (more steps) and a fast head.
