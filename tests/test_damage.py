@@ -256,18 +256,22 @@ EDITS = {
 }
 
 
-@pytest.mark.parametrize("edit", list(EDITS))
-def test_an_edited_figure_is_never_stated_report_and_card_refuse_it(finished, tmp_path, edit):
-    change, named = EDITS[edit]
-    run = tmp_path / "run"
-    shutil.copytree(finished, run)
-    change(run)
-    before = _checksums(run)
-    for command in (("report", str(run)), ("export", str(run), "--out", str(tmp_path / "m"))):
-        result = run_cli(*command)
-        assert result.returncode == 2, (edit, command[0], result.stdout)
-        assert named in result.stderr and "Traceback" not in result.stderr, result.stderr
-    assert _checksums(run) == before and not (tmp_path / "m").exists()
+def test_an_edited_figure_is_never_stated_report_and_card_refuse_it(finished, tmp_path):
+    # Every case in one test: one finished run per worker, not one per case.
+    for edit, (change, named) in EDITS.items():
+        run = tmp_path / edit.replace(" ", "-").replace("'", "")
+        shutil.copytree(finished, run)
+        change(run)
+        before = _checksums(run)
+        exported = tmp_path / f"{run.name}-model"
+        for command in (("report", str(run)), ("export", str(run), "--out", str(exported))):
+            result = run_cli(*command)
+            assert result.returncode == 2, (edit, command[0], result.stdout)
+            assert named in result.stderr and "Traceback" not in result.stderr, (
+                edit,
+                result.stderr,
+            )
+        assert _checksums(run) == before and not exported.exists(), edit
 
 
 def test_without_its_seal_a_run_s_figures_are_stated_as_unverified(finished, tmp_path):

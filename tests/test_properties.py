@@ -37,7 +37,7 @@ from clinfed.tasks.i2b2.format import Concept, Document
 
 from .test_secure import NAMES, SecureSites, engine, plain_mean
 
-FEW = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FEW = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # Each example runs a whole secure round (key agreement, Shamir, ChaCha20).
 SLOW = settings(
     max_examples=6,
