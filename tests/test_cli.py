@@ -534,6 +534,7 @@ def test_the_demo_runs_the_private_federated_path_end_to_end(tmp_path):
     assert again.returncode == 2 and "choose a new" in again.stderr
 
 
+@pytest.mark.slow  # a variant of the demo's end-to-end test above: only its public text differs
 def test_the_demo_can_start_from_the_shipped_pubmed_text(tmp_path):
     out = tmp_path / "demo"
     args = ("demo", "--model", "tiny", "--docs", "2", "--rounds", "1", "--threads", "1")
