@@ -44,12 +44,13 @@ def export_run(run: Path, out: Path) -> dict[str, Any]:
 
     from clinfed.models import load_saved_model
     from clinfed.reporting.report import build, write_report
+    from clinfed.tasks import task_head
     from clinfed.version import __version__
 
     run, out = Path(run), Path(out)
     ensure_new_run_folder(out, "exported model", {"RUN": run})
     content = build(run)  # verified (the seal included) before the model is read
-    model, tokenizer, meta = load_saved_model(run / "model")
+    model, tokenizer, meta = load_saved_model(run / "model", task_head)
     exported = _as_transformers(run, model, meta)
     _check_same_logits(model, exported, tokenizer)
     provenance = _provenance(run, meta)

@@ -1,15 +1,13 @@
 """What a run is built from, the same way in every runner: its task, model,
-strategy, each site's privacy policy (from the count it released), and the
-server's summation. The in-process runner, the Flower server and every
+strategy and the server's summation (each site's privacy policy:
+:mod:`clinfed.federated.site_policy`). The in-process runner, the Flower server and every
 Flower node call these, so a site gets the same noise and the same model in
 every transport."""
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import fields
-from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -27,10 +25,8 @@ from clinfed.models import (
     load_tokenizer,
     model_window,
 )
-from clinfed.privacy.count import count_path
-from clinfed.privacy.policy import PrivacyPolicy
 from clinfed.settings import RunConfig
-from clinfed.tasks import TASKS, get_task
+from clinfed.tasks import TASKS, get_task, task_head
 from clinfed.tasks.base import Task
 
 
@@ -38,7 +34,12 @@ def make_model(config: RunConfig, task: Task) -> nn.Module:
     """The run's starting model (with the modules its strategy adds): the
     same weights wherever it is built from the same config."""
     model = build_model(
-        task.head, config.model, len(task.labels), seed=config.seed, labels=task.labels
+        task.head,
+        config.model,
+        len(task.labels),
+        seed=config.seed,
+        labels=task.labels,
+        head_lookup=task_head,
     )
     window = model_window(model)
     if config.max_length is not None and config.max_length > window:
@@ -113,88 +114,6 @@ def make_strategy(config: RunConfig, task: Task, tokenizer: Any, cache_dir: str)
     context = StrategyContext(task, tokenizer, config.max_length, config.seed, cache_dir)
     cls = STRATEGIES[config.strategy]
     return cls.build(config.options(), context)
-
-
-def privacy_policy(
-    config: RunConfig,
-    task: Task,
-    train: dict[str, Any],
-    folder: Path,
-    strategy: Strategy,
-    memo: Path | None = None,
-    ledger_paths: dict[str, Path] | None = None,
-    ledger_budget: float | None = None,
-    ledger_mark: Path | None = None,
-    run: str | None = None,
-) -> PrivacyPolicy:
-    """Each site's DP-SGD settings and ledger (``train``: each site's encoded
-    training examples). A site calibrates from its own number of privacy
-    units only, so it gets the same noise in every transport.
-    ``ledger_paths``: ledgers that outlive the run (a node's, one per
-    dataset; default ``folder/<site>.jsonl``); a released count is kept
-    beside its ledger. ``ledger_budget``, ``ledger_mark``, ``run``: a
-    node's cap over every run, its ledgers' high-water mark and the run
-    charging them (:class:`~clinfed.federated.assembly.SitePlace`)."""
-    from clinfed.privacy.recipe import steps_per_epoch
-
-    target = config.target_epsilon
-    unit = config.privacy_unit
-    ledger_paths = dict(ledger_paths or {})
-    sites_units = {site: task.unit_rows(data, unit) for site, data in train.items()}
-    sizes = {site: len(units) for site, units in sites_units.items()}
-    if config.neighbours == "add-remove":
-        sizes = {
-            site: released_count(
-                config, site, n, count_path(ledger_paths.get(site, folder / f"{site}.jsonl"))
-            )
-            for site, n in sizes.items()
-        }
-    policy = PrivacyPolicy.build(
-        folder,
-        sizes,
-        config.batch_size,
-        config.local_epochs,
-        config.rounds,
-        config.delta,
-        None if target is None or math.isinf(target) else target,
-        config.noise_multiplier,
-        config.max_grad_norm,
-        config.clipping,
-        strategy.selection_mechanism(),
-        strategy.trainings_per_round,
-        config.reproducible_noise,
-        reference_batch=task.defaults["batch_size"],
-        memo=memo,
-        relation=config.neighbours,
-        steps_per_epoch=steps_per_epoch(config.adapter),
-    )
-    policy.ledger_paths = ledger_paths
-    policy.ledger_budget, policy.ledger_mark, policy.run = ledger_budget, ledger_mark, run
-    policy.unit, policy.unit_text = unit, task.units[unit]
-    if unit == "example":
-        # What groups the units, for the group bound; never how many a
-        # group holds (one note's length, exact).
-        policy.group_of = next((g for g in ("patient", "document") if g in task.units), None)
-    return policy
-
-
-def released_count(config: RunConfig, site: str, units: int, kept_at: Path) -> int:
-    """Under add/remove neighbours, the unit count ``site`` releases: the one
-    kept at ``kept_at`` (beside its ledger: one per dataset), or a fresh
-    noisy draw from its secret randomness (clinfed.privacy.count; kept before
-    anything covering it leaves)."""
-    from clinfed.federated.client import site_generator
-    from clinfed.privacy.count import kept_count, noisy_count
-    from clinfed.privacy.randomness import reproducible, secret
-
-    kept = kept_count(kept_at)
-    if kept is not None:
-        return kept
-    if config.reproducible_noise:
-        randomness = reproducible(site_generator(config.seed, 0, site))
-    else:
-        randomness = secret()
-    return noisy_count(units, randomness.noise)
 
 
 def summation(config: RunConfig) -> Summation:

@@ -9,7 +9,7 @@ from clinfed.errors import ClinfedError, ProblemLog
 from clinfed.models import load_saved_model, saved_run_model
 from clinfed.runs import ensure_new_run_folder
 from clinfed.scratch import temporary_folder
-from clinfed.tasks import get_task
+from clinfed.tasks import get_task, task_head
 from clinfed.training import predict
 
 
@@ -20,7 +20,7 @@ def saved_model_and_task(run: Path, cache_dir: str) -> tuple[Any, Any, dict[str,
     model_dir = saved_run_model(str(run))
     if model_dir is None:
         raise ClinfedError(f"{run}: no model/ folder (not a finished clinfed run?)")
-    model, tokenizer, meta = load_saved_model(model_dir)
+    model, tokenizer, meta = load_saved_model(model_dir, task_head)
     options = {k: meta[k] for k in ("codes", "top_k", "max_chunks", "format", "types") if k in meta}
     task = get_task(meta["task"], cache_dir=cache_dir, **options)
     task.labels = list(meta["labels"])  # the model's label set, whatever the folder holds

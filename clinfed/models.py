@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -391,22 +391,26 @@ def model_window(model: nn.Module) -> int:
     return window
 
 
-def head_model(kind: str) -> type:
+def head_model(kind: str, lookup: Callable[[str], type | None] | None = None) -> type:
     """The model class of a head kind: a built-in one (:data:`HEADS`), or
-    the ``head_class`` of the task that declares the kind (a task brings a
-    head of its own in its folder; nothing here changes)."""
+    the one ``lookup`` returns for it (the runners pass the task registry's,
+    :func:`clinfed.tasks.task_head`: a task may bring a head class of its
+    own, and nothing here imports tasks)."""
     if kind in HEADS:
         return HEADS[kind]
-    from clinfed.tasks import TASKS
-
-    for task in TASKS.values():
-        if task.head == kind and task.head_class is not None:
-            return task.head_class
-    raise ValueError(f"unknown head {kind!r}")
+    found = lookup(kind) if lookup is not None else None
+    if found is None:
+        raise ValueError(f"unknown head {kind!r}")
+    return found
 
 
 def build_model(
-    head: str, spec: str, num_labels: int, seed: int = 0, labels: Sequence[str] | None = None
+    head: str,
+    spec: str,
+    num_labels: int,
+    seed: int = 0,
+    labels: Sequence[str] | None = None,
+    head_lookup: Callable[[str], type | None] | None = None,
 ) -> nn.Module:
     """A fresh model: pretrained encoder for ``spec`` plus a seeded random head.
 
@@ -414,11 +418,12 @@ def build_model(
     e.g. one started from public text): its encoder, and its head too when
     it was trained for the same ``labels`` in the same order (a head for
     other labels would score the wrong ones, so it starts afresh).
+    ``head_lookup``: where a head kind outside :data:`HEADS` is found.
     """
-    model_class = head_model(head)
+    model_class = head_model(head, head_lookup)
     saved = saved_run_model(spec)
     if saved is not None:
-        trained, _, meta = load_saved_model(saved)
+        trained, _, meta = load_saved_model(saved, head_lookup)
         torch.manual_seed(seed)
         model = model_class(trained.encoder, num_labels)
         if meta.get("head") == head and labels is not None and meta["labels"] == list(labels):
@@ -483,8 +488,11 @@ def save_model(model: nn.Module, folder: Path, meta: dict[str, Any], tokenizer) 
     tokenizer.save_pretrained(folder / "tokenizer")
 
 
-def load_saved_model(folder: Path) -> tuple[nn.Module, Any, dict[str, Any]]:
-    """Rebuild a model saved by :func:`save_model`: (model, tokenizer, meta)."""
+def load_saved_model(
+    folder: Path, head_lookup: Callable[[str], type | None] | None = None
+) -> tuple[nn.Module, Any, dict[str, Any]]:
+    """Rebuild a model saved by :func:`save_model`: (model, tokenizer, meta);
+    ``head_lookup`` as in :func:`build_model`."""
     meta_path = folder / "model.json"
     if not meta_path.is_file():
         raise ClinfedError(f"{folder}: no model.json (not a finished clinfed run?)")
@@ -494,7 +502,7 @@ def load_saved_model(folder: Path) -> tuple[nn.Module, Any, dict[str, Any]]:
         config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
         kwargs = {"add_pooling_layer": False} if config.model_type in _POOLER_TYPES else {}
         encoder = AutoModel.from_config(config, **kwargs)
-        model = head_model(meta["head"])(encoder, len(meta["labels"]))
+        model = head_model(meta["head"], head_lookup)(encoder, len(meta["labels"]))
         if meta.get("prompt"):
             spec = meta["prompt"]
             add_prompts(model, spec["length"], spec["fusion"], depth=spec.get("depth", 1))

@@ -199,3 +199,20 @@ def check_public_input(flag: str, public: str | Path, data: str | Path) -> None:
         raise ClinfedError(
             f"{flag} {public}: {reason} ({data}); public inputs must not be private data"
         )
+
+
+def describe_warm_start(record: dict[str, Any]) -> str:
+    """The warm start in one line for a person (the report's header); a
+    start made on an earlier start names every public text, first to last."""
+    stages = []
+    while record:
+        stages.append(
+            f"{Path(record['folder']).name} ({record['examples']:,} examples, "
+            f"{record.get('label_kind', 'types')} {', '.join(record['types']) or 'none'}, "
+            f"{record['epochs']} epoch{'s' if record['epochs'] != 1 else ''})"
+        )
+        record = record.get("after")
+    return (
+        f"trained on public text {', then '.join(reversed(stages))} before round 1, "
+        "without DP: no site's data, no privacy spent"
+    )

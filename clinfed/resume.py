@@ -29,11 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from clinfed.errors import USER_ERRORS, ClinfedError
-from clinfed.runs import RUN_LOCK, append_jsonl
+from clinfed.runs import REPAIRS, RUN_LOCK, append_jsonl
 from clinfed.settings import RunConfig, load_file
 
 log = logging.getLogger("clinfed")
-REPAIRS = "repairs.jsonl"
 # What a finished or committed run wrote beside its commit point.
 OUTPUTS = ("summary.json", "model", "predictions", "checkpoints")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -167,3 +168,14 @@ def claimed_run_folder(path: Path | str, resume: bool) -> Iterator[Path]:
                 (path / RUN_LOCK).unlink(missing_ok=True)
                 path.rmdir()
             raise
+
+
+# What --resume writes when it repaired a run (clinfed.resume; the report lists them).
+REPAIRS = "repairs.jsonl"
+
+
+def cell_name(strategy: str, eps: float, seed: int) -> str:
+    """A sweep cell's folder name (clinfed.sweep; the report finds a run's
+    reference without DP beside it by this name)."""
+    label = "inf" if math.isinf(eps) else f"{eps:g}"
+    return f"{strategy.replace('+', '-')}-eps{label}-seed{seed}"

@@ -32,7 +32,13 @@ from clinfed.events import CellEnd, CellStart, Reporter, SweepStart, silent
 from clinfed.federated.strategies import STRATEGIES
 from clinfed.pipeline import RunConfig, run_training
 from clinfed.resume import check_same_settings
-from clinfed.runs import append_jsonl, atomic_write_json, atomic_write_text, read_jsonl
+from clinfed.runs import (
+    append_jsonl,
+    atomic_write_json,
+    atomic_write_text,
+    cell_name,
+    read_jsonl,
+)
 from clinfed.settings import read_run_config
 
 matplotlib.use("Agg")
@@ -51,11 +57,6 @@ def parse_epsilons(text: str) -> list[float]:
             raise ClinfedError(f"`epsilons`: {value} is not positive")
         values.append(value)
     return values
-
-
-def cell_name(strategy: str, eps: float, seed: int) -> str:
-    label = "inf" if math.isinf(eps) else f"{eps:g}"
-    return f"{strategy.replace('+', '-')}-eps{label}-seed{seed}"
 
 
 def _check_request(

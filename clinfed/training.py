@@ -22,7 +22,19 @@ import torch
 from torch import nn
 
 from clinfed.device import autocast, device_of, to_device
-from clinfed.tasks.base import Task
+
+
+class Task(Protocol):
+    """What training reads of a task (:class:`clinfed.tasks.base.Task` has
+    it all; declared here so the model layer imports no task)."""
+
+    def collate(self, batch: dict[str, list]) -> dict[str, torch.Tensor]: ...
+
+    def model_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+    def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...
+
+    def outputs(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> list[Any]: ...
 
 
 @dataclass

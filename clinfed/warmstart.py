@@ -194,23 +194,6 @@ def warm_start(
     }
 
 
-def describe(record: dict[str, Any]) -> str:
-    """The warm start in one line for a person (the report's header); a
-    start made on an earlier start names every public text, first to last."""
-    stages = []
-    while record:
-        stages.append(
-            f"{Path(record['folder']).name} ({record['examples']:,} examples, "
-            f"{record.get('label_kind', 'types')} {', '.join(record['types']) or 'none'}, "
-            f"{record['epochs']} epoch{'s' if record['epochs'] != 1 else ''})"
-        )
-        record = record.get("after")
-    return (
-        f"trained on public text {', then '.join(reversed(stages))} before round 1, "
-        "without DP: no site's data, no privacy spent"
-    )
-
-
 def warm_start_model(config: Any, report: Reporter = silent) -> dict[str, Any]:
     """``clinfed warm-start``: train the run's starting model on its public
     text (``config.public_data``) and save it to ``config.out``, for any

@@ -63,6 +63,16 @@ def task_baselines() -> dict[str, tuple[str, ...]]:
     }
 
 
+def task_head(kind: str) -> type | None:
+    """The model class a task brings for head ``kind`` (its ``head_class``),
+    or ``None``: what :func:`clinfed.models.build_model` and
+    ``load_saved_model`` look a head kind up with beyond their own."""
+    for task in TASKS.values():
+        if task.head == kind and getattr(task, "head_class", None) is not None:
+            return task.head_class
+    return None
+
+
 def get_task(name: str, **options) -> Any:
     """A task adapter by name.
 
@@ -86,4 +96,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-__all__ = ["Corpus", "REGISTRY", "TASKS", "Task", "get_task", "task_baselines", "task_options"]
+__all__ = [
+    "Corpus", "REGISTRY", "TASKS", "Task", "get_task", "task_baselines", "task_head",
+    "task_options",
+]  # fmt: skip

@@ -147,16 +147,16 @@ class SpanTask:
 
 
 def test_a_task_brings_a_head_kind_of_its_own(tmp_path, monkeypatch):
-    from clinfed.tasks import REGISTRY
+    from clinfed.tasks import REGISTRY, task_head
 
     with pytest.raises(ValueError, match="unknown head 'spans'"):
         build_model("spans", "tiny", num_labels=3)
     monkeypatch.setitem(REGISTRY, "spans", ("tests.test_models:SpanTask", ""))
-    model = build_model("spans", "tiny", num_labels=3, seed=1).eval()
+    model = build_model("spans", "tiny", num_labels=3, seed=1, head_lookup=task_head).eval()
     assert type(model) is _WordHead
     meta = {"task": "spans", "head": "spans", "labels": ["O", "B-x", "I-x"]}
     save_model(model, tmp_path, meta, load_tokenizer("tiny"))
-    loaded, _, _ = load_saved_model(tmp_path)  # rebuilt by the task's class, not HEADS
+    loaded, _, _ = load_saved_model(tmp_path, task_head)  # rebuilt by the task's class, not HEADS
     ids = torch.tensor([[101, 2000, 102]])
     assert type(loaded) is _WordHead
     assert torch.equal(model(ids, torch.ones_like(ids)), loaded.eval()(ids, torch.ones_like(ids)))

@@ -56,7 +56,8 @@ def test_a_calibrated_add_remove_run_needs_less_noise(tiny_config, tmp_path):
     from pathlib import Path
 
     from clinfed.errors import ProblemLog
-    from clinfed.factories import make_strategy, make_task, privacy_policy
+    from clinfed.factories import make_strategy, make_task
+    from clinfed.federated.site_policy import privacy_policy
     from clinfed.models import load_tokenizer
 
     def sigma(relation: str) -> float:
@@ -75,7 +76,7 @@ def test_a_calibrated_add_remove_run_needs_less_noise(tiny_config, tmp_path):
 
 
 def test_a_kept_count_is_released_again_after_a_restart(tiny_config, tmp_path):
-    from clinfed.factories import released_count
+    from clinfed.federated.site_policy import released_count
     from clinfed.privacy.count import keep_count
 
     config = tiny_config(noise_multiplier=1.0, neighbours="add-remove")

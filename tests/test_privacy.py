@@ -720,7 +720,8 @@ def test_sweep_writes_a_table_and_skips_finished_cells(i2b2_corpus, tmp_path):
 
 def test_units_are_what_sampling_and_accounting_count(i2b2_corpus, tmp_path):
 
-    from clinfed.factories import make_strategy, privacy_policy
+    from clinfed.factories import make_strategy
+    from clinfed.federated.site_policy import privacy_policy
 
     task = I2b2Task()
     tokenizer = load_tokenizer("tiny")

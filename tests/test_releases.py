@@ -260,11 +260,11 @@ def test_the_neighbour_test_catches_an_exact_count_per_note(
     # every reply, declared as "released exactly, not accounted".
     from collections import Counter
 
-    from clinfed import factories
+    from clinfed.federated import site_policy
     from clinfed.privacy.policy import PrivacyPolicy
 
     real_policy, real_describe, real_row_of = (
-        factories.privacy_policy, PrivacyPolicy.describe_site, releases.row_of,
+        site_policy.privacy_policy, PrivacyPolicy.describe_site, releases.row_of,
     )  # fmt: skip
 
     def policy_with_k(config, task, train, *args, **kwargs):
@@ -276,7 +276,7 @@ def test_the_neighbour_test_catches_an_exact_count_per_note(
         return made
 
     units = releases.Row("units", "units per note", "each reply", releases.DECLARED, "exact")
-    monkeypatch.setattr(factories, "privacy_policy", policy_with_k)
+    monkeypatch.setattr(site_policy, "privacy_policy", policy_with_k)
     monkeypatch.setattr(
         PrivacyPolicy, "describe_site", lambda p, s: real_describe(p, s) | {"k_max": p.k[s]}
     )

@@ -26,6 +26,7 @@ from torch import nn
 
 from clinfed.errors import ClinfedError
 from clinfed.events import Reporter, silent
+from clinfed.federated import site_policy
 from clinfed.federated.client import LocalSettings
 from clinfed.federated.site import SiteRunner
 from clinfed.federated.strategies import Strategy
@@ -81,8 +82,6 @@ def site_privacy(
     run is marked unprotected by a run with reproducible noise or without
     DP: this dataset has no guarantee from then on.
     """
-    from clinfed.factories import privacy_policy
-
     units = len(train) and task.count_units(train, config.privacy_unit)
     if not units:
         return None  # an evaluation site trains nothing: no DP-SGD to account
@@ -93,7 +92,7 @@ def site_privacy(
             )
             ledger.mark_unprotected("trained without DP")
         return None
-    policy = privacy_policy(
+    policy = site_policy.privacy_policy(
         config,
         task,
         {name: train},

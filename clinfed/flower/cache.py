@@ -43,7 +43,7 @@ from typing import Any
 
 import datasets
 
-import clinfed
+from clinfed.version import __version__
 
 # The settings that change what encoding produces (besides data and tokenizer).
 ENCODING_SETTINGS = (
@@ -93,7 +93,7 @@ def cache_key(
         "site": site,
         "data": data_fingerprint,
         "tokenizer": tokenizer_fingerprint,
-        "clinfed": clinfed.__version__,
+        "clinfed": __version__,
     }
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:32]
 

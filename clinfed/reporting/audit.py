@@ -46,6 +46,7 @@ from clinfed.reporting.holdout import AUDIT_HOLDOUT, AUDIT_UPDATES
 from clinfed.runs import atomic_write_json
 from clinfed.scratch import temporary_folder
 from clinfed.settings import RunConfig, read_run_config
+from clinfed.tasks import task_head
 from clinfed.training import split_batches
 
 
@@ -249,7 +250,7 @@ def audit(
     holdout, sites = _read_holdout(run, holdout_path)
     config = RunConfig.from_values(read_run_config(run), str(config_path)).resolved()
     use_threads(threads, config.threads)
-    model, tokenizer, meta = load_saved_model(model_dir)
+    model, tokenizer, meta = load_saved_model(model_dir, task_head)
     rng = np.random.default_rng(seed)
     with temporary_folder("cache") as cache:
         task = make_task(config, cache)

@@ -16,15 +16,15 @@ from clinfed.privacy.accountants import ACCOUNTANT, RELATION, Mechanism, referen
 from clinfed.privacy.policy import GROUP_SIZES, PATIENT_CAVEAT, UNIT, group_bound
 from clinfed.reporting.plots import make_plots, relation_of
 from clinfed.reporting.verify import load_run, read_json, read_records, verify_run
-from clinfed.resume import REPAIRS
+from clinfed.runs import REPAIRS, cell_name
 
 
 def _starting_model(raw: dict[str, Any]) -> str:
     """Where the starting model came from, in words."""
     if raw.get("public_start"):
-        from clinfed.warmstart import describe
+        from clinfed.provenance import describe_warm_start
 
-        words = describe(raw["public_start"])
+        words = describe_warm_start(raw["public_start"])
     else:
         words = "the encoder as given, with a new task head (no public warm start)"
     listed = raw.get("gazetteer_list")
@@ -164,8 +164,6 @@ def _reference_f1(run: Path, config: dict[str, Any], reference: Path | None) -> 
     """The F1 of the same run without DP: ``reference`` (a run folder), or
     the sweep cell beside ``run`` with epsilon inf and the same seed."""
     if reference is None:
-        from clinfed.sweep import cell_name
-
         guess = run.parent / cell_name(str(config.get("strategy")), math.inf, int(config["seed"]))
         if guess.resolve() == run.resolve() or not (guess / "summary.json").is_file():
             return None
