@@ -32,8 +32,8 @@ import datasets
 import matplotlib
 import transformers
 
-from clinfed.pipeline import RunConfig, run_training
-from clinfed.runs import atomic_write_json, atomic_write_text, read_jsonl
+from clinfed.core.runs import atomic_write_json, atomic_write_text, read_jsonl
+from clinfed.runners.pipeline import RunConfig, run_training
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

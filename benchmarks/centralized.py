@@ -21,9 +21,9 @@ import datasets
 import torch
 import transformers
 
-from clinfed.errors import ProblemLog
-from clinfed.pipeline import RunConfig, run_training
-from clinfed.runs import atomic_write_json, atomic_write_text, read_jsonl
+from clinfed.core.errors import ProblemLog
+from clinfed.core.runs import atomic_write_json, atomic_write_text, read_jsonl
+from clinfed.runners.pipeline import RunConfig, run_training
 from clinfed.tasks import get_task
 from clinfed.tasks.i2b2.baselines import i2b2_dictionary
 from clinfed.tasks.i2b2.synth import generate as synth_i2b2

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import matplotlib
 
-from clinfed.sweep import collect, write_table
+from clinfed.runners.sweep import collect, write_table
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

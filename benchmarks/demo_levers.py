@@ -28,9 +28,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from clinfed.demo import COMMON, PLANS, SEED, SITES
-from clinfed.pipeline import RunConfig, run_training
-from clinfed.runs import read_jsonl
+from clinfed.core.runs import read_jsonl
+from clinfed.runners.demo import COMMON, PLANS, SEED, SITES
+from clinfed.runners.pipeline import RunConfig, run_training
 from clinfed.tasks.i2b2.synth import generate
 
 DATA = Path(__file__).resolve().parent / "results" / "demo-corpus"

@@ -1,6 +1,6 @@
 """Wall time of the demo's two trainings: one after the other on every
 core, against side by side on half the cores each (the demo's way since
-2026-11-26, ``clinfed.demo.private_and_reference``).
+2026-11-26, ``clinfed.runners.demo.private_and_reference``).
 
 Runs ``clinfed demo`` once (its phases timed from its progress lines), then
 trains its private run and its reference again from their saved
@@ -25,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from clinfed.demo import private_and_reference, run_demo  # noqa: E402
-from clinfed.pipeline import run_training  # noqa: E402
+from clinfed.runners.demo import private_and_reference, run_demo  # noqa: E402
+from clinfed.runners.pipeline import run_training  # noqa: E402
 from clinfed.settings import RunConfig, load_file  # noqa: E402
 
 

@@ -49,16 +49,16 @@ import numpy as np
 import torch
 import transformers
 
-from clinfed.adapters import add_bias, add_lora, shared_names
-from clinfed.blocks import HEAD, Block
-from clinfed.device import resolve_device
-from clinfed.errors import ProblemLog
+from clinfed.core.device import resolve_device
+from clinfed.core.errors import ProblemLog
+from clinfed.core.runs import atomic_write_json, atomic_write_text
 from clinfed.federated.client import LocalSettings, LocalWork, client_update
 from clinfed.federated.plan import Plan, full_plan, names_in
-from clinfed.models import build_model, load_tokenizer
+from clinfed.modeling.adapters import add_bias, add_lora, shared_names
+from clinfed.modeling.blocks import HEAD, Block
+from clinfed.modeling.models import build_model, load_tokenizer
 from clinfed.privacy.dpsgd import DPSettings
 from clinfed.privacy.randomness import secret
-from clinfed.runs import atomic_write_json, atomic_write_text
 from clinfed.tasks.i2b2.adapter import I2b2Task
 from clinfed.tasks.i2b2.synth import generate
 
@@ -207,7 +207,7 @@ def main() -> None:
 # Where an epoch's time goes: (file, functions) whose cumulative time is the
 # part. The backward pass includes the taps' recording of output gradients.
 PARTS = {
-    "forward": ("clinfed/models.py", ("forward",)),
+    "forward": ("clinfed/modeling/models.py", ("forward",)),
     "backward": ("~", ("<method 'run_backward' of 'torch._C._EngineBase' objects>",)),
     "norms": ("privacy/bookkeeping.py", ("norms",)),
     "clipped sums": ("privacy/bookkeeping.py", ("accumulate",)),

@@ -20,8 +20,8 @@ from pathlib import Path
 import datasets
 import transformers
 
-from clinfed.pipeline import RunConfig, run_training
-from clinfed.runs import atomic_write_json, atomic_write_text, read_jsonl
+from clinfed.core.runs import atomic_write_json, atomic_write_text, read_jsonl
+from clinfed.runners.pipeline import RunConfig, run_training
 from clinfed.tasks.i2b2.synth import generate
 
 

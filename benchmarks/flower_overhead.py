@@ -24,6 +24,9 @@ Writes ``RESULTS/NAME.json`` and ``.md`` (``--name``, default
     .venv/bin/python benchmarks/flower_overhead.py --docs 100 --rounds 3 \
         --name flower_overhead_2k                           # about 2,000 sentences per site
     .venv/bin/python benchmarks/flower_overhead.py --secure --name flower_overhead_secure
+    .venv/bin/python benchmarks/flower_overhead.py --strategy safl --name flower_overhead_safl
+    .venv/bin/python benchmarks/flower_overhead.py --adapter lora --name flower_overhead_lora
+    .venv/bin/python benchmarks/flower_overhead.py --no-worker --name flower_overhead_flower
 
 With ``--secure`` both runs use secure aggregation: a round is then four
 exchanges (train, share, mask, unmask), and the fixed cost is still
@@ -46,10 +49,11 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from clinfed.core.events import Event, RoundEnd  # noqa: E402
+from clinfed.core.quiet import quiet_libraries  # noqa: E402
+from clinfed.core.runs import atomic_write_json, atomic_write_text  # noqa: E402
 from clinfed.flower.deploy import flower_run_config, make_certificates  # noqa: E402
-from clinfed.pipeline import run_training  # noqa: E402
-from clinfed.quiet import quiet_libraries  # noqa: E402
-from clinfed.runs import atomic_write_json, atomic_write_text  # noqa: E402
+from clinfed.runners.pipeline import run_training  # noqa: E402
 from clinfed.tasks.i2b2.synth import generate  # noqa: E402
 from tests.flower_harness import LocalFederation  # noqa: E402
 
@@ -66,6 +70,11 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=8, help="documents per site")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--strategy", default="fedavg")
+    parser.add_argument("--adapter", default="none", help="none (every weight), lora, bias...")
+    parser.add_argument("--top-layers", type=int, default=2, help="SAFL's K")
+    parser.add_argument(
+        "--no-worker", action="store_true", help="nodes without the executor (Flower's own)"
+    )
     parser.add_argument("--model", default="minilm")
     parser.add_argument("--max-length", type=int, default=64)
     parser.add_argument("--results", type=Path, default=Path("benchmarks/results"))
@@ -82,7 +91,10 @@ def main() -> None:
         "max_length": args.max_length,
         "batch_size": 16,
         "secure_aggregation": args.secure,
+        "adapter": args.adapter,
     }
+    if args.strategy.startswith("safl"):
+        settings["top_layers"] = args.top_layers
     with tempfile.TemporaryDirectory(prefix="clinfed-flower-bench-") as tmp:
         root = Path(tmp)
         data = root / "data"
@@ -98,9 +110,9 @@ def main() -> None:
         simulated = config.replace(data=str(data), out=str(root / "sim"))
         sim_ends: dict[int, float] = {}
 
-        def on_event(event: str, info: dict) -> None:
-            if event == "round_end":
-                sim_ends[info["round"]] = time.perf_counter()
+        def on_event(event: Event) -> None:
+            if isinstance(event, RoundEnd):
+                sim_ends[event.info()["round"]] = time.perf_counter()
 
         started = time.perf_counter()
         run_training(simulated, on_event)
@@ -124,7 +136,9 @@ def main() -> None:
             # The sites run concurrently on this one machine: share the cores.
             threads = max(1, cores // len(SITES))
             for site in SITES:
-                federation.start_node(site, data, threads=threads, allow_no_dp=True)
+                federation.start_node(
+                    site, data, threads=threads, allow_no_dp=True, no_worker=args.no_worker
+                )
             started = time.perf_counter()
             process = federation.submit(config, min_sites=3, round_timeout=900, on_line=on_line)
             flower_total = time.perf_counter() - started
@@ -163,7 +177,9 @@ def main() -> None:
     lines = [
         "# Flower deployment vs in-process simulator (one run)",
         "",
-        f"{args.strategy}{' with secure aggregation' if args.secure else ''}, {args.model}, "
+        f"{args.strategy}{' with secure aggregation' if args.secure else ''}, {args.model}"
+        f"{'' if args.adapter == 'none' else ' + ' + args.adapter}, "
+        f"{'no executor (a process per message), ' if args.no_worker else ''}"
         f"synthetic i2b2 {len(SITES)} sites x {args.docs} docs "
         f"({min(sentences.values())}-{max(sentences.values())} training sentences each), "
         f"max length {args.max_length}, {args.rounds} rounds, {cores} cores; Flower over TLS on "

@@ -21,10 +21,10 @@ import argparse
 import json
 from pathlib import Path
 
-from clinfed.errors import ProblemLog
-from clinfed.inference import saved_model_and_task
-from clinfed.scratch import temporary_folder
-from clinfed.training import predict
+from clinfed.core.errors import ProblemLog
+from clinfed.core.scratch import temporary_folder
+from clinfed.modeling.training import predict
+from clinfed.runners.inference import saved_model_and_task
 
 
 def held_out_metrics(model_path: Path, data: Path, cache_dir: str) -> dict:

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def model_folder(path: Path) -> Path:
-    from clinfed.models import saved_run_model
+    from clinfed.modeling.models import saved_run_model
 
     folder = saved_run_model(str(path))
     if folder is None:

@@ -82,12 +82,12 @@ def main() -> None:
 
     from flwr.common.serde import recorddict_to_proto
 
-    from clinfed.factories import make_model, make_task
+    from clinfed.core.runs import atomic_write_json, atomic_write_text
     from clinfed.federated.messages import Message
     from clinfed.flower.deploy import flower_run_config
     from clinfed.flower.records import message_records
     from clinfed.flower.worker import FOLDER
-    from clinfed.runs import atomic_write_json, atomic_write_text
+    from clinfed.runners.factories import make_model, make_task
     from clinfed.tasks.i2b2.synth import generate
 
     settings = {

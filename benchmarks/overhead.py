@@ -28,19 +28,19 @@ import numpy as np
 import torch
 import transformers
 
-from clinfed.device import device_of, resolve_device, to_device
-from clinfed.errors import ProblemLog
+from clinfed.core.device import device_of, resolve_device, to_device
+from clinfed.core.errors import ProblemLog
+from clinfed.core.runs import atomic_write_json, atomic_write_text
 from clinfed.federated.client import LocalSettings
 from clinfed.federated.engine import RoundEngine
 from clinfed.federated.inprocess import InProcessTransport
 from clinfed.federated.partition import partition
 from clinfed.federated.site import SiteRunner
 from clinfed.federated.strategies import get_strategy
-from clinfed.models import build_model, load_tokenizer
-from clinfed.runs import atomic_write_json, atomic_write_text
+from clinfed.modeling.models import build_model, load_tokenizer
+from clinfed.modeling.training import length_grouped_batches, make_optimizer
 from clinfed.tasks import get_task
 from clinfed.tasks.i2b2.synth import generate
-from clinfed.training import length_grouped_batches, make_optimizer
 
 PEAK_RSS = """
 import resource, sys

@@ -27,9 +27,9 @@ from pathlib import Path
 
 from campaign import SIZES as CAMPAIGN_SIZES  # benchmarks/campaign.py, beside this file
 
-from clinfed.pipeline import RunConfig, run_training
-from clinfed.quiet import quiet_libraries
-from clinfed.runs import atomic_write_json, atomic_write_text, read_jsonl
+from clinfed.core.quiet import quiet_libraries
+from clinfed.core.runs import atomic_write_json, atomic_write_text, read_jsonl
+from clinfed.runners.pipeline import RunConfig, run_training
 
 PROMPT_RATES = {"lr": 1e-2, "head_lr": 1e-2}
 CONFIGS: dict[str, dict] = {

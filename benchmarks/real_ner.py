@@ -41,10 +41,10 @@ from pathlib import Path
 
 import torch
 
-from clinfed.errors import ProblemLog
-from clinfed.inference import evaluate_run
-from clinfed.pipeline import RunConfig, run_training
-from clinfed.runs import atomic_write_json, atomic_write_text
+from clinfed.core.errors import ProblemLog
+from clinfed.core.runs import atomic_write_json, atomic_write_text
+from clinfed.runners.inference import evaluate_run
+from clinfed.runners.pipeline import RunConfig, run_training
 from clinfed.tasks.i2b2.adapter import I2b2Task
 from clinfed.tasks.i2b2.baselines import i2b2_dictionary
 

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from clinfed.errors import ProblemLog
-from clinfed.runs import atomic_write_json, atomic_write_text
+from clinfed.core.errors import ProblemLog
+from clinfed.core.runs import atomic_write_json, atomic_write_text
 from clinfed.tasks.i2b2.conll import read_conll
 from clinfed.tasks.i2b2.format import Document, read_corpus
 from clinfed.tasks.i2b2.synth import generate

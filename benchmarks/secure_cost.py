@@ -33,9 +33,9 @@ PLANS = {
 def main() -> None:
     from safetensors.torch import load_file
 
-    from clinfed.pipeline import RunConfig, run_training
-    from clinfed.quiet import quiet_libraries
-    from clinfed.runs import atomic_write_json, atomic_write_text, read_jsonl
+    from clinfed.core.quiet import quiet_libraries
+    from clinfed.core.runs import atomic_write_json, atomic_write_text, read_jsonl
+    from clinfed.runners.pipeline import RunConfig, run_training
     from clinfed.tasks.i2b2.synth import generate
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

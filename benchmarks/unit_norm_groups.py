@@ -6,7 +6,7 @@ the others' signal shrinks against noise that is the same for every
 number. This measures, at a saved model, each unit's squared gradient
 norm split by part (the head, the token-type table, the encoder's bias
 terms by kind), as `clinfed privacy clip-norm` measures the whole
-(`clinfed.clip_norm`: eval mode, one unit a backward pass):
+(`clinfed.runners.clip_norm`: eval mode, one unit a backward pass):
 
     python benchmarks/unit_norm_groups.py MODEL --data DIR [--adapter bias]
         [--max-units 300] [--seed 1] [--out FILE.json]
@@ -57,11 +57,11 @@ def main() -> None:
 
     import torch
 
-    from clinfed.adapters import shared_names
-    from clinfed.clip_norm import PLANS
-    from clinfed.errors import ProblemLog
-    from clinfed.inference import saved_model_and_task
-    from clinfed.scratch import temporary_folder
+    from clinfed.core.errors import ProblemLog
+    from clinfed.core.scratch import temporary_folder
+    from clinfed.modeling.adapters import shared_names
+    from clinfed.runners.clip_norm import PLANS
+    from clinfed.runners.inference import saved_model_and_task
 
     torch.set_num_threads(args.threads)
     began = time.monotonic()

@@ -169,10 +169,10 @@ def ensemble_f1(folders: list[Path], data: Path) -> float:
     import torch.nn.functional as F
     from torch import nn
 
-    from clinfed.errors import ProblemLog
-    from clinfed.inference import saved_model_and_task
-    from clinfed.scratch import temporary_folder
-    from clinfed.training import predict
+    from clinfed.core.errors import ProblemLog
+    from clinfed.core.scratch import temporary_folder
+    from clinfed.modeling.training import predict
+    from clinfed.runners.inference import saved_model_and_task
 
     class Mean(nn.Module):
         def __init__(self, models):

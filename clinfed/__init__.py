@@ -8,7 +8,7 @@ cheap; torch and the rest load on the first call.
 
 from typing import Any
 
-from clinfed.version import __version__
+from clinfed.core.version import __version__
 
 __all__ = [
     "synthesize", "warm_start", "train", "evaluate", "predict", "report", "audit", "export",

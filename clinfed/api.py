@@ -24,16 +24,16 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from clinfed.errors import ClinfedError
-from clinfed.events import as_pairs, silent
+from clinfed.core.errors import ClinfedError
+from clinfed.core.events import as_pairs, silent
 from clinfed.privacy.errors import PrivacyError
 
 
 @contextlib.contextmanager
 def _library_call() -> Iterator[None]:
     """Quiet libraries, a private scratch folder, one error type."""
-    from clinfed.quiet import quiet_libraries
-    from clinfed.scratch import private_scratch
+    from clinfed.core.quiet import quiet_libraries
+    from clinfed.core.scratch import private_scratch
 
     quiet_libraries()
     try:
@@ -67,7 +67,7 @@ def train(
         As ``--task`` and ``--strategy``.
     on_event
         Called with each progress event as ``(name, info)`` (``round_end`` and
-        its record, ``site_end``, ...; :mod:`clinfed.events` lists them).
+        its record, ``site_end``, ...; :mod:`clinfed.core.events` lists them).
     **settings
         Any other setting of ``clinfed train``, by its name with underscores
         (``rounds=5``, ``target_epsilon=8.0``, ``top_layers=2``,
@@ -81,7 +81,7 @@ def train(
         stopped early.
     """
     with _library_call():
-        from clinfed.pipeline import RunConfig, run_training
+        from clinfed.runners.pipeline import RunConfig, run_training
 
         config = RunConfig.of(
             data=str(data), out=str(out), task=task, strategy=strategy, **settings
@@ -93,7 +93,7 @@ def evaluate(run: str | Path, data: str | Path) -> dict[str, Any]:
     """Score a finished run's model on a folder of annotated data; the
     metrics (``f1`` and the task's others)."""
     with _library_call():
-        from clinfed.inference import evaluate_run
+        from clinfed.runners.inference import evaluate_run
 
         return evaluate_run(Path(run), Path(data))
 
@@ -103,7 +103,7 @@ def predict(run: str | Path, data: str | Path, out: str | Path) -> int:
     ``out`` in the task's format (i2b2 ``.con``, MIMIC-III CSV); returns how
     many records were predicted."""
     with _library_call():
-        from clinfed.inference import predict_run
+        from clinfed.runners.inference import predict_run
 
         return predict_run(Path(run), Path(data), Path(out))
 
@@ -141,8 +141,8 @@ def warm_start(
     ``clinfed warm-start``'s (``model``, ``public_types``, ``gazetteer``,
     ``public_epochs``, ``data`` to check the public text is not private)."""
     with _library_call():
+        from clinfed.runners.warmstart import warm_start_model
         from clinfed.settings import RunConfig
-        from clinfed.warmstart import warm_start_model
 
         config = RunConfig.of(
             public_data=str(public_data), out=str(out), task=task,
@@ -156,7 +156,7 @@ def export(run: str | Path, out: str | Path) -> dict[str, Any]:
     ``out`` as a plain transformers model, with its model card and privacy
     report; returns what ``out/clinfed-export.json`` says."""
     with _library_call():
-        from clinfed.exporter import export_run
+        from clinfed.runners.exporter import export_run
 
         return export_run(Path(run), Path(out))
 
@@ -168,7 +168,7 @@ def audit(
     ``audit_holdout``; writes and returns ``run/audit.json`` (``threads``
     default the run's own, ``device`` as ``train``'s)."""
     with _library_call():
-        from clinfed.reporting.audit import audit as run_audit
+        from clinfed.runners.audit import audit as run_audit
 
         return run_audit(Path(run), max_examples, threads=threads, device=device)
 
@@ -183,7 +183,7 @@ def plan(
     sites' sizes alone (``units``: a count per site) and the run's
     ``settings`` (``rounds``, ``neighbours``, ``privacy_unit`` ...)."""
     with _library_call():
-        from clinfed.forecast import noise_plan
+        from clinfed.runners.forecast import noise_plan
         from clinfed.settings import RunConfig
 
         sizes = units if isinstance(units, dict) else {

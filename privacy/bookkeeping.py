@@ -320,7 +320,7 @@ def rms_norm_per_example(
 
 def register_rms_norm(layer: type[nn.Module]) -> None:
     """Teach DP-SGD a model family's RMSNorm class (each decoder family
-    has its own; clinfed.models registers those it meets)."""
+    has its own; clinfed.modeling.models registers those it meets)."""
     RULES[layer] = RMSNormRule
     GRAD_SAMPLERS[layer] = rms_norm_per_example
 

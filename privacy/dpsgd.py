@@ -14,7 +14,7 @@ Opacus's ``make_private``:
 * the optimizer step (the round's AdamW, wrapped for the round).
 
 :func:`make_private` returns the two things the one training loop
-(``clinfed.training.run_epoch``) needs in place of its plain ones: the
+(``clinfed.modeling.training.run_epoch``) needs in place of its plain ones: the
 steps (:class:`PoissonSteps`: which units each step draws, cut into passes)
 and the update (:class:`PrivateStep`: per-unit clipping and noise before the
 optimizer's step). Per round the plan decides which parameters train before
@@ -195,7 +195,7 @@ class PrivateStep:
     """One round's DP-SGD machinery on a model: clipping attached to the
     trainable parameters and the optimizer wrapped to noise and step.
 
-    The update of ``clinfed.training.run_epoch`` under DP: :meth:`loss` is
+    The update of ``clinfed.modeling.training.run_epoch`` under DP: :meth:`loss` is
     each example's loss, :meth:`backward` clips every pass of a drawn batch
     into the step's sum, :meth:`step` steps on the noisy sum after its last
     pass, :meth:`empty` steps on noise alone for an empty batch, and
@@ -322,7 +322,7 @@ def make_private(
     max_pass_units: int = 0,
 ) -> tuple[PoissonSteps, PrivateStep]:
     """DP-SGD's steps and update for the parameters trainable now, in place
-    of the plain ones of ``clinfed.training.run_epoch``.
+    of the plain ones of ``clinfed.modeling.training.run_epoch``.
 
     Parameters
     ----------

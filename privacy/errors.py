@@ -18,7 +18,7 @@ class SettingError(PrivacyError):
 
     The message names the setting in backticks (```noise_multiplier` must be
     positive```), as every library error names a setting; whoever shows it
-    words the name their way (:func:`clinfed.errors.worded`).
+    words the name their way (:func:`clinfed.core.errors.worded`).
 
     Attributes
     ----------

@@ -65,7 +65,7 @@ def task_baselines() -> dict[str, tuple[str, ...]]:
 
 def task_head(kind: str) -> type | None:
     """The model class a task brings for head ``kind`` (its ``head_class``),
-    or ``None``: what :func:`clinfed.models.build_model` and
+    or ``None``: what :func:`clinfed.modeling.models.build_model` and
     ``load_saved_model`` look a head kind up with beyond their own."""
     for task in TASKS.values():
         if task.head == kind and getattr(task, "head_class", None) is not None:
@@ -80,7 +80,7 @@ def get_task(name: str, **options) -> Any:
     ``max_chunks``, ``cache_dir``...); each task takes the ones its
     constructor names, so one call serves every task.
     """
-    from clinfed.errors import ClinfedError
+    from clinfed.core.errors import ClinfedError
 
     if name not in TASKS:
         raise ClinfedError(f"unknown task {name!r} (choose from {', '.join(TASKS)})")

@@ -21,8 +21,8 @@ import datasets
 import numpy as np
 import torch
 
-from clinfed.errors import ClinfedError, ProblemLog
-from clinfed.scratch import cache_folder
+from clinfed.core.errors import ClinfedError, ProblemLog
+from clinfed.core.scratch import cache_folder
 
 PROBLEMS_FILE = "clinfed-problems.json"
 
@@ -172,7 +172,7 @@ class Task(ABC):
     head: ClassVar[str]  # which model head it needs: "token", "multilabel" or its own
     # A head of the task's own: a model class taking (encoder, num_labels)
     # with the encoder as ``.encoder`` and the head as ``.head``, for a
-    # ``head`` kind clinfed.models.HEADS does not hold.
+    # ``head`` kind clinfed.modeling.models.HEADS does not hold.
     head_class: ClassVar[type | None] = None
     labels: list[str]
     # Local-training defaults for settings the user leaves unset
@@ -191,7 +191,7 @@ class Task(ABC):
     labels_from_data: ClassVar[bool] = False
     # Where the label set comes from, in words (the report states it).
     label_source: str = "fixed by the task"
-    # Its settings (a dataclass of ``clinfed.schema.setting`` fields, in
+    # Its settings (a dataclass of ``clinfed.core.schema.setting`` fields, in
     # ``tasks/<name>/options.py``; composed into the run's schema).
     options: ClassVar[type | None] = None
     # The task in words (the report's header).

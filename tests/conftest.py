@@ -51,7 +51,7 @@ def _private_scratch():
     """The whole session inside a private scratch folder, as every clinfed
     process runs: what tests build directly (a node's site, its encoded
     data) lands there and is removed at the end, never loose in $TMPDIR."""
-    from clinfed.scratch import private_scratch
+    from clinfed.core.scratch import private_scratch
 
     with private_scratch():
         yield
@@ -175,7 +175,7 @@ def tiny_config(i2b2_corpus, tmp_path):
 def tiny_run(tiny_config):
     """``tiny_run(out=None, data=None, **settings)``: train
     :func:`tiny_config`'s run in process; returns its summary."""
-    from clinfed.pipeline import run_training
+    from clinfed.runners.pipeline import run_training
 
     def run(out=None, data=None, **settings):
         return run_training(tiny_config(out, data, **settings))

@@ -1,7 +1,8 @@
 """Start a SuperLink and SuperNodes on 127.0.0.1 for tests, clean up by PID.
 
 Every process is started in its own session, so killing its process group
-takes its children (SuperExec, ClientApp processes) with it.
+takes its children (a node's SuperNode and executor, a SuperLink's
+SuperExec and ServerApps) with it.
 """
 
 from __future__ import annotations
@@ -10,12 +11,13 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 from clinfed.flower import deploy
-from clinfed.pipeline import RunConfig
+from clinfed.runners.pipeline import RunConfig
 
 
 def free_port() -> int:
@@ -76,23 +78,33 @@ class LocalFederation:
         key: Path | None = None,
         allow_no_dp: bool = False,
         max_epsilon: float | None = None,
+        no_worker: bool = False,
     ) -> None:
+        """``clinfed flower supernode`` for ``site``: its SuperNode and its
+        executor, as an operator starts them."""
         state = self.root / "state" / site
-        command = deploy.supernode_command(
-            self.address,
-            data,
-            state,
-            site=site,
-            root_cert=None if self.certs is None else self.certs / "ca.crt",
-            insecure=self.certs is None,
-            key=key,
-            port=free_port(),
-            threads=threads,
-            allow_no_dp=allow_no_dp,
-            max_epsilon=max_epsilon,
-        )
+        command = [str(Path(sys.executable).parent / "clinfed"), "flower", "supernode"]
+        command += ["--superlink", self.address, "--data", str(data), "--state", str(state)]
+        command += ["--site", site, "--port", str(free_port()), "--threads", str(threads)]
+        if self.certs is None:
+            command.append("--insecure")
+        else:
+            command += ["--root-cert", str(self.certs / "ca.crt")]
+        if key is not None:
+            command += ["--key", str(key)]
+        if allow_no_dp:
+            command.append("--allow-no-dp")
+        if max_epsilon is not None:
+            command += ["--max-epsilon", str(max_epsilon)]
+        if no_worker:
+            command.append("--no-worker")
         env = deploy.environment(self.root / "node-homes" / site)
         self.nodes[site] = self._start(command, self.root / f"node-{site}.log", env)
+
+    def executor_log(self, site: str) -> str:
+        """What the site's executor logged (one line per message)."""
+        path = self.root / "state" / site / ".executor" / "executor.log"
+        return path.read_text() if path.exists() else ""
 
     def _cli_home(self) -> Path:
         deploy.write_connection(
@@ -128,11 +140,12 @@ class LocalFederation:
         round_timeout: float,
         wait: bool = True,
         on_line=None,
+        retries: int = 0,
     ) -> subprocess.Popen:
         """``flwr run`` of a clinfed run; its output lines go to ``self.lines``."""
         self._cli_home()
         overrides = self.root / "run.toml"
-        overrides.write_text(deploy.run_overrides(config, min_sites, round_timeout, 0, 120))
+        overrides.write_text(deploy.run_overrides(config, min_sites, round_timeout, retries, 120))
         process = subprocess.Popen(
             deploy.run_command(overrides),
             env=deploy.environment(self.home / "cli"),

@@ -8,12 +8,12 @@ import json
 import pytest
 import torch
 
-from clinfed.adapters import add_bias, add_lora, merged, shared_names, shared_state
-from clinfed.blocks import Block, block_of
 from clinfed.federated.strategies.fedfrozen import FedFrozen, FedFrozenOptions
 from clinfed.federated.strategies.safl import SAFL, SAFLOptions
-from clinfed.models import build_model
-from clinfed.pipeline import RunConfig, run_training
+from clinfed.modeling.adapters import add_bias, add_lora, merged, shared_names, shared_state
+from clinfed.modeling.blocks import Block, block_of
+from clinfed.modeling.models import build_model
+from clinfed.runners.pipeline import RunConfig, run_training
 
 
 def _lora_model(factors: str = "b"):
@@ -88,7 +88,7 @@ def test_a_federated_lora_run_sends_adapters_and_head_only(i2b2_corpus, tmp_path
         assert all(_is_adapter_or_head(n) for n in message["down"])
     assert summary["ratio_to_fedavg_up"] < 0.05  # against FedAvg of the whole model
     # The saved model is a plain one (adapters merged) and scores as the run did.
-    from clinfed.inference import evaluate_run
+    from clinfed.runners.inference import evaluate_run
 
     assert json.loads((run / "config.json").read_text())["model"]["adapter"] == "lora"
     again = evaluate_run(run, i2b2_corpus / "test")
@@ -119,7 +119,7 @@ def test_a_federated_bias_only_run_sends_biases_and_head_only(i2b2_corpus, tmp_p
         assert all(n.startswith("head.") or n.endswith(".bias") for n in up)
         assert any(n.startswith("encoder.") for n in up)
     assert summary["ratio_to_fedavg_up"] < 0.05
-    from clinfed.inference import evaluate_run
+    from clinfed.runners.inference import evaluate_run
 
     again = evaluate_run(run, i2b2_corpus / "test")
     assert again["f1"] == pytest.approx(summary["f1"], abs=1e-9)
@@ -132,21 +132,21 @@ def test_a_head_only_run_trains_and_sends_the_head_alone(i2b2_corpus, tmp_path, 
     assert len(uploads) == 3
     assert all(up and all(n.startswith("head.") for n in up) for up in uploads)
     # The saved encoder is the starting one: nothing but the head moved.
-    from clinfed.models import load_saved_model
+    from clinfed.modeling.models import load_saved_model
 
     start = build_model("token", "tiny", 7, seed=0)  # the run's seed; O + 3 types x B/I
     saved, _, _ = load_saved_model(run / "model")
     for name, value in saved.encoder.state_dict().items():
         torch.testing.assert_close(value, start.encoder.state_dict()[name])
-    from clinfed.inference import evaluate_run
+    from clinfed.runners.inference import evaluate_run
 
     again = evaluate_run(run, i2b2_corpus / "test")
     assert again["f1"] == pytest.approx(summary["f1"], abs=1e-9)
 
 
 def test_labels_trains_and_sends_the_heads_per_label_rows_alone(mimic_corpus, tmp_path, traffic):
-    from clinfed.adapters import add_head, add_labels
-    from clinfed.models import load_saved_model
+    from clinfed.modeling.adapters import add_head, add_labels
+    from clinfed.modeling.models import load_saved_model
 
     # Concept extraction: the head is one row per tag already, all of it.
     token = build_model("token", "tiny", 5, seed=0)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from clinfed.errors import DataError, ProblemLog
+from clinfed.core.errors import DataError, ProblemLog
 from clinfed.tasks.i2b2 import brat
 from clinfed.tasks.i2b2.brat import read_brat
 from clinfed.tasks.i2b2.schema import TypeNames

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from clinfed.commands import main
-from clinfed.runs import read_jsonl
+from clinfed.core.runs import read_jsonl
 
 from .conftest import CANARY
 
@@ -456,7 +456,7 @@ def test_the_documented_python_api_example_runs_as_written(tmp_path, monkeypatch
     assert all(0 < e <= 8.0 for e in summary["epsilon"].values())
     assert (tmp_path / namespace["page"]).is_file()
     import clinfed
-    from clinfed.errors import ClinfedError
+    from clinfed.core.errors import ClinfedError
 
     # The library's words, unchanged: the setting as a keyword, no flag.
     with pytest.raises(ClinfedError, match="^`rounds` must be at least 1") as refused:
@@ -548,8 +548,8 @@ def test_the_demo_can_start_from_the_shipped_pubmed_text(tmp_path):
 def test_the_demo_s_reference_run_fails_in_its_process_as_the_caller_s_clear_error(
     i2b2_corpus, tmp_path
 ):
-    from clinfed.demo import private_and_reference
-    from clinfed.errors import ClinfedError
+    from clinfed.core.errors import ClinfedError
+    from clinfed.runners.demo import private_and_reference
     from clinfed.settings import RunConfig
 
     common = {"task": "i2b2", "model": "tiny", "strategy": "fedavg", "max_length": 32}
@@ -571,7 +571,7 @@ def test_the_demo_s_reference_process_silences_the_libraries_progress_bars(monke
     # libraries' defaults: datasets' per-map bars would fill the demo's output.
     import datasets
 
-    from clinfed import demo, pipeline
+    from clinfed.runners import demo, pipeline
 
     sent = []
 

@@ -14,7 +14,7 @@ from .test_cli import run_cli
 @pytest.fixture(scope="module")
 def start(tmp_path_factory, i2b2_corpus):
     """A finished tiny run: the model a private run would start from."""
-    from clinfed.pipeline import run_training
+    from clinfed.runners.pipeline import run_training
     from clinfed.settings import RunConfig
 
     from .conftest import TINY_RUN
@@ -26,11 +26,11 @@ def start(tmp_path_factory, i2b2_corpus):
 
 @pytest.mark.parametrize("adapter", ["none", "head"])
 def test_unit_norms_are_those_of_the_per_unit_gradients_dp_sgd_clips(start, i2b2_corpus, adapter):
-    from clinfed.clip_norm import PLANS, unit_gradient_norms
-    from clinfed.errors import ProblemLog
-    from clinfed.inference import saved_model_and_task
+    from clinfed.core.errors import ProblemLog
+    from clinfed.core.scratch import temporary_folder
     from clinfed.privacy.clipping import layer_hooks, per_example_gradients
-    from clinfed.scratch import temporary_folder
+    from clinfed.runners.clip_norm import PLANS, unit_gradient_norms
+    from clinfed.runners.inference import saved_model_and_task
 
     with temporary_folder("cache") as cache:
         model, tokenizer, meta, task = saved_model_and_task(start, cache)
@@ -43,7 +43,7 @@ def test_unit_norms_are_those_of_the_per_unit_gradients_dp_sgd_clips(start, i2b2
         norms, parameters = unit_gradient_norms(model, task, examples, units)
 
         # Opacus's per-example gradients, as DP-SGD's hooks clipping takes them.
-        from clinfed.adapters import shared_names
+        from clinfed.modeling.adapters import shared_names
 
         trained = set(shared_names(model))
         for name, param in model.named_parameters():
@@ -138,8 +138,8 @@ def test_without_adapter_the_clip_norm_is_measured_over_the_task_s_private_plan(
 ):
     """ICD coding trains the head alone under DP by default, so its clip norm
     is read off the head's gradients unless --adapter names another plan."""
-    from clinfed.clip_norm import clip_norm_from_public
-    from clinfed.pipeline import run_training
+    from clinfed.runners.clip_norm import clip_norm_from_public
+    from clinfed.runners.pipeline import run_training
     from clinfed.settings import RunConfig
 
     from .conftest import TINY_RUN

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from clinfed.errors import ClinfedError, DataError, ProblemLog
+from clinfed.core.errors import ClinfedError, DataError, ProblemLog
 from clinfed.tasks.i2b2.conll import read_conll
 from clinfed.tasks.i2b2.schema import TypeNames, parse_types
 
@@ -119,7 +119,7 @@ def test_training_on_real_conll_text_with_a_type_map(tmp_path):
 
 
 def test_safl_profiles_its_public_probe_whatever_the_input_format(tmp_path):
-    from clinfed.models import load_tokenizer
+    from clinfed.modeling.models import load_tokenizer
     from clinfed.tasks.i2b2.adapter import I2b2Task
 
     task = I2b2Task(format="conll", types=TYPES)

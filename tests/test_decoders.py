@@ -11,19 +11,19 @@ import numpy as np
 import pytest
 import torch
 
-from clinfed.adapters import add_lora, shared_names
-from clinfed.blocks import block_of
-from clinfed.errors import ProblemLog
+from clinfed.core.errors import ProblemLog
+from clinfed.core.runs import read_jsonl
 from clinfed.federated.client import apply_plan
 from clinfed.federated.plan import Plan
 from clinfed.federated.strategies.pfeddc import PFedDC
-from clinfed.models import add_prompts, build_model, load_tokenizer, pad_token_id
+from clinfed.modeling.adapters import add_lora, shared_names
+from clinfed.modeling.blocks import block_of
+from clinfed.modeling.models import add_prompts, build_model, load_tokenizer, pad_token_id
+from clinfed.modeling.training import run_epoch
 from clinfed.privacy.dpsgd import make_private
 from clinfed.privacy.randomness import reproducible
 from clinfed.privacy.site import DPSettings
-from clinfed.runs import read_jsonl
 from clinfed.tasks.i2b2.adapter import I2b2Task
-from clinfed.training import run_epoch
 
 from .test_privacy import _expected_update, _no_dropout
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from clinfed.device import resolve_device
+from clinfed.core.device import resolve_device
 
 from .test_cli import TINY_FEDERATED, run_cli
 
@@ -44,9 +44,9 @@ def _update(run) -> torch.Tensor:
     from (rebuilt from the run's config, as the audit does), flattened."""
     import tempfile
 
-    from clinfed.factories import make_task
-    from clinfed.models import load_saved_model
-    from clinfed.reporting.audit import starting_model
+    from clinfed.modeling.models import load_saved_model
+    from clinfed.runners.audit import starting_model
+    from clinfed.runners.factories import make_task
     from clinfed.settings import RunConfig, read_run_config
 
     config = RunConfig.from_values(read_run_config(run), "config").resolved()
@@ -106,8 +106,8 @@ def test_a_round_on_cpu_and_on_gpu_gives_the_same_update(i2b2_corpus, tmp_path, 
 
 @gpu
 def test_the_digest_of_the_same_weights_is_the_same_on_every_device():
-    from clinfed.federated import payload
-    from clinfed.models import build_model
+    from clinfed.core import payload
+    from clinfed.modeling.models import build_model
 
     model = build_model("token", "tiny", 5)
     cpu_digest = payload.digest(model.state_dict())
@@ -118,7 +118,7 @@ def test_the_digest_of_the_same_weights_is_the_same_on_every_device():
 def test_a_dp_pass_holds_what_half_the_free_memory_fits():
     from torch import nn
 
-    from clinfed.device import pass_units_for
+    from clinfed.core.device import pass_units_for
 
     model = nn.Linear(1000, 1000)  # 1,001,000 trainable numbers: 4 MB a unit
     assert pass_units_for(model) == 0  # on the CPU: no cap

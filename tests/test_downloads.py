@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from clinfed.federated import payload
+from clinfed.core import payload
+from clinfed.core.runs import read_jsonl
 from clinfed.federated.engine import Deployment, Reply, RoundEngine
 from clinfed.federated.messages import ReleasedAsReplies
 from clinfed.federated.strategies import get_strategy
-from clinfed.runs import read_jsonl
 
 NAMES = ["a.weight", "b.weight", "c.weight"]
 
@@ -76,7 +76,7 @@ class MirrorSites(ReleasedAsReplies):
 
 def _safl_global(corpus, tmp_path, **extra):
     """SAFL K=1 with global selection on the tiny model, in process."""
-    from clinfed.pipeline import RunConfig
+    from clinfed.runners.pipeline import RunConfig
 
     return RunConfig.of(
         data=str(corpus),
@@ -162,7 +162,7 @@ def test_a_copy_that_does_not_rebuild_the_global_model_gets_the_whole_model(tmp_
 def test_safl_downloads_only_the_layers_chosen_in_the_last_round(
     i2b2_corpus, tmp_path, traffic, monkeypatch
 ):
-    from clinfed.pipeline import run_training
+    from clinfed.runners.pipeline import run_training
 
     proofs = []
     original = RoundEngine._stale
@@ -198,7 +198,7 @@ def test_a_site_whose_starting_model_differs_spends_nothing_and_gets_the_whole_m
     i2b2_corpus, tmp_path, traffic, monkeypatch
 ):
     from clinfed.federated.site import SiteRunner
-    from clinfed.pipeline import run_training
+    from clinfed.runners.pipeline import run_training
 
     original = SiteRunner.__init__
 

@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 
+from clinfed.core.runs import read_jsonl
 from clinfed.federated.engine import Deployment, Reply, RoundEngine
 from clinfed.federated.messages import ReleasedAsReplies
 from clinfed.federated.state import load
 from clinfed.federated.strategies import get_strategy
-from clinfed.runs import read_jsonl
 
 NAMES = ["encoder.layer.0.attention.self.query.weight", "head.weight"]
 

@@ -3,9 +3,9 @@ runner; the Python API hands them on as (name, info)."""
 
 from __future__ import annotations
 
-from clinfed import events
-from clinfed.pipeline import run_training
-from clinfed.runs import read_jsonl
+from clinfed.core import events
+from clinfed.core.runs import read_jsonl
+from clinfed.runners.pipeline import run_training
 
 
 def test_a_run_reports_typed_events_that_carry_its_records(tiny_config, tmp_path):

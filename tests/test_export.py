@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForTokenClassification, AutoTokenizer
 
-from clinfed.models import load_saved_model
+from clinfed.modeling.models import load_saved_model
 
 from .test_cli import run_cli
 

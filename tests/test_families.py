@@ -39,7 +39,7 @@ def checkpoints(tmp_path_factory):
         RobertaModel,
     )
 
-    from clinfed.models import checkpoint_dir
+    from clinfed.modeling.models import checkpoint_dir
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir("tiny"), local_files_only=True)
     size = dict(
@@ -98,8 +98,8 @@ def test_roberta_trains_under_dp_and_deberta_v2_is_refused_with_the_reason(
 
 @pytest.mark.parametrize("family", ["roberta", "deberta-v2"])
 def test_every_parameter_has_its_block_and_each_layer_its_query_key(checkpoints, family):
-    from clinfed.blocks import parameter_blocks
-    from clinfed.models import load_encoder
+    from clinfed.modeling.blocks import parameter_blocks
+    from clinfed.modeling.models import load_encoder
 
     names = [f"encoder.{n}" for n, _ in load_encoder(str(checkpoints[family])).named_parameters()]
     blocks = parameter_blocks(names)  # raises for a name no rule knows
@@ -114,7 +114,7 @@ def test_an_unsupported_family_and_broken_checkpoints_are_refused_before_any_cha
 ):
     from transformers import AutoTokenizer, BertConfig, BertModel, GPT2Config, GPT2Model
 
-    from clinfed.models import checkpoint_dir
+    from clinfed.modeling.models import checkpoint_dir
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir("tiny"), local_files_only=True)
     # GPT-2: no registered family knows its names (h.0.attn.c_attn).
@@ -185,13 +185,13 @@ def test_an_unsupported_family_and_broken_checkpoints_are_refused_before_any_cha
 
 
 def test_a_family_added_in_one_file_trains_under_dp_and_safl(i2b2_corpus, tmp_path):
-    # Phi came as clinfed/families/phi.py alone: its final LayerNorm, plain
+    # Phi came as clinfed/modeling/families/phi.py alone: its final LayerNorm, plain
     # feed-forward and attention output are read from there by the blocks,
     # LoRA and prompts, and DP-SGD clips it like any decoder.
     from transformers import AutoTokenizer, PhiConfig, PhiModel
 
-    from clinfed.families import family_of
-    from clinfed.models import checkpoint_dir
+    from clinfed.modeling.families import family_of
+    from clinfed.modeling.models import checkpoint_dir
 
     assert family_of("phi").name == "Phi"
     tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir("tiny"), local_files_only=True)

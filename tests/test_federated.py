@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from clinfed.errors import ClinfedError
-from clinfed.federated import payload
+from clinfed.core import payload
+from clinfed.core.errors import ClinfedError
 from clinfed.federated.aggregation import Aggregator
 from clinfed.federated.client import apply_plan
 from clinfed.federated.engine import sample_sites as sample_clients
 from clinfed.federated.partition import partition
 from clinfed.federated.plan import Plan
 from clinfed.federated.strategies import get_strategy
-from clinfed.models import build_model
+from clinfed.modeling.models import build_model
 
 
 def test_aggregation_is_a_per_parameter_weighted_mean_over_senders():

@@ -7,9 +7,9 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from clinfed.events import RoundEnd
+from clinfed.core.events import RoundEnd
 from clinfed.federated.strategies.fedfrozen import FedFrozen, FedFrozenOptions, is_query_key
-from clinfed.pipeline import RunConfig, run_training
+from clinfed.runners.pipeline import RunConfig, run_training
 
 
 def test_plans_before_and_after_warmup():

@@ -18,7 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from clinfed.commands import main
-from clinfed.errors import USER_ERRORS, ClinfedError, ProblemLog
+from clinfed.core.errors import USER_ERRORS, ClinfedError, ProblemLog
+from clinfed.core.runs import read_jsonl
 from clinfed.federated.engine import Message
 from clinfed.federated.messages import Reply, encode_reply
 from clinfed.federated.replies import check_upload
@@ -31,11 +32,10 @@ from clinfed.flower.deploy import (
     read_labels,
     register_command,
 )
-from clinfed.flower.node import NodeConfig, NodeSite
 from clinfed.flower.records import PACKED, _records, message_records, read_message, read_reply
-from clinfed.pipeline import RunConfig, run_training
 from clinfed.privacy.accountants import Mechanism, epsilon
-from clinfed.runs import read_jsonl
+from clinfed.runners.node import NodeConfig, NodeSite
+from clinfed.runners.pipeline import RunConfig, run_training
 from clinfed.tasks.i2b2.synth import generate
 from clinfed.tasks.mimic3.adapter import Mimic3Task
 from clinfed.tasks.mimic3.metrics import multilabel_metrics
@@ -220,7 +220,7 @@ def _corpus(tmp_path: Path) -> Path:
 
 def _settings(**extra) -> dict:
     """A small run; the strategy options it sets are those its strategy takes."""
-    from clinfed.sweep import options_for
+    from clinfed.runners.sweep import options_for
 
     values = {
         "task": "i2b2",
@@ -371,6 +371,10 @@ def test_flower_over_tls_with_node_keys_survives_a_killed_superlink_like_the_sim
         reported = read_jsonl(run / "privacy" / f"{site}.jsonl")
         assert all(line["reported_by_site"] for line in reported)
         assert list((root / "state" / site / run.name).glob("copy.*"))
+        # One executor process answered every message the site got, in both
+        # SuperLinks' lives: no process per message.
+        answered = [x for x in federation.executor_log(site).splitlines() if "answered" in x]
+        assert len(answered) >= config.rounds and len({x.split()[2] for x in answered}) == 1
 
     # The same metrics.jsonl, record for record: keys and values (timings aside).
     timing = {"wall_s", "eval_seconds"}
@@ -419,7 +423,9 @@ def test_flower_with_lora_adapters_matches_the_simulator(tmp_path):
     assert all(".lora_B." in k or k.startswith("head.") for k in checkpoint)
 
 
-def _submit_until_round_two(federation, config, data, min_sites: int, timeout: float):
+def _submit_until_round_two(
+    federation, config, data, min_sites: int, timeout: float, retries: int = 0
+):
     """Start a SuperLink and a SuperNode per site, submit ``config`` and
     return its ``flwr run`` process once round 2 is being sent."""
     federation.root.mkdir(parents=True, exist_ok=True)
@@ -433,7 +439,7 @@ def _submit_until_round_two(federation, config, data, min_sites: int, timeout: f
     for site in SITES:
         federation.start_node(site, data, **_node_policy(config))
     process = federation.submit(
-        config, min_sites=min_sites, round_timeout=timeout, wait=False, on_line=watch
+        config, min_sites, timeout, wait=False, on_line=watch, retries=retries
     )
     assert round_two.wait(timeout=600), "\n".join(federation.lines[-50:])
     return process
@@ -477,6 +483,41 @@ def test_a_killed_node_is_tolerated_and_rejoins_with_its_ledger(tmp_path):
     # The last epsilon accounts for everything recorded before the kill too.
     assert after[-1]["epsilon"] == pytest.approx(epsilon(mechanisms, config.delta), rel=1e-9)
     assert json.loads((Path(config.out) / "summary.json").read_text())["f1"] >= 0.0
+
+
+@pytest.mark.slow
+def test_a_killed_executor_is_replaced_and_its_round_charged_once(tmp_path):
+    """SIGKILL a node's executor once it has charged round 2: the node
+    command starts another, the server retries the round, and the site
+    answers it on the same charge (its ledger: one charge a round). The
+    SuperNode waits for the killed task's reply until Flower's task
+    heartbeat lapses (about a minute), then replies with an error: the
+    round's timeout must outlast that for the retry to come after it."""
+    data = _corpus(tmp_path)
+    config = flower_run_config(_settings(rounds=3, freeze_from="3"), tmp_path / "flower-run")
+    federation = LocalFederation(tmp_path / "deploy", certs=None)
+    try:
+        process = _submit_until_round_two(
+            federation, config, data, min_sites=3, timeout=200, retries=1
+        )
+        ledger = _node_ledger(tmp_path / "deploy" / "state", "beth")
+        deadline = time.monotonic() + 300
+        while 2 not in dict(_epsilons(ledger)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (first,) = {x.split()[2] for x in federation.executor_log("beth").splitlines()}
+        os.kill(int(first.rstrip(":")), signal.SIGKILL)
+        process.wait(timeout=900)
+    finally:
+        federation.close()
+    assert process.returncode == 0, "\n".join(federation.lines[-40:])
+    assert [r for r, _ in _epsilons(ledger)] == [0, 1, 2, 3]  # round 2 charged once
+    pids = {x.split()[2] for x in federation.executor_log("beth").splitlines()}
+    assert len(pids) == 2 and first in pids  # replaced once
+    summary = json.loads((Path(config.out) / "summary.json").read_text())
+    assert "stopped" not in summary
+    records = read_jsonl(Path(config.out) / "metrics.jsonl")
+    trained = {r["round"] for r in records if r.get("site") == "beth" and "examples" in r}
+    assert trained == {1, 2, 3}
 
 
 def _site(i2b2_corpus, tmp_path, max_epsilon, run_name="run", node_options=None, **settings):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from clinfed.forecast import noise_plan, parse_units
+from clinfed.runners.forecast import noise_plan, parse_units
 
 from .test_cli import run_cli
 

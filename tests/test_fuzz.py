@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from clinfed.errors import ClinfedError, ProblemLog
+from clinfed.core.errors import ClinfedError, ProblemLog
 from clinfed.tasks.i2b2.format import read_corpus
 from clinfed.tasks.mimic3.adapter import Mimic3Task
 

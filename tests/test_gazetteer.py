@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from clinfed.adapters import TYPE_TABLE, add_bias, shared_names, shared_state
-from clinfed.errors import ClinfedError
-from clinfed.gazetteer import Gazetteer, PieceMarker, name_key
-from clinfed.models import (
+from clinfed.core.errors import ClinfedError
+from clinfed.modeling.adapters import TYPE_TABLE, add_bias, shared_names, shared_state
+from clinfed.modeling.gazetteer import Gazetteer, PieceMarker, name_key
+from clinfed.modeling.models import (
     add_prompts,
     attach_gazetteer,
     build_model,
@@ -303,8 +303,8 @@ def test_a_warm_start_keeps_its_list_and_a_different_one_is_refused(i2b2_corpus,
 
 
 def test_on_flower_the_list_travels_inside_the_pinned_model_folder(tmp_path):
+    from clinfed.core.provenance import data_fingerprint
     from clinfed.flower.deploy import flower_run_config
-    from clinfed.provenance import data_fingerprint
 
     with pytest.raises(ClinfedError, match="gazetteer: on Flower, make the starting model"):
         flower_run_config({"task": "i2b2", "strategy": "fedavg", "gazetteer": "g"}, tmp_path)
@@ -325,8 +325,8 @@ def test_on_flower_the_list_travels_inside_the_pinned_model_folder(tmp_path):
 def test_a_flower_node_marks_the_names_of_the_model_folder_it_pins(
     i2b2_corpus, tiny_config, tmp_path
 ):
-    from clinfed.provenance import data_fingerprint
-    from clinfed.warmstart import warm_start_model
+    from clinfed.core.provenance import data_fingerprint
+    from clinfed.runners.warmstart import warm_start_model
 
     from .test_guarantees import _node_site
 

@@ -13,13 +13,13 @@ import pytest
 import torch
 from scipy.stats import norm
 
-from clinfed.errors import ClinfedError, ProblemLog
+from clinfed.core.errors import ClinfedError, ProblemLog
+from clinfed.core.runs import read_jsonl
 from clinfed.federated.engine import Reply
 from clinfed.federated.replies import MAX_UNITS, check_record
-from clinfed.models import load_tokenizer
-from clinfed.pipeline import RunConfig
+from clinfed.modeling.models import load_tokenizer
 from clinfed.privacy.accountants import ACCOUNTANTS, Mechanism
-from clinfed.runs import read_jsonl
+from clinfed.runners.pipeline import RunConfig
 from clinfed.tasks.i2b2.adapter import I2b2Task
 
 # Site a annotates chemicals in one sentence only; site b annotates both.
@@ -177,7 +177,7 @@ def test_the_server_bounds_a_site_s_claimed_weight():
 
 
 def test_the_held_out_split_is_the_site_s_never_the_run_seed(tmp_path):
-    from clinfed.factories import make_task
+    from clinfed.runners.factories import make_task
     from clinfed.tasks.i2b2.synth import generate
 
     data = tmp_path / "flat"
@@ -229,7 +229,7 @@ def test_one_evaluation_meter_per_dataset_caps_evaluations_across_runs(tmp_path)
 
 def _node_site(i2b2_corpus, tmp_path, node_options=None, **settings):
     from clinfed.flower.deploy import flower_run_config
-    from clinfed.flower.node import NodeConfig, NodeSite
+    from clinfed.runners.node import NodeConfig, NodeSite
 
     # One local epoch: these check what a node does, not what training reaches.
     base = {"task": "i2b2", "model": "tiny", "strategy": "fedavg", "max_length": 32}
@@ -239,8 +239,8 @@ def _node_site(i2b2_corpus, tmp_path, node_options=None, **settings):
 
 
 def test_a_node_trains_only_the_model_its_own_config_pins(i2b2_corpus, tmp_path):
-    from clinfed.models import checkpoint_dir
-    from clinfed.provenance import data_fingerprint
+    from clinfed.core.provenance import data_fingerprint
+    from clinfed.modeling.models import checkpoint_dir
 
     # The server names a folder at the node (a local checkpoint trained
     # without DP, say): refused, without saying whether it exists.
@@ -393,7 +393,7 @@ def test_the_audit_s_rank_auc_is_scikit_learn_s_auc_ties_included():
     import numpy as np
     from sklearn.metrics import roc_auc_score
 
-    from clinfed.reporting.audit import rank_auc
+    from clinfed.runners.audit import rank_auc
 
     rng = np.random.default_rng(3)
     for size in (1, 7, 200):
@@ -410,7 +410,7 @@ def test_the_audit_s_rank_auc_is_scikit_learn_s_auc_ties_included():
 def test_the_audit_interval_resamples_whole_units():
     import numpy as np
 
-    from clinfed.reporting.audit import auc_with_interval
+    from clinfed.runners.audit import auc_with_interval
 
     scores = np.random.default_rng(0)
     members, non_members = scores.normal(0.2, 1, 40), scores.normal(0, 1, 40)
@@ -544,7 +544,7 @@ def test_a_dp_run_killed_at_any_stage_resumes_charging_each_round_once(
     assert killed.returncode == -9, killed.stderr.decode()[-2000:]
     # A report on the killed run says it is unfinished at the top (or, where
     # the records run ahead of what it can verify, refuses naming a file).
-    from clinfed.errors import USER_ERRORS
+    from clinfed.core.errors import USER_ERRORS
 
     try:
         verdicts = build(out)["verdicts"]
@@ -576,9 +576,9 @@ def test_a_dp_run_killed_at_any_stage_resumes_charging_each_round_once(
 
 
 def test_a_node_answers_a_replayed_round_with_the_same_bytes_and_no_charge(i2b2_corpus, tmp_path):
-    from clinfed.adapters import shared_state
-    from clinfed.federated import payload
+    from clinfed.core import payload
     from clinfed.federated.engine import Message
+    from clinfed.modeling.adapters import shared_state
 
     def ask(round_number: int, expect: str):
         site = _node_site(i2b2_corpus, tmp_path, target_epsilon=8.0, rounds=3)
@@ -607,11 +607,11 @@ def test_a_node_answers_a_replayed_round_with_the_same_bytes_and_no_charge(i2b2_
 NODE_KILLER = """
 import os, signal, sys
 from pathlib import Path
-from clinfed.adapters import shared_state
-from clinfed.federated import payload
+from clinfed.modeling.adapters import shared_state
+from clinfed.core import payload
 from clinfed.federated.engine import Message
 from clinfed.flower.deploy import flower_run_config
-from clinfed.flower.node import NodeConfig, NodeSite
+from clinfed.runners.node import NodeConfig, NodeSite
 from clinfed.privacy.ledger import Ledger
 
 data, tmp, stage = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
@@ -643,10 +643,10 @@ def test_a_node_killed_around_its_charge_charges_the_round_once(i2b2_corpus, tmp
     import subprocess
     import sys
 
-    from clinfed.adapters import shared_state
-    from clinfed.federated import payload
+    from clinfed.core import payload
+    from clinfed.core.scratch import remove_stale
     from clinfed.federated.engine import Message
-    from clinfed.scratch import remove_stale
+    from clinfed.modeling.adapters import shared_state
 
     # Its own temporary folder, outside any scratch folder (library use).
     temporary = tmp_path / "tmp"
@@ -681,7 +681,7 @@ def test_a_node_killed_around_its_charge_charges_the_round_once(i2b2_corpus, tmp
 def test_an_in_process_site_caps_delta_as_a_node_does(tmp_path, tiny_run):
     # One site builder for both transports: the default cap 1/(10 n) that a
     # node applies holds in-process too (a delta near 1/n lets one unit out).
-    from clinfed.errors import ClinfedError
+    from clinfed.core.errors import ClinfedError
 
     with pytest.raises(ClinfedError, match=r"above this site's cap"):
         tiny_run(target_epsilon=8.0, delta=0.01)
@@ -692,9 +692,9 @@ def test_a_node_can_start_from_a_public_warm_start_it_pins(i2b2_corpus, tiny_con
     # Warm start on Flower: the operator makes the starting model once from
     # public text (clinfed warm-start), each node pins that folder by
     # SHA-256, and the round-0 digest proves every party holds the same.
+    from clinfed.core.provenance import data_fingerprint
     from clinfed.federated.state import load_tensors
-    from clinfed.provenance import data_fingerprint
-    from clinfed.warmstart import warm_start_model
+    from clinfed.runners.warmstart import warm_start_model
 
     public = tmp_path / "public"
     public.mkdir()

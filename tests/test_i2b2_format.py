@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from clinfed.errors import DataError, ProblemLog
+from clinfed.core.errors import DataError, ProblemLog
 from clinfed.tasks.i2b2.bio import decode_tags, encode_tags
 from clinfed.tasks.i2b2.format import (
     Concept,

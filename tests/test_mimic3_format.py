@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from clinfed.errors import ClinfedError, DataError, ProblemLog
+from clinfed.core.errors import ClinfedError, DataError, ProblemLog
 from clinfed.tasks.mimic3.adapter import PUBLIC_LIST, Mimic3Task, public_labels
 from clinfed.tasks.mimic3.format import caml_dot, patient_split, read_admissions, read_codes
 

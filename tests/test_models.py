@@ -15,9 +15,9 @@ from transformers import (
     RobertaModel,
 )
 
-from clinfed.blocks import EMBEDDINGS, HEAD, Block, block_of, num_layers, parameter_blocks
-from clinfed.errors import ClinfedError
-from clinfed.models import (
+from clinfed.core.errors import ClinfedError
+from clinfed.modeling.blocks import EMBEDDINGS, HEAD, Block, block_of, num_layers, parameter_blocks
+from clinfed.modeling.models import (
     ChunkedLabelAttentionClassifier,
     LabelAttention,
     TokenTagger,

@@ -9,10 +9,10 @@ import json
 import numpy as np
 import pytest
 
+from clinfed.core.runs import read_jsonl
 from clinfed.privacy.count import COUNT_MECHANISM, count_path, kept_count
 from clinfed.privacy.errors import PrivacyError
 from clinfed.privacy.sampler import PoissonSampler
-from clinfed.runs import read_jsonl
 
 
 def _charges(run, site):
@@ -55,10 +55,10 @@ def test_a_calibrated_add_remove_run_needs_less_noise(tiny_config, tmp_path):
     import tempfile
     from pathlib import Path
 
-    from clinfed.errors import ProblemLog
-    from clinfed.factories import make_strategy, make_task
+    from clinfed.core.errors import ProblemLog
     from clinfed.federated.site_policy import privacy_policy
-    from clinfed.models import load_tokenizer
+    from clinfed.modeling.models import load_tokenizer
+    from clinfed.runners.factories import make_strategy, make_task
 
     def sigma(relation: str) -> float:
         config = tiny_config(target_epsilon=8, rounds=3, neighbours=relation).resolved()

@@ -9,9 +9,9 @@ import stat
 
 import pytest
 
-from clinfed.flower.cache import FOLDER, KEEP
 from clinfed.flower.deploy import flower_run_config
-from clinfed.flower.node import NodeConfig, NodeSite
+from clinfed.runners.node import NodeConfig, NodeSite
+from clinfed.runners.node_cache import FOLDER, KEEP
 from clinfed.tasks.i2b2.adapter import I2b2Task
 
 

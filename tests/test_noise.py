@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from clinfed.core.runs import read_jsonl
 from clinfed.privacy.dpsgd import DPSettings, PrivateStep
 from clinfed.privacy.randomness import NOT_PRIVATE, reproducible, secret
-from clinfed.runs import read_jsonl
 
 
 def one_noisy_step(randomness, sigma=1.7, clip=0.5, batch=8, mode="hooks") -> torch.Tensor:

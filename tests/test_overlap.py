@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from clinfed.errors import ClinfedError
-from clinfed.provenance import check_public_input
+from clinfed.core.errors import ClinfedError
+from clinfed.core.provenance import check_public_input
 from clinfed.tasks.i2b2.synth import generate
 
 from .test_cli import run_cli

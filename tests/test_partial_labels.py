@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from clinfed.errors import ClinfedError, ProblemLog
-from clinfed.models import load_tokenizer
+from clinfed.core.errors import ClinfedError, ProblemLog
+from clinfed.modeling.models import load_tokenizer
 from clinfed.tasks.i2b2.adapter import I2b2Task
 
 from .test_cli import run_cli
@@ -126,7 +126,7 @@ def test_a_flower_node_refuses_types_the_run_did_not_declare(tmp_path):
     # was declared); a node whose CoNLL data has other types must not train
     # a different head.
     from clinfed.flower.deploy import flower_run_config
-    from clinfed.flower.node import NodeConfig, NodeSite
+    from clinfed.runners.node import NodeConfig, NodeSite
 
     config = flower_run_config(
         {"task": "i2b2", "model": "tiny", "strategy": "fedavg", "max_length": 32},

@@ -13,12 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from clinfed.blocks import GLOBAL_PROMPT, LOCAL_PROMPT, block_of
-from clinfed.federated import payload
+from clinfed.core import payload
 from clinfed.federated.strategies.pfeddc import PFedDC
-from clinfed.models import add_prompts, build_model, load_saved_model
-from clinfed.pipeline import RunConfig, run_training
-from clinfed.prompts import DualPrompt
+from clinfed.modeling.blocks import GLOBAL_PROMPT, LOCAL_PROMPT, block_of
+from clinfed.modeling.models import add_prompts, build_model, load_saved_model
+from clinfed.modeling.prompts import DualPrompt
+from clinfed.runners.pipeline import RunConfig, run_training
 
 from .test_cli import run_cli
 
@@ -67,7 +67,7 @@ def test_deep_prompts_steer_every_layer_and_leave_no_hooks_behind():
 
 
 def test_prompted_model_is_saved_and_rebuilt(tmp_path):
-    from clinfed.models import load_tokenizer, save_model
+    from clinfed.modeling.models import load_tokenizer, save_model
 
     model = add_prompts(build_model("token", "tiny", 7), 3, "concat", depth=2)
     save_model(

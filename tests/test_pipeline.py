@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from clinfed.errors import ClinfedError
-from clinfed.pipeline import RunConfig
+from clinfed.core.errors import ClinfedError
+from clinfed.runners.pipeline import RunConfig
 from clinfed.tasks.mimic3.adapter import Mimic3Task
 
 TASK_DEFAULTS = {"mimic3": Mimic3Task.defaults}
@@ -54,8 +54,8 @@ def test_a_cache_folder_reuses_encoded_notes_only_when_nothing_that_shapes_them_
     # the tokenizer's vocabulary and with what the encoding closes over.
     from pathlib import Path
 
-    from clinfed.errors import ProblemLog
-    from clinfed.models import load_tokenizer
+    from clinfed.core.errors import ProblemLog
+    from clinfed.modeling.models import load_tokenizer
     from clinfed.tasks.i2b2.adapter import I2b2Task
 
     cache = str(tmp_path / "cache")

@@ -13,13 +13,14 @@ from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
 from torch import nn
 
-from clinfed.adapters import add_bias, add_lora, shared_names
-from clinfed.errors import ProblemLog
+from clinfed.core.errors import ProblemLog
+from clinfed.core.runs import read_jsonl
 from clinfed.federated.client import apply_plan
 from clinfed.federated.plan import Plan
 from clinfed.federated.strategies.pfeddc import PFedDC
-from clinfed.models import add_prompts, build_model, load_tokenizer
-from clinfed.pipeline import RunConfig, run_training
+from clinfed.modeling.adapters import add_bias, add_lora, shared_names
+from clinfed.modeling.models import add_prompts, build_model, load_tokenizer
+from clinfed.modeling.training import run_epoch
 from clinfed.privacy.accountants import (
     BUDGET,
     Mechanism,
@@ -38,10 +39,9 @@ from clinfed.privacy.dpsgd import (
 )
 from clinfed.privacy.ledger import Ledger
 from clinfed.privacy.randomness import reproducible
-from clinfed.runs import read_jsonl
+from clinfed.runners.pipeline import RunConfig, run_training
 from clinfed.tasks.i2b2.adapter import I2b2Task
 from clinfed.tasks.mimic3.adapter import Mimic3Task
-from clinfed.training import run_epoch
 
 from .test_cli import run_cli
 
@@ -130,7 +130,7 @@ def test_calibration_lands_in_the_window_under_every_accountant(
 
 
 def test_noise_below_the_floor_is_neither_searched_nor_accepted(tiny_config):
-    from clinfed.errors import ClinfedError
+    from clinfed.core.errors import ClinfedError
     from clinfed.privacy.accountants import MIN_NOISE_MULTIPLIER
 
     tried = []
@@ -720,8 +720,8 @@ def test_sweep_writes_a_table_and_skips_finished_cells(i2b2_corpus, tmp_path):
 
 def test_units_are_what_sampling_and_accounting_count(i2b2_corpus, tmp_path):
 
-    from clinfed.factories import make_strategy
     from clinfed.federated.site_policy import privacy_policy
+    from clinfed.runners.factories import make_strategy
 
     task = I2b2Task()
     tokenizer = load_tokenizer("tiny")

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from clinfed.errors import ProblemLog
+from clinfed.core.errors import ProblemLog
 from clinfed.federated.aggregation import Aggregator
 from clinfed.federated.messages import (
     Message,

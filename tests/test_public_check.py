@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from clinfed.core.runs import read_jsonl
 from clinfed.federated.public_check import (
     PublicCheck,
     Scored,
@@ -16,7 +17,6 @@ from clinfed.federated.public_check import (
     micro_f1,
     significant,
 )
-from clinfed.runs import read_jsonl
 
 from .test_cli import run_cli
 
@@ -138,11 +138,11 @@ def test_the_judge_scores_a_copy_and_leaves_the_run_s_model_alone(
 
     import torch
 
-    from clinfed.adapters import shared_state
-    from clinfed.errors import ProblemLog
-    from clinfed.factories import make_model, make_task
-    from clinfed.models import load_tokenizer
-    from clinfed.warmstart import public_check
+    from clinfed.core.errors import ProblemLog
+    from clinfed.modeling.adapters import shared_state
+    from clinfed.modeling.models import load_tokenizer
+    from clinfed.runners.factories import make_model, make_task
+    from clinfed.runners.warmstart import public_check
 
     config = tiny_config(public_check=str(public_i2b2)).resolved()
     with tempfile.TemporaryDirectory() as cache:
@@ -170,8 +170,8 @@ def test_icd_decisions_are_the_codes_micro_f1_counts(mimic_corpus):
 
     import numpy as np
 
-    from clinfed.errors import ProblemLog
-    from clinfed.models import TINY, load_tokenizer
+    from clinfed.core.errors import ProblemLog
+    from clinfed.modeling.models import TINY, load_tokenizer
     from clinfed.tasks.mimic3.adapter import Mimic3Task
 
     task = Mimic3Task(top_k=10, max_chunks=2)

@@ -80,8 +80,8 @@ def test_a_given_batch_size_is_used_as_is(tmp_path, trained, tiny_run):
 def test_a_private_run_takes_the_recipes_epochs_and_schedule_unless_given(
     tmp_path, tiny_run, monkeypatch
 ):
+    from clinfed.core.runs import read_jsonl
     from clinfed.privacy.recipe import DP_LR_DECAY
-    from clinfed.runs import read_jsonl
 
     schedules = []
     real = client.decay_rates

@@ -137,7 +137,7 @@ class _Pinned:
         )
 
     def run(self, config) -> list[dict]:
-        from clinfed.pipeline import run_training
+        from clinfed.runners.pipeline import run_training
 
         self.sent, self.tokens, self.done = [], itertools.count(), False
         if self.recorded:
@@ -353,7 +353,7 @@ def test_the_report_s_words_follow_the_relation_and_the_plan(relation):
 def test_a_two_note_site_sends_nothing_its_exact_count_follows_from(tmp_path, tiny_config):
     # A site of two training notes, add/remove: nothing it sends holds its
     # exact unit count, half of it (a median of two), or a note's length.
-    from clinfed.pipeline import run_training
+    from clinfed.runners.pipeline import run_training
 
     data = tmp_path / "data"
     generate(data, sites=2, docs=4, seed=5)
@@ -393,11 +393,11 @@ def test_a_two_note_site_sends_nothing_its_exact_count_follows_from(tmp_path, ti
 def _node_replies(data: Path, state: Path, relation: str, monkeypatch) -> list[dict]:
     """A node's replies to the same two training messages (the starting
     model, whole), through the ClientApp's own handler."""
-    from clinfed.factories import make_model, make_task
     from clinfed.federated.engine import Message
     from clinfed.flower.deploy import flower_run_config
     from clinfed.flower.handler import SiteCache, answer
     from clinfed.flower.records import message_records
+    from clinfed.runners.factories import make_model, make_task
 
     tokens = itertools.count()
     monkeypatch.setattr(

@@ -264,7 +264,7 @@ def test_bad_i2b2_files_are_named_never_skipped_or_waited_on(i2b2_corpus, tmp_pa
 def test_a_byte_order_mark_is_accepted_and_skip_leaves_overlapping_concepts_out(
     i2b2_corpus, tmp_path
 ):
-    from clinfed.errors import ProblemLog
+    from clinfed.core.errors import ProblemLog
     from clinfed.tasks.i2b2.format import read_corpus
 
     data = _i2b2_copy(i2b2_corpus, tmp_path)
@@ -397,7 +397,7 @@ def test_a_sweep_into_a_file_is_refused(i2b2_corpus, tmp_path):
 
 
 def test_linked_site_folders_are_read_and_a_link_loop_ends(i2b2_corpus, tmp_path):
-    from clinfed.errors import ProblemLog
+    from clinfed.core.errors import ProblemLog
     from clinfed.tasks.i2b2.format import read_corpus
 
     data = tmp_path / "data"
@@ -456,7 +456,7 @@ def test_library_use_leaves_no_arrow_cache_behind(mimic_corpus, tmp_path):
     home.mkdir()
     tmp.mkdir()
     code = (
-        "import sys; from clinfed.errors import ProblemLog; "
+        "import sys; from clinfed.core.errors import ProblemLog; "
         "from clinfed.tasks.mimic3.adapter import Mimic3Task; "
         "corpus = Mimic3Task(top_k=0).load(sys.argv[1], ProblemLog()); "
         "print(len(corpus.train))"
@@ -473,7 +473,7 @@ def test_library_use_leaves_no_arrow_cache_behind(mimic_corpus, tmp_path):
 def test_a_full_disk_names_the_file_it_could_not_write(tmp_path, monkeypatch):
     import errno
 
-    from clinfed.runs import append_jsonl, atomic_write_json
+    from clinfed.core.runs import append_jsonl, atomic_write_json
 
     def full(fd):
         raise OSError(errno.ENOSPC, "No space left on device")

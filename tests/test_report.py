@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from clinfed.pipeline import RunConfig, run_training
 from clinfed.reporting.report import page_outline, write_report
+from clinfed.runners.pipeline import RunConfig, run_training
 from tools.report_in_browser import model_layers, problems, render
 
 BASE = {"task": "i2b2", "model": "tiny", "max_length": 32, "threads": 1}

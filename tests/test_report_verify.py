@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from clinfed.errors import USER_ERRORS
+from clinfed.core.errors import USER_ERRORS
 from clinfed.reporting.report import write_report
 from tests.test_cli import run_cli
 
@@ -19,7 +19,7 @@ from tests.test_cli import run_cli
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, i2b2_corpus):
     """A finished two-round DP run in process, and its report."""
-    from clinfed.pipeline import run_training
+    from clinfed.runners.pipeline import run_training
     from clinfed.settings import RunConfig
 
     out = tmp_path_factory.mktemp("verify") / "run"
@@ -190,7 +190,7 @@ def test_the_grid_shows_a_bias_plan_as_a_small_part_of_each_layer(finished):
 
 
 def test_the_audit_s_words_follow_every_interval(finished, tmp_path):
-    from clinfed.seal import seal_run
+    from clinfed.core.seal import seal_run
 
     source, _ = finished
     run = tmp_path / "run"

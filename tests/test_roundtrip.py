@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from clinfed.commands import main
-from clinfed.errors import ProblemLog
-from clinfed.models import load_tokenizer
+from clinfed.core.errors import ProblemLog
+from clinfed.modeling.models import load_tokenizer
 from clinfed.tasks.i2b2.adapter import I2b2Task
 from clinfed.tasks.i2b2.encoding import window_words
 

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from clinfed.errors import ProblemLog
-from clinfed.federated import payload
+from clinfed.core import payload
+from clinfed.core.errors import ProblemLog
 from clinfed.federated.attention import layer_scores, profile, top_k_layers
 from clinfed.federated.plan import full_plan
 from clinfed.federated.strategies import get_strategy
-from clinfed.models import build_model, load_tokenizer
-from clinfed.pipeline import RunConfig, run_training
+from clinfed.modeling.models import build_model, load_tokenizer
+from clinfed.runners.pipeline import RunConfig, run_training
 from clinfed.tasks.i2b2.adapter import I2b2Task
 
 

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from clinfed.errors import ClinfedError
+from clinfed.core.errors import ClinfedError
+from clinfed.core.runs import read_jsonl
 from clinfed.federated import secure
 from clinfed.federated.engine import Deployment, RoundEngine
 from clinfed.federated.messages import Message, ReleasedAsReplies, Reply
 from clinfed.federated.secure_summation import SecureRound, SecureSummation
 from clinfed.federated.strategies import get_strategy
-from clinfed.runs import read_jsonl
 
 NAMES = ["encoder.layer.0.attention.self.query.weight", "head.weight", "head.bias"]
 SHAPES = {NAMES[0]: (4, 3), NAMES[1]: (2, 4), NAMES[2]: (2,)}
@@ -358,7 +358,7 @@ def test_an_in_process_run_ends_with_the_weights_of_plain_aggregation(
 ):
     from safetensors.torch import load_file
 
-    from clinfed.pipeline import RunConfig, run_training
+    from clinfed.runners.pipeline import RunConfig, run_training
 
     base = {"task": "i2b2", "strategy": strategy, "model": "tiny", "max_length": 32}
     base |= {"rounds": 2, "batch_size": 8, "threads": 1, "strategy_options": options}

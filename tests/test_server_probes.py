@@ -13,16 +13,16 @@ import pytest
 import torch
 from torch import nn
 
-from clinfed.errors import ClinfedError
+from clinfed.core.errors import ClinfedError
+from clinfed.core.runs import read_jsonl
 from clinfed.flower.deploy import flower_run_config
-from clinfed.flower.node import NodeConfig, NodeSite
 from clinfed.privacy.count import COUNT_MECHANISM, COUNT_NOISE, count_mechanism, noisy_count
 from clinfed.privacy.dpsgd import make_private
 from clinfed.privacy.policy import PrivacyPolicy
 from clinfed.privacy.randomness import secret
 from clinfed.privacy.sampler import PoissonSampler
 from clinfed.privacy.site import SitePrivacy
-from clinfed.runs import read_jsonl
+from clinfed.runners.node import NodeConfig, NodeSite
 from clinfed.settings import RunConfig
 
 # One local epoch: these probe what leaves a site, not what training reaches.
@@ -98,9 +98,7 @@ def test_a_node_never_opens_the_server_s_own_paths(i2b2_corpus, tmp_path):
     assert not (tmp_path / "elsewhere").exists()
 
 
-@pytest.mark.parametrize(
-    "key", ["allow-no-dp", "share-ledger", "worker", "require-secure-aggregation"]
-)
+@pytest.mark.parametrize("key", ["allow-no-dp", "share-ledger", "require-secure-aggregation"])
 def test_node_booleans_are_read_strictly(tmp_path, key):
     base = {"data": str(tmp_path), "state": str(tmp_path / "state")}
     name = key.replace("-", "_")
@@ -112,17 +110,6 @@ def test_node_booleans_are_read_strictly(tmp_path, key):
     for unclear in ("no", "", " "):  # an empty value is no default: it says neither
         with pytest.raises(ClinfedError, match=f"{key} must be true or false"):
             NodeConfig.parse(base | {key: unclear})
-
-
-def test_the_client_app_reads_the_worker_setting_strictly(tmp_path):
-    # Before the node's config is parsed, the ClientApp decides whether to
-    # hand the message to the worker: "no" is refused, never read as on.
-    from clinfed.flower import client
-
-    values = {"data": str(tmp_path), "state": str(tmp_path / "state")}
-    for unclear in ("no", "off", ""):
-        with pytest.raises(ClinfedError, match="worker must be true or false"):
-            client.answer(None, values | {"worker": unclear})
 
 
 # ---------------------------------------------- exact counts under add/remove

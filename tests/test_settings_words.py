@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from clinfed.errors import ClinfedError
+from clinfed.core.errors import ClinfedError
 from clinfed.settings import RunConfig, load_file
 from tests.test_cli import run_cli
 from tests.test_engine import ScriptedTransport, engine, good
@@ -109,7 +109,7 @@ def test_no_writer_puts_its_output_inside_the_corpus_it_reads(
 
 
 def test_one_problem_is_reported_once_however_many_readers_meet_it():
-    from clinfed.errors import ProblemLog
+    from clinfed.core.errors import ProblemLog
 
     problems = ProblemLog()
     for _ in range(3):  # format detection, then each reader, on one folder

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from clinfed.errors import ProblemLog
-from clinfed.pipeline import RunConfig, run_training
+from clinfed.core.errors import ProblemLog
+from clinfed.runners.pipeline import RunConfig, run_training
 from clinfed.tasks.i2b2.adapter import I2b2Task
 from clinfed.tasks.i2b2.baselines import i2b2_dictionary
 from clinfed.tasks.i2b2.synth import generate

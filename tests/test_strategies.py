@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from clinfed.errors import ProblemLog
-from clinfed.models import load_tokenizer
-from clinfed.pipeline import RunConfig, run_training
-from clinfed.runs import read_jsonl
+from clinfed.core.errors import ProblemLog
+from clinfed.core.runs import read_jsonl
+from clinfed.modeling.models import load_tokenizer
+from clinfed.runners.pipeline import RunConfig, run_training
 from clinfed.tasks.i2b2.adapter import I2b2Task
 
 SITES = ("beth", "partners", "site3")

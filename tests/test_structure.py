@@ -1,6 +1,7 @@
-"""The shape of the code a newcomer reads: no module-level import cycle,
-no product file over 600 lines, no function over 80, one place that
-assembles a site, and secure aggregation outside the site runner."""
+"""The shape of the code a newcomer reads: layers imported only downward,
+no import circle at any depth, no product file over 600 lines and no
+function over 80, one place that assembles a site, and secure aggregation
+outside the site runner."""
 
 from __future__ import annotations
 
@@ -84,18 +85,69 @@ def test_the_cycle_finder_finds_a_cycle():
     assert import_cycles({"a": {"b"}, "b": set()}) == []
 
 
-def test_no_import_circle_at_any_depth():
+def _graph() -> dict[str, set[str]]:
     modules = _modules()
     known = set(modules)
-    graph = {name: _imports(name, path.read_text(), known) for name, path in modules.items()}
-    assert graph["clinfed.pipeline"], "the import graph came out empty: the reader is broken"
+    return {name: _imports(name, path.read_text(), known) for name, path in modules.items()}
+
+
+def test_no_import_circle_at_any_depth():
+    graph = _graph()
+    assert graph["clinfed.runners.pipeline"], "the import graph came out empty"
     assert import_cycles(graph) == []
     # A circle closed by an import inside a function is seen: models gets
     # one back to pipeline, which imports it at the top.
-    assert "clinfed.models" in graph["clinfed.pipeline"]
-    added = "def f():\n    from clinfed.pipeline import run_training\n"
-    graph["clinfed.models"] |= _imports("clinfed.models", added, known)
-    assert any({"clinfed.models", "clinfed.pipeline"} <= set(c) for c in import_cycles(graph))
+    assert "clinfed.modeling.models" in graph["clinfed.runners.pipeline"]
+    added = "def f():\n    from clinfed.runners.pipeline import run_training\n"
+    graph["clinfed.modeling.models"] |= _imports("clinfed.modeling.models", added, set(graph))
+    cycles = import_cycles(graph)
+    assert any({"clinfed.modeling.models", "clinfed.runners.pipeline"} <= set(c) for c in cycles)
+
+
+# The layers, lowest first: a module imports its own layer and those below,
+# never one above (at any depth: inside functions and TYPE_CHECKING too).
+LAYERS = [
+    "clinfed.privacy",  # the DP library: accountants, DP-SGD, ledger, the release door
+    "clinfed.core",  # errors, events, run folders, scratch, devices, provenance
+    "clinfed.modeling",  # models, families, adapters, the training loop
+    "clinfed.lexicon",  # name lists
+    "clinfed.tasks",  # formats, examples, metrics
+    "clinfed.federated",  # rounds: server engine, site runner, strategies, secure sums
+    "clinfed.settings",  # THE schema (it reads tasks' and strategies' options)
+    "clinfed.reporting",  # a run folder verified and written up
+    "clinfed.runners",  # whole jobs built from a RunConfig
+    "clinfed.flower",  # the Flower transport
+    "clinfed.commands",  # the command line
+    "clinfed.api",  # the Python API
+    "clinfed",  # the package's lazy front (clinfed/__init__.py)
+]
+
+
+def layer_of(module: str) -> int:
+    for index, layer in enumerate(LAYERS):
+        if module == layer or module.startswith(layer + "."):
+            return index
+    raise AssertionError(f"{module} is in no layer: add its package to LAYERS")
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{module} -> {other}"
+        for module, imported in graph.items()
+        for other in imported
+        if layer_of(other) > layer_of(module)
+    )
+
+
+def test_every_module_imports_only_its_layer_and_those_below():
+    graph = _graph()
+    top_level = {name.split(".")[1] for name in graph if name.count(".") >= 1}
+    # Every top-level part of clinfed is a layer (its name says which).
+    assert top_level == {layer.split(".")[1] for layer in LAYERS if "." in layer}
+    assert upward_imports(graph) == []
+    # An import up the layers inside a function is seen.
+    graph["clinfed.modeling.adapters"].add("clinfed.federated.engine")
+    assert upward_imports(graph) == ["clinfed.modeling.adapters -> clinfed.federated.engine"]
 
 
 def test_no_product_file_over_600_lines_and_no_function_over_80():
@@ -128,7 +180,7 @@ def test_one_place_builds_a_site_s_privacy_and_the_runner_knows_no_secure_aggreg
 def test_library_errors_name_settings_never_flags():
     # A library error names a setting (`max_grad_norm`); the command line
     # words it as a flag, the API keeps the keyword, a node config the key.
-    from clinfed.errors import name_settings
+    from clinfed.core.errors import name_settings
 
     said = "`max_grad_norm` must be at most 1000; lower it or `target_epsilon`"
     assert name_settings(said, "flag").startswith("--max-grad-norm must")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import filecmp
 from collections import Counter
 
-from clinfed.errors import ProblemLog
+from clinfed.core.errors import ProblemLog
 from clinfed.tasks.i2b2 import synth as i2b2_synth
 from clinfed.tasks.i2b2.baselines import dictionary_concepts
 from clinfed.tasks.i2b2.format import read_corpus

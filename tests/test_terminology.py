@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from clinfed.errors import ClinfedError
-from clinfed.gazetteer import Gazetteer
-from clinfed.terminology import SOURCES, build_lists, source_folder, write_lists
+from clinfed.core.errors import ClinfedError
+from clinfed.lexicon.terminology import SOURCES, build_lists, source_folder, write_lists
+from clinfed.modeling.gazetteer import Gazetteer
 
 HPO = """format-version: 1.2
 

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from clinfed.errors import ProblemLog
-from clinfed.models import build_model, load_tokenizer
+from clinfed.core.errors import ProblemLog
+from clinfed.modeling.models import build_model, load_tokenizer
+from clinfed.modeling.training import length_grouped_batches, make_optimizer, predict, train_epoch
 from clinfed.tasks.i2b2.adapter import I2b2Task
-from clinfed.training import length_grouped_batches, make_optimizer, predict, train_epoch
 
 
 def test_length_grouped_batches_are_a_seeded_permutation_with_little_padding():
@@ -58,7 +58,7 @@ def test_same_seed_same_weights_and_predictions(i2b2_corpus, tmp_path):
 
 
 def test_linear_schedule_rejects_a_warmup_that_is_not_a_share():
-    from clinfed.training import linear_schedule
+    from clinfed.modeling.training import linear_schedule
 
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     for bad in ("3", 3, 1.0, -0.1):

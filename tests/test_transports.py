@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from clinfed.core.runs import read_jsonl
 from clinfed.federated.engine import Deployment
-from clinfed.federation import run_federation
 from clinfed.flower.deploy import flower_run_config
 from clinfed.flower.handler import SiteCache, answer
 from clinfed.flower.server import GridTransport, node_run
-from clinfed.pipeline import run_training
-from clinfed.runs import read_jsonl
+from clinfed.runners.federation import run_federation
+from clinfed.runners.pipeline import run_training
 from clinfed.tasks.i2b2.synth import generate
 
 SITES = ("beth", "partners", "site3")

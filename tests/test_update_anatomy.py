@@ -11,7 +11,7 @@ from update_anatomy import group_of, layer_order, spectrum  # noqa: E402
 
 
 def test_every_tensor_of_the_token_model_falls_in_a_named_group():
-    from clinfed.models import build_model
+    from clinfed.modeling.models import build_model
 
     names = [name for name, _ in build_model("token", "tiny", 5, seed=0).named_parameters()]
     groups = {name: group_of(name) for name in names}
@@ -42,7 +42,7 @@ def test_the_spectrum_tells_a_noise_walk_from_a_low_rank_update():
 
 
 def test_by_layer_every_tensor_sits_in_the_embeddings_a_layer_or_the_head():
-    from clinfed.models import build_model
+    from clinfed.modeling.models import build_model
 
     model = build_model("token", "tiny", 5, seed=0)
     groups = {name: group_of(name, "layer") for name, _ in model.named_parameters()}

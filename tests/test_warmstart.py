@@ -112,10 +112,10 @@ def test_a_run_s_batch_size_does_not_change_its_warm_start(i2b2_corpus, tmp_path
 def test_a_warm_start_leaves_lora_factors_at_their_seeded_start(tiny_config, tmp_path):
     import tempfile
 
-    from clinfed.errors import ProblemLog
-    from clinfed.factories import make_model, make_task
-    from clinfed.models import load_tokenizer
-    from clinfed.warmstart import warm_start
+    from clinfed.core.errors import ProblemLog
+    from clinfed.modeling.models import load_tokenizer
+    from clinfed.runners.factories import make_model, make_task
+    from clinfed.runners.warmstart import warm_start
 
     config = tiny_config(
         adapter="lora",
@@ -140,9 +140,9 @@ def test_a_model_an_earlier_run_saved_is_a_starting_model(tiny_run, tiny_config,
     # reference) from the saved model: its encoder, and its head for the same labels.
     import tempfile
 
-    from clinfed.errors import ProblemLog
-    from clinfed.factories import make_model, make_task
+    from clinfed.core.errors import ProblemLog
     from clinfed.federated.state import load_tensors
+    from clinfed.runners.factories import make_model, make_task
 
     tiny_run(out=tmp_path / "first")
     saved = load_tensors(tmp_path / "first" / "model" / "model.safetensors")
@@ -198,10 +198,10 @@ def test_the_audit_measures_from_the_warm_started_model(i2b2_corpus, tmp_path):
     # from (the warm-started one), not the bundled encoder.
     import tempfile
 
-    from clinfed.federated import payload
-    from clinfed.models import load_saved_model
-    from clinfed.reporting.audit import starting_model
-    from clinfed.seal import seal_run
+    from clinfed.core import payload
+    from clinfed.core.seal import seal_run
+    from clinfed.modeling.models import load_saved_model
+    from clinfed.runners.audit import starting_model
     from clinfed.settings import RunConfig, read_run_config
 
     public = _public(tmp_path / "public")
@@ -211,7 +211,7 @@ def test_the_audit_measures_from_the_warm_started_model(i2b2_corpus, tmp_path):
     config = RunConfig.from_values(read_run_config(run), "config").resolved()
     _, tokenizer, meta = load_saved_model(run / "model")
     with tempfile.TemporaryDirectory() as cache:
-        from clinfed.factories import make_task
+        from clinfed.runners.factories import make_task
 
         task = make_task(config, cache)
         task.labels = list(meta["labels"])

@@ -2,7 +2,7 @@
 
 One module per command group (``data``, ``train``, ``privacy``,
 ``flower``); each registers its commands on :data:`app`. Every error a user
-can fix is a :class:`~clinfed.errors.ClinfedError`: one line per problem on
+can fix is a :class:`~clinfed.core.errors.ClinfedError`: one line per problem on
 stderr, exit status 2, no traceback, and never any note text.
 """
 
@@ -19,7 +19,7 @@ def _version_only(argv: list[str] | None) -> bool:
     args = sys.argv[1:] if argv is None else argv
     if args != ["--version"]:
         return False
-    from clinfed.provenance import versions
+    from clinfed.core.provenance import versions
 
     found = versions()
     libraries = ", ".join(f"{k} {found[k]}" for k in ("torch", "opacus", "flwr", "python"))
@@ -32,7 +32,7 @@ def _report_error(exc: Exception) -> None:
     from rich.markup import escape
 
     from clinfed.commands.common import MAX_PROBLEMS_SHOWN, err
-    from clinfed.errors import DataError, worded
+    from clinfed.core.errors import DataError, worded
 
     problems = exc.problems if isinstance(exc, DataError) else [exc]
     lines = [line for problem in problems for line in worded(problem).splitlines()]
@@ -63,9 +63,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from clinfed.commands import data, demo, flower, privacy, train  # noqa: F401  (registration)
     from clinfed.commands.common import app, err
-    from clinfed.errors import EXIT_USAGE, USER_ERRORS, ClinfedError
-    from clinfed.quiet import quiet_libraries
-    from clinfed.scratch import private_scratch
+    from clinfed.core.errors import EXIT_USAGE, USER_ERRORS, ClinfedError
+    from clinfed.core.quiet import quiet_libraries
+    from clinfed.core.scratch import private_scratch
 
     quiet_libraries()
     command = typer.main.get_command(app)

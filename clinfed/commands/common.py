@@ -175,7 +175,7 @@ TYPES = typer.Option(None, "--types", help=schema_fields()["types"].metadata["he
 
 def _version(value: bool) -> None:
     if value:
-        from clinfed.provenance import versions
+        from clinfed.core.provenance import versions
 
         found = versions()
         libraries = ", ".join(f"{k} {found[k]}" for k in ("torch", "opacus", "flwr", "python"))

@@ -27,7 +27,7 @@ from clinfed.commands.common import (
     err,
     out,
 )
-from clinfed.errors import ClinfedError, ProblemLog
+from clinfed.core.errors import ClinfedError, ProblemLog
 
 data_app = typer.Typer(help="Make and validate corpora.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
@@ -55,7 +55,7 @@ def data_synth(
     ),
 ) -> None:
     """Write a synthetic multi-site corpus in the real release format."""
-    from clinfed.runs import ensure_new_run_folder
+    from clinfed.core.runs import ensure_new_run_folder
 
     ensure_new_run_folder(out_dir, "corpus")
     from clinfed.tasks import TASKS
@@ -84,7 +84,7 @@ def data_convert(
     on_error: OnError = ON_ERROR,
 ) -> None:
     """Write a corpus in another of its task's formats (train/ and test/ kept)."""
-    from clinfed.runs import ensure_new_run_folder
+    from clinfed.core.runs import ensure_new_run_folder
     from clinfed.tasks import TASKS
 
     ensure_new_run_folder(out_dir, "converted corpus", {"SOURCE": source})
@@ -115,8 +115,8 @@ def data_names(
     import os
     import shutil
 
-    from clinfed.runs import ensure_new_run_folder
-    from clinfed.terminology import SOURCE_NAMES, SOURCES, build_lists, write_lists
+    from clinfed.core.runs import ensure_new_run_folder
+    from clinfed.lexicon.terminology import SOURCE_NAMES, SOURCES, build_lists, write_lists
 
     unknown = [name for name in without if name not in SOURCE_NAMES]
     if unknown:
@@ -183,8 +183,8 @@ def data_fingerprint_command(
 ) -> None:
     """SHA-256 over a folder's files (names, sizes, contents): what a node
     config pins a model with (model-sha256) and what keys a site's ledger."""
-    from clinfed.errors import ClinfedError
-    from clinfed.provenance import data_fingerprint
+    from clinfed.core.errors import ClinfedError
+    from clinfed.core.provenance import data_fingerprint
 
     if not folder.is_dir():
         raise ClinfedError(f"{folder}: not a folder")

@@ -36,7 +36,7 @@ def demo(
     """The product's main job on synthetic data: three hospitals train one
     model federated under DP (epsilon 8 each), with ledgers, an audit and a
     privacy report, beside the same run without DP."""
-    from clinfed.demo import PLAN, run_demo
+    from clinfed.runners.demo import PLAN, run_demo
 
     with Progress(
         *columns(), **PROGRESS, console=err, transient=True, disable=progress_disabled()

@@ -17,7 +17,7 @@ from clinfed.commands.common import (
     out,
 )
 from clinfed.commands.options import settings_parameters, with_parameters
-from clinfed.errors import ClinfedError
+from clinfed.core.errors import ClinfedError
 
 # --------------------------------------------------------------- flower
 flower_app = typer.Typer(
@@ -98,6 +98,46 @@ def flower_superlink(
     raise typer.Exit(_exec(command, environment(home)))
 
 
+# The node's own policy: what it accepts, whatever the server's run asks.
+NODE_MAX_EPSILON = typer.Option(
+    None,
+    "--max-epsilon",
+    help="Most epsilon this site's data may spend over every run (required for DP).",
+)
+NODE_MAX_DELTA = typer.Option(
+    None, "--max-delta", help="Largest delta this site accepts (default 1/(10 n))."
+)
+NODE_ALLOW_NO_DP = typer.Option(
+    False,
+    "--allow-no-dp",
+    help="Also train in runs without DP or with reproducible noise (refused by default).",
+)
+NODE_PRIVACY_UNIT = typer.Option(
+    "example",
+    "--privacy-unit",
+    help="Weakest unit accepted: example < document < patient.",
+    click_type=click.Choice(["example", "document", "patient"]),
+    metavar="UNIT",
+)
+NODE_MAX_GRAD_NORM = typer.Option(
+    None, "--max-grad-norm", help="Largest clipping norm accepted (default: any)."
+)
+NODE_MAX_LENGTH = typer.Option(
+    None, "--max-length", help="Longest window in tokens accepted (default: any)."
+)
+NODE_SECURE = typer.Option(
+    False,
+    "--require-secure-aggregation",
+    help="Train only in runs whose updates are summed by secure aggregation.",
+)
+NODE_NO_WORKER = typer.Option(
+    False,
+    "--no-worker",
+    help="A process per message (Flower's own executor), no long-lived executor "
+    "keeping the model and data.",
+)
+
+
 @flower_app.command("supernode")
 def flower_supernode(
     superlink: str = SUPERLINK,
@@ -106,11 +146,7 @@ def flower_supernode(
         ..., "--state", help="This site's state folder: ledger, model copy, predictions."
     ),
     site: str = typer.Option(None, "--site", help="Site name, if the data holds several."),
-    max_epsilon: float = typer.Option(
-        None,
-        "--max-epsilon",
-        help="Most epsilon this site's data may spend over every run (required for DP).",
-    ),
+    max_epsilon: float = NODE_MAX_EPSILON,
     root_cert: Path = ROOT_CERT,
     insecure: bool = INSECURE,
     key: Path = typer.Option(None, "--key", help="Private key for SuperNode authentication."),
@@ -119,64 +155,31 @@ def flower_supernode(
         False, "--keep-ledger", help="Keep ledger lines from the server's report (shared: default)."
     ),
     threads: int = typer.Option(0, "--threads", help="CPU threads (0: all cores)."),
-    max_delta: float = typer.Option(
-        None, "--max-delta", help="Largest delta this site accepts (default 1/(10 n))."
-    ),
-    allow_no_dp: bool = typer.Option(
-        False,
-        "--allow-no-dp",
-        help="Also train in runs without DP or with reproducible noise (refused by default).",
-    ),
-    privacy_unit: str = typer.Option(
-        "example",
-        "--privacy-unit",
-        help="Weakest unit accepted: example < document < patient.",
-        click_type=click.Choice(["example", "document", "patient"]),
-        metavar="UNIT",
-    ),
-    max_grad_norm: float = typer.Option(
-        None, "--max-grad-norm", help="Largest clipping norm accepted (default: any)."
-    ),
-    max_length: int = typer.Option(
-        None, "--max-length", help="Longest window in tokens accepted (default: any)."
-    ),
-    no_worker: bool = typer.Option(
-        False,
-        "--no-worker",
-        help="A process per message, no long-lived worker keeping the model and data.",
-    ),
-    require_secure_aggregation: bool = typer.Option(
-        False,
-        "--require-secure-aggregation",
-        help="Train only in runs whose updates are summed by secure aggregation.",
-    ),
+    max_delta: float = NODE_MAX_DELTA,
+    allow_no_dp: bool = NODE_ALLOW_NO_DP,
+    privacy_unit: str = NODE_PRIVACY_UNIT,
+    max_grad_norm: float = NODE_MAX_GRAD_NORM,
+    max_length: int = NODE_MAX_LENGTH,
+    no_worker: bool = NODE_NO_WORKER,
+    require_secure_aggregation: bool = NODE_SECURE,
 ) -> None:
-    """Start a SuperNode for one site (trains when the SuperLink asks, within
-    this site's own policy)."""
+    """Start a SuperNode for one site and its executor (trains when the
+    SuperLink asks, within this site's own policy)."""
     from clinfed.flower.deploy import environment, supernode_command
+    from clinfed.flower.node_service import run_node
 
     command = supernode_command(
-        superlink,
-        data,
-        state,
-        site,
-        max_epsilon,
-        root_cert,
-        insecure,
-        key,
-        port,
-        not keep_ledger,
-        threads,
-        max_delta,
-        allow_no_dp,
-        privacy_unit,
-        max_grad_norm,
-        max_length,
-        not no_worker,
-        require_secure_aggregation,
-    )
+        superlink, data, state, site, max_epsilon, root_cert, insecure, key, port,
+        not keep_ledger, threads, max_delta, allow_no_dp, privacy_unit, max_grad_norm,
+        max_length, require_secure_aggregation,
+    )  # fmt: skip
     state.mkdir(parents=True, exist_ok=True)
-    raise typer.Exit(_exec(command, environment(state / "flwr")))
+    env = environment(state / "flwr")
+
+    def say(line: str) -> None:
+        err.print(line, highlight=False, soft_wrap=True)
+
+    raise typer.Exit(run_node(command, env, state, port, executor=not no_worker, say=say))
 
 
 @flower_app.command("register")

@@ -18,7 +18,7 @@ from typing import Any
 import click
 import typer
 
-from clinfed.errors import ClinfedError
+from clinfed.core.errors import ClinfedError
 from clinfed.settings import (
     PANELS,
     concern_of,

@@ -139,12 +139,12 @@ def privacy_clip_norm(
     """
     from rich.progress import Progress
 
-    from clinfed.device import use_threads
+    from clinfed.core.device import use_threads
 
     use_threads(settings.get("threads"))
 
-    from clinfed.clip_norm import clip_norm_from_public
     from clinfed.commands.progress import PROGRESS, columns
+    from clinfed.runners.clip_norm import clip_norm_from_public
 
     with Progress(*columns(), **PROGRESS, console=err, disable=progress_disabled()) as progress:
 
@@ -224,8 +224,8 @@ def audit_cmd(
     initial model) on the final model and each site's last update, members
     against the training rows the run set aside (--audit-holdout); writes
     RUN/audit.json (shown by clinfed report)."""
-    from clinfed.reporting.audit import audit
     from clinfed.reporting.render import possessive
+    from clinfed.runners.audit import audit
 
     result = audit(
         run, max_examples, threads=settings.get("threads"), device=settings.get("device") or "auto"
@@ -282,10 +282,10 @@ def plan_cmd(
     and epsilon by round, from its size alone; with --forecast, F1 at each
     budget measured on public text in sites of the same sizes."""
     from clinfed.commands.options import given, merge
-    from clinfed.errors import ClinfedError
-    from clinfed.forecast import forecast, noise_plan, parse_units
+    from clinfed.core.errors import ClinfedError
+    from clinfed.runners.forecast import forecast, noise_plan, parse_units
+    from clinfed.runners.sweep import parse_epsilons
     from clinfed.settings import RunConfig
-    from clinfed.sweep import parse_epsilons
 
     values = merge(config_file, given(settings))
     values |= {"out": str(forecast_dir or "plan"), "data": values.get("data") or "(none)"}
@@ -297,7 +297,7 @@ def plan_cmd(
         if forecast_dir.exists():
             raise ClinfedError(f"--forecast {forecast_dir}: already exists; name a new folder")
         if config.public_data:
-            from clinfed.runs import ensure_outside
+            from clinfed.core.runs import ensure_outside
 
             ensure_outside(forecast_dir, config.public_data, "--public-data")
         result["forecast"] = forecast(config, sizes, budgets, forecast_dir, draws)

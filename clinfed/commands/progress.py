@@ -17,7 +17,7 @@ from rich.progress import (
 )
 
 from clinfed.commands.common import _warn, log
-from clinfed.events import (
+from clinfed.core.events import (
     EpochEnd,
     EpochStart,
     EvalStart,

@@ -36,14 +36,14 @@ from clinfed.commands.progress import (
     duration,
     f1_text,
 )
-from clinfed.errors import ClinfedError
-from clinfed.events import CellEnd, CellStart, Event, PublicEpoch, SweepStart
+from clinfed.core.errors import ClinfedError
+from clinfed.core.events import CellEnd, CellStart, Event, PublicEpoch, SweepStart
 
 
 # ---------------------------------------------------------------- train
 def _round_table(run: Path) -> None:
     """Per-round summary of a federated run, read back from its metrics.jsonl."""
-    from clinfed.runs import read_jsonl, site_keyed
+    from clinfed.core.runs import read_jsonl, site_keyed
 
     records = [site_keyed(r) for r in read_jsonl(run / "metrics.jsonl")]
     table = Table(title=f"{run}")
@@ -86,7 +86,7 @@ def train(
     spent); 2 bad settings or data (nothing trained); 130 interrupted (the
     command to resume is printed)."""
     from clinfed.commands.options import given
-    from clinfed.pipeline import run_training
+    from clinfed.runners.pipeline import run_training
 
     config = _run_config(config_file, given(settings))
     if not config.dp and config.target_epsilon is not None:
@@ -98,7 +98,7 @@ def train(
     out_dir = Path(config.out)
     # The wall time counts from the command's start (imports included).
     from clinfed.commands.clock import STARTED as started
-    from clinfed.scratch import FAREWELL
+    from clinfed.core.scratch import FAREWELL
 
     FAREWELL.append(f"terminated: {_interrupted_words(config, out_dir)}")
     try:
@@ -136,7 +136,7 @@ def _run_config(config_file: Path | None, flags: dict[str, Any]) -> Any:
         if saved.is_file():
             config_file = saved
         else:
-            from clinfed.resume import refuse_unstarted
+            from clinfed.runners.resume import refuse_unstarted
 
             refuse_unstarted(Path(flags["out"]))
             raise ClinfedError(f"--out {flags['out']}: no run to resume (no config.json there)")
@@ -228,8 +228,8 @@ def sweep_cmd(
     """F1 at fixed epsilon budgets: one run per strategy x epsilon x seed,
     resumable, summarised in sweep.csv, sweep.md and sweep.png."""
     from clinfed.commands.options import given, merge
+    from clinfed.runners.sweep import parse_epsilons, run_sweep
     from clinfed.settings import RunConfig, option_owners
-    from clinfed.sweep import parse_epsilons, run_sweep
 
     values = merge(config_file, given(settings))
     owners = option_owners()
@@ -285,7 +285,7 @@ def evaluate(
     **settings: Any,
 ) -> None:
     """Score a run's final model on a folder of annotated data."""
-    from clinfed.inference import evaluate_run
+    from clinfed.runners.inference import evaluate_run
 
     metrics = evaluate_run(run, data, on_error.value, _machine(settings))
     _warn(metrics.pop("warnings"))
@@ -310,7 +310,7 @@ def predict_cmd(
     **settings: Any,
 ) -> None:
     """Write predictions in the real format: i2b2 .con files, mimic3 predictions.csv."""
-    from clinfed.inference import predict_run
+    from clinfed.runners.inference import predict_run
 
     count = predict_run(run, data, out_dir, on_error.value, _machine(settings))
     out.print(f"wrote predictions for {count} records to {out_dir}")
@@ -325,8 +325,8 @@ def export_cmd(
 ) -> None:
     """The run's concept-extraction model as a transformers model folder
     (AutoModelForTokenClassification with its real labels, and its tokenizer)."""
-    from clinfed.device import use_threads
-    from clinfed.exporter import export_run
+    from clinfed.core.device import use_threads
+    from clinfed.runners.exporter import export_run
 
     use_threads(settings.get("threads"))
     record = export_run(run, out_dir)
@@ -346,7 +346,7 @@ MACHINE = ("threads", "device")
 def _machine(settings: dict[str, Any]) -> str:
     """Set torch's thread count from ``--threads`` (0 or none: every core)
     and return the ``--device`` to compute on (``auto`` when not given)."""
-    from clinfed.device import use_threads
+    from clinfed.core.device import use_threads
 
     use_threads(settings.get("threads"))
     return str(settings.get("device") or "auto")
@@ -362,7 +362,7 @@ def _check_recorded_data(config_file: Path, data: Path) -> None:
     its recorded fingerprint must match the folder it names (a relative path
     read from another folder, or a corpus changed since, would silently
     train on other data). Settings files without a fingerprint pass."""
-    from clinfed.provenance import data_fingerprint
+    from clinfed.core.provenance import data_fingerprint
     from clinfed.settings import load_file
 
     recorded = load_file(config_file).get("data_fingerprint")
@@ -394,8 +394,8 @@ def warm_start_cmd(
     public file may have a private file's bytes. No privacy is spent. Exit
     status: 0 done; 2 bad settings or data."""
     from clinfed.commands.options import given, merge
+    from clinfed.runners.warmstart import warm_start_model
     from clinfed.settings import RunConfig
-    from clinfed.warmstart import warm_start_model
 
     values = merge(config_file, given(settings))
     for required in ("out", "public_data"):

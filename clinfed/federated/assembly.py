@@ -1,8 +1,8 @@
 """One site, assembled the same way for every transport.
 
 Both runners build a site here and nowhere else: the in-process runner
-(:mod:`clinfed.pipeline`) for each of its sites, a Flower node
-(:mod:`clinfed.flower.node`) for its one. What differs by where a site
+(:mod:`clinfed.runners.pipeline`) for each of its sites, a Flower node
+(:mod:`clinfed.runners.node`) for its one. What differs by where a site
 lives is a :class:`SitePlace`; everything else comes from the run's
 resolved settings. A site is built in two steps because the in-process
 runner checks every site's privacy before it writes its run folder:
@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from clinfed.errors import ClinfedError
-from clinfed.events import Reporter, silent
+from clinfed.core.errors import ClinfedError
+from clinfed.core.events import Reporter, silent
 from clinfed.federated import site_policy
 from clinfed.federated.client import LocalSettings
 from clinfed.federated.site import SiteRunner

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from clinfed.device import device_of
+from clinfed.core.device import device_of
+from clinfed.modeling.training import batches, split_batches
 from clinfed.tasks.base import Task
-from clinfed.training import batches, split_batches
 
 
 def layer_scores(

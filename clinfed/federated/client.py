@@ -17,12 +17,18 @@ import numpy as np
 import torch
 from torch import nn
 
-from clinfed.device import pass_units_for
+from clinfed.core.device import pass_units_for
 from clinfed.federated.plan import Plan
+from clinfed.modeling.training import (
+    EpochStats,
+    PlainUpdate,
+    make_optimizer,
+    plain_steps,
+    run_epoch,
+)
 from clinfed.privacy.dpsgd import DPSettings, make_private
 from clinfed.privacy.randomness import SiteRandomness
 from clinfed.tasks.base import Task
-from clinfed.training import EpochStats, PlainUpdate, make_optimizer, plain_steps, run_epoch
 
 
 @dataclass

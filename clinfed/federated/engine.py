@@ -35,16 +35,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from clinfed.errors import ClinfedError
-from clinfed.events import Reporter, RoundEnd, SiteEnd, SiteRefused, Stopped, silent
-from clinfed.federated import payload, state
+from clinfed.core import payload
+from clinfed.core.errors import ClinfedError
+from clinfed.core.events import Reporter, RoundEnd, SiteEnd, SiteRefused, Stopped, silent
+from clinfed.core.runs import append_jsonl
+from clinfed.federated import state
 from clinfed.federated.messages import Message, Reply, Transport
 from clinfed.federated.outputs import write_privacy, write_summary
 from clinfed.federated.public_check import PublicCheck
 from clinfed.federated.replies import check_record, check_upload, summed_evaluation
 from clinfed.federated.strategies import Strategy
 from clinfed.federated.summation import PlainSummation, RoundContext, Summation
-from clinfed.runs import append_jsonl
 from clinfed.tasks.base import Task
 
 # Digests of this many recent global rounds are kept: a site that lags
@@ -113,7 +114,7 @@ class RoundEngine:
         The server's strategy object.
     global_state
         The model every site starts from (the run's seeded model): its
-        shared entries (:func:`clinfed.adapters.shared_state`).
+        shared entries (:func:`clinfed.modeling.adapters.shared_state`).
     names
         The shared parameter names (what plans and envelopes speak of).
     out
@@ -185,7 +186,7 @@ class RoundEngine:
     def resume(self) -> None:
         """Continue from the last commit of ``self.out`` (a run that died
         before its first commit starts over). Every check, and the repairs
-        it states, ran before (:mod:`clinfed.resume`)."""
+        it states, ran before (:mod:`clinfed.runners.resume`)."""
         if not (self.out / state.STATE).exists():
             state.cut_metrics(self.out, 0)
             self.log(f"{self.out}: no round was committed; starting over from round 1")

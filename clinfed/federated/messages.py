@@ -2,7 +2,7 @@
 
 :class:`Message` (server to site) and :class:`Reply` (site to server) are the
 same for every transport. The codec here turns either into its wire form:
-the tensors as one safetensors buffer (:mod:`clinfed.federated.payload`, the
+the tensors as one safetensors buffer (:mod:`clinfed.core.payload`, the
 bytes the engine counts) and everything else as one JSON object. The
 in-process transport passes every message and reply through it and back, and
 Flower carries the same two parts in its records
@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
-from clinfed.federated import payload
+from clinfed.core import payload
 from clinfed.privacy.releases import check_reply
 
 

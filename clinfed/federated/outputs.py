@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from clinfed.runs import atomic_write_json, atomic_write_text
+from clinfed.core.runs import atomic_write_json, atomic_write_text
 
 
 def write_summary(
@@ -22,7 +22,7 @@ def write_summary(
     """Write and return ``RUN/summary.json``: the last evaluation record,
     the bytes every site sent and received against FedAvg's, and under DP
     each site's epsilon as its ledger reported it."""
-    from clinfed.runs import read_jsonl
+    from clinfed.core.runs import read_jsonl
 
     sites = [r for r in read_jsonl(out / "metrics.jsonl") if "bytes_up" in r]
     up = sum(r["bytes_up"] for r in sites)
@@ -51,7 +51,7 @@ def write_summary(
         ]
         if reproducible:
             summary["not_private"] = reproducible[0]
-    from clinfed.provenance import provenance
+    from clinfed.core.provenance import provenance
 
     summary |= provenance()
     atomic_write_json(out / "summary.json", summary)

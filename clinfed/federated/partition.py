@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from clinfed.errors import ClinfedError
+from clinfed.core.errors import ClinfedError
 
 PARTITIONS = ("sites", "iid", "dirichlet")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from clinfed.blocks import Block, block_of
+from clinfed.modeling.blocks import Block, block_of
 
 
 @dataclass(frozen=True)

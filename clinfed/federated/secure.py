@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from clinfed.errors import ClinfedError
+from clinfed.core.errors import ClinfedError
 
 # The masked upload's per-name weights travel under this name.
 WEIGHTS = "secure/weights"
@@ -133,7 +133,7 @@ def forget(state_dir: Path) -> None:
 
 
 def _save(path: Path, secrets: dict[str, Any]) -> None:
-    from clinfed.runs import atomic_write_text
+    from clinfed.core.runs import atomic_write_text
 
     atomic_write_text(path, json.dumps(secrets))  # mkstemp: 0600
 

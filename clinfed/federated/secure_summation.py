@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from clinfed.federated import payload
+from clinfed.core import payload
 from clinfed.federated.messages import Message
 from clinfed.federated.secure import SCALE, WEIGHTS, _mask_key, _unb64, add_mask, threshold
 from clinfed.federated.summation import Closed, PlainRoundSum, RoundContext

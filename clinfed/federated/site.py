@@ -43,19 +43,19 @@ from safetensors import safe_open
 from safetensors.torch import save
 from torch import nn
 
-from clinfed.adapters import shared_names, shared_state
-from clinfed.blocks import block_of, num_layers, parameter_blocks
-from clinfed.errors import ClinfedError
-from clinfed.events import Reporter, SiteEvalStart, SiteEvalStep, SiteStart, SiteStep, silent
-from clinfed.federated import payload
+from clinfed.core import payload
+from clinfed.core.errors import ClinfedError
+from clinfed.core.events import Reporter, SiteEvalStart, SiteEvalStep, SiteStart, SiteStep, silent
+from clinfed.core.runs import atomic_write_bytes, atomic_write_json
 from clinfed.federated.client import LocalSettings, LocalWork, site_generator
 from clinfed.federated.state import load_tensors, save_tensors
 from clinfed.federated.strategies import Strategy
+from clinfed.modeling.adapters import shared_names, shared_state
+from clinfed.modeling.blocks import block_of, num_layers, parameter_blocks
+from clinfed.modeling.training import predict
 from clinfed.privacy.randomness import reproducible, secret
 from clinfed.privacy.site import SitePrivacy
-from clinfed.runs import atomic_write_bytes, atomic_write_json
 from clinfed.tasks.base import Task
-from clinfed.training import predict
 
 log = logging.getLogger("clinfed.site")
 

@@ -32,8 +32,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
-from clinfed.errors import ClinfedError
-from clinfed.runs import atomic_write_bytes, atomic_write_json
+from clinfed.core.errors import ClinfedError
+from clinfed.core.runs import atomic_write_bytes, atomic_write_json
 
 log = logging.getLogger("clinfed.state")
 

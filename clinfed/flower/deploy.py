@@ -25,8 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from clinfed.errors import ClinfedError
-from clinfed.pipeline import RunConfig
+from clinfed.core.errors import ClinfedError
+from clinfed.runners.pipeline import RunConfig
 
 APP_DIR = Path(__file__).parent / "app"
 CONNECTION = "clinfed"
@@ -119,11 +119,10 @@ def supernode_command(
     privacy_unit: str = "example",
     max_grad_norm: float | None = None,
     max_length: int | None = None,
-    worker: bool = True,
     require_secure_aggregation: bool = False,
 ) -> list[str]:
     """``flower-supernode`` for one site; its node config names the site's
-    data and state folders and its policy (see ``clinfed.flower.node``)."""
+    data and state folders and its policy (see ``clinfed.runners.node``)."""
     _tls(root_cert, insecure, "flower supernode")
     if not Path(data).is_dir():
         raise ClinfedError(f"`data` {data}: not a folder")
@@ -143,8 +142,6 @@ def supernode_command(
         node_config += f" max-grad-norm={float(max_grad_norm)!r}"
     if max_length is not None:
         node_config += f" max-length={int(max_length)}"
-    if not worker:
-        node_config += " worker=false"
     if require_secure_aggregation:
         node_config += " require-secure-aggregation=true"
     node_config += f" share-ledger={'true' if share_ledger else 'false'} threads={int(threads)}"
@@ -240,7 +237,7 @@ def read_labels(path: Path) -> list[str]:
     """A code list: a run's ``labels.json`` or one code per line."""
     import json
 
-    from clinfed.runs import read_user_file
+    from clinfed.core.runs import read_user_file
 
     text = read_user_file(path, f"`labels` {path}")
     if path.suffix == ".json":

@@ -2,7 +2,7 @@
 runner's work, the reply records out.
 
 Used by the ClientApp when it handles a message itself, and by the node's
-worker (:mod:`clinfed.flower.worker`), which keeps one :class:`SiteCache`
+executor (:mod:`clinfed.flower.executor`), which keeps one :class:`SiteCache`
 so that the imports, the encoded data and the model are built once per
 run, not once per message.
 """
@@ -16,10 +16,10 @@ from typing import Any
 
 from flwr.app import RecordDict
 
-from clinfed.device import use_threads
-from clinfed.flower.node import NodeConfig, NodeSite
+from clinfed.core.device import use_threads
+from clinfed.core.provenance import data_fingerprint
 from clinfed.flower.records import read_message, reply_records
-from clinfed.provenance import data_fingerprint
+from clinfed.runners.node import NodeConfig, NodeSite
 from clinfed.settings import RunConfig
 
 
@@ -63,7 +63,7 @@ def answer(
 ) -> RecordDict:
     """The reply records to one message's records.
 
-    Raises :class:`~clinfed.errors.ClinfedError` when the site's policy or
+    Raises :class:`~clinfed.core.errors.ClinfedError` when the site's policy or
     data refuses the message.
     """
     message, run = read_message(content)
@@ -78,7 +78,7 @@ def answer(
     else:
         site = cache.get(config, node, run)
         # The thread count is the node's (or the run's), whatever the
-        # worker last used.
+        # executor last used.
         use_threads(node.threads, config.threads)
         try:
             reply = site.handle(message)

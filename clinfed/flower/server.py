@@ -12,12 +12,12 @@ from flwr.app import Context
 from flwr.app import Message as FlowerMessage
 from flwr.serverapp import Grid, ServerApp
 
-from clinfed.errors import ClinfedError
+from clinfed.core.errors import ClinfedError
+from clinfed.core.quiet import quiet_libraries
+from clinfed.core.scratch import private_scratch
 from clinfed.federated.engine import Deployment
 from clinfed.federated.messages import Message, ReleasedAsReplies, Reply
 from clinfed.flower.records import message_records, read_reply
-from clinfed.quiet import quiet_libraries
-from clinfed.scratch import private_scratch
 from clinfed.settings import RunConfig
 
 POLL_SECONDS = 0.5
@@ -100,7 +100,7 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    from clinfed.federation import run_federation
+    from clinfed.runners.federation import run_federation
 
     values = context.run_config
     if not values.get("clinfed-config"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from clinfed.errors import ClinfedError
+from clinfed.core.errors import ClinfedError
 from clinfed.privacy.accountants import (
     MIN_NOISE_MULTIPLIER,
     RELATIONS,

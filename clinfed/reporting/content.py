@@ -9,20 +9,20 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from clinfed.errors import ClinfedError
+from clinfed.core.errors import ClinfedError
+from clinfed.core.runs import REPAIRS, cell_name
 from clinfed.federated.strategies import STRATEGIES
 from clinfed.privacy import releases
 from clinfed.privacy.accountants import ACCOUNTANT, RELATION, Mechanism, reference_epsilon
 from clinfed.privacy.policy import GROUP_SIZES, PATIENT_CAVEAT, UNIT, group_bound
 from clinfed.reporting.plots import make_plots, relation_of
 from clinfed.reporting.verify import load_run, read_json, read_records, verify_run
-from clinfed.runs import REPAIRS, cell_name
 
 
 def _starting_model(raw: dict[str, Any]) -> str:
     """Where the starting model came from, in words."""
     if raw.get("public_start"):
-        from clinfed.provenance import describe_warm_start
+        from clinfed.core.provenance import describe_warm_start
 
         words = describe_warm_start(raw["public_start"])
     else:
@@ -388,7 +388,7 @@ def _add_notices(content: dict[str, Any], run: Path) -> None:
     verified by its seal, an unfinished run, what a resume repaired."""
     repaired = run / REPAIRS
     if repaired.is_file():
-        # What a resume repaired (clinfed.resume), said where it is read first.
+        # What a resume repaired (clinfed.runners.resume), said where it is read first.
         said = "; ".join(
             f"round {r.get('round')}: {r.get('repair')}" for r in read_records(repaired)
         )

@@ -1,6 +1,6 @@
 """``--audit-holdout``: training units each site sets aside before training,
 so that ``clinfed audit`` can compare members with non-members of the same
-distribution (:mod:`clinfed.reporting.audit`)."""
+distribution (:mod:`clinfed.runners.audit`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from clinfed.errors import ClinfedError
+from clinfed.core.errors import ClinfedError
 
 # Where a run keeps the rows set aside, and each site's last update as the
 # server saw it (for the attack on updates).

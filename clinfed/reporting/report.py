@@ -16,9 +16,9 @@ from __future__ import annotations
 import base64
 from pathlib import Path
 
+from clinfed.core.runs import atomic_write_json, atomic_write_text
 from clinfed.reporting.content import build, evaluation_queries, record_row
 from clinfed.reporting.render import ALT, html_page, markdown, page_outline
-from clinfed.runs import atomic_write_json, atomic_write_text
 
 __all__ = ["build", "evaluation_queries", "page_outline", "record_row", "write_report"]
 

@@ -15,7 +15,7 @@ shortened file ends in a refusal naming it, never in a report that says less
 * ``metrics.jsonl`` is at least as long as the last commit says and covers
   its rounds; the summary's round is the commit's;
 * every file the run sealed when it finished (``RUN/seal.json``:
-  :mod:`clinfed.seal`) is there and unchanged, and none was added; a
+  :mod:`clinfed.core.seal`) is there and unchanged, and none was added; a
   finished run without a seal has its figures stated as unverified;
 * a site ledger the commit records in the run folder (in process) is there.
 
@@ -29,8 +29,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from clinfed.errors import USER_ERRORS, ClinfedError
-from clinfed.runs import site_keyed
+from clinfed.core.errors import USER_ERRORS, ClinfedError
+from clinfed.core.runs import site_keyed
 from clinfed.settings import read_run_config
 
 # Epsilons written by two processes from the same lines: equal but for float
@@ -125,8 +125,8 @@ def verify_run(run: Path, data: dict[str, Any]) -> str | None:
     """Refuse (ClinfedError naming the file) a run folder whose records do
     not agree, or whose sealed files changed (see the module docstring);
     return why its figures are unverified (a finished run without a seal:
-    :func:`clinfed.seal.check_seal`), or ``None``."""
-    from clinfed.seal import check_seal
+    :func:`clinfed.core.seal.check_seal`), or ``None``."""
+    from clinfed.core.seal import check_seal
 
     run = Path(run)
     unverified = check_seal(run)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import typing
 from dataclasses import MISSING, dataclass, field, fields, make_dataclass
 
-from clinfed.schema import setting
+from clinfed.core.schema import setting
 
 # Above this target epsilon a run needs --accept-large-epsilon.
 EPSILON_CEILING = 50.0
@@ -406,7 +406,7 @@ PUBLIC_INPUTS = ("public_data", "public_check", "gazetteer")
 def flag(name: str) -> str:
     """A setting as a library message names it (```public_data```): the
     command line words it as a flag, the API as a keyword
-    (:func:`clinfed.errors.name_settings`)."""
+    (:func:`clinfed.core.errors.name_settings`)."""
     return f"`{name}`"
 
 

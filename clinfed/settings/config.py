@@ -9,7 +9,7 @@ from dataclasses import Field, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from clinfed.errors import ClinfedError
+from clinfed.core.errors import ClinfedError
 from clinfed.settings.concerns import (
     CONCERNS,
     DataSettings,
@@ -140,7 +140,7 @@ class RunConfig(
             defaults |= TASKS[self.task].dp_rates
         defaults |= dict(strategy.training_defaults)
         if adapter != "none":
-            from clinfed.adapters import TRAINING_DEFAULTS
+            from clinfed.modeling.adapters import TRAINING_DEFAULTS
 
             defaults |= TRAINING_DEFAULTS
         if self.dp:

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from clinfed.errors import ClinfedError
+from clinfed.core.errors import ClinfedError
 from clinfed.settings.concerns import EPSILON_CEILING, PUBLIC_INPUTS, flag
 
 
@@ -98,7 +98,7 @@ def _check_inputs(config: Any, strategy: Any, check_data: bool) -> None:
         )
     if not check_data:
         return
-    from clinfed.runs import read_user_file
+    from clinfed.core.runs import read_user_file
 
     for name in ("types", "public_types"):
         value = getattr(config, name, None)
@@ -109,12 +109,12 @@ def _check_inputs(config: Any, strategy: Any, check_data: bool) -> None:
         raise ClinfedError(f"`public_check` {config.public_check}: not a folder")
     if not Path(config.data).is_dir():
         raise ClinfedError(f"`data` {config.data}: not a folder")
-    from clinfed.provenance import check_public_input, check_start_is_public
+    from clinfed.core.provenance import check_public_input, check_start_is_public
 
     for name in PUBLIC_INPUTS:
         if getattr(config, name):
             check_public_input(flag(name), getattr(config, name), config.data)
-    from clinfed.models import saved_run_model
+    from clinfed.modeling.models import saved_run_model
 
     saved = saved_run_model(config.model)
     if saved is not None:
@@ -126,7 +126,7 @@ def _check_inputs(config: Any, strategy: Any, check_data: bool) -> None:
             ) from None
         check_start_is_public(start, config.model, config.data)
     if config.out:
-        from clinfed.runs import ensure_outside
+        from clinfed.core.runs import ensure_outside
 
         # Run outputs (predictions, copies) would land inside the corpus.
         ensure_outside(config.out, config.data)

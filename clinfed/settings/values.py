@@ -13,7 +13,7 @@ from dataclasses import MISSING, Field, fields
 from pathlib import Path
 from typing import Any
 
-from clinfed.errors import ClinfedError
+from clinfed.core.errors import ClinfedError
 from clinfed.settings.concerns import CONCERNS, METADATA_KEYS
 
 # Per settings file read, the line each key stands on (errors name it).
@@ -163,7 +163,7 @@ def load_file(path: Path) -> dict[str, Any]:
 
     import tomllib
 
-    from clinfed.runs import read_user_file
+    from clinfed.core.runs import read_user_file
 
     path = Path(path)
     # utf-8-sig: a byte-order mark (some Windows editors write one) is not a

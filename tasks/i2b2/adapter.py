@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from clinfed.errors import ClinfedError, ProblemLog
-from clinfed.models import pad_token_id
+from clinfed.core.errors import ClinfedError, ProblemLog
+from clinfed.modeling.models import pad_token_id
 from clinfed.tasks.base import SPLIT_KEY, Corpus, ScoreTable, Task
 from clinfed.tasks.i2b2.bio import allowed_transitions, best_valid_tags
 from clinfed.tasks.i2b2.brat import read_brat

@@ -31,7 +31,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from clinfed.errors import ClinfedError, ProblemLog
+from clinfed.core.errors import ClinfedError, ProblemLog
 from clinfed.tasks.i2b2.conll import site_folder
 from clinfed.tasks.i2b2.format import (
     Concept,

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from clinfed.errors import ClinfedError, ProblemLog
+from clinfed.core.errors import ClinfedError, ProblemLog
 from clinfed.tasks.i2b2.format import Concept, Document, _files
 from clinfed.tasks.i2b2.schema import TypeNames
 

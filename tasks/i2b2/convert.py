@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from clinfed.errors import ClinfedError
-from clinfed.runs import atomic_write_text, create_run_folder
+from clinfed.core.errors import ClinfedError
+from clinfed.core.runs import atomic_write_text, create_run_folder
 from clinfed.tasks.i2b2.bio import encode_tags
 from clinfed.tasks.i2b2.format import Document, write_con
 

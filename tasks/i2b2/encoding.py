@@ -11,7 +11,7 @@ import datasets
 import numpy as np
 import torch
 
-from clinfed.models import special_tokens
+from clinfed.modeling.models import special_tokens
 from clinfed.tasks.base import rows_to_dataset, tokenizing_fingerprint
 from clinfed.tasks.i2b2.bio import decode_tags, encode_tags
 from clinfed.tasks.i2b2.format import Document

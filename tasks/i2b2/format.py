@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clinfed.errors import ClinfedError, ProblemLog
-from clinfed.runs import atomic_write_text
+from clinfed.core.errors import ClinfedError, ProblemLog
+from clinfed.core.runs import atomic_write_text
 from clinfed.tasks.i2b2.schema import TypeNames
 
 ASSERTION_VALUES: tuple[str, ...] = (
@@ -333,7 +333,7 @@ def read_corpus(
         A folder holding ``.txt`` files and their ``.con`` (and ``.ast``) files.
     problems
         Where problems go. Strict by default: all problems are collected and
-        raised together as :class:`~clinfed.errors.DataError`.
+        raised together as :class:`~clinfed.core.errors.DataError`.
     names
         How ``t="..."`` type names resolve (:mod:`clinfed.tasks.i2b2.schema`);
         by default they must be i2b2 2010 types.

@@ -16,7 +16,7 @@ def label_listed_names(
     """Label, in place, every listed name of a list in ``types`` (list name
     -> run type) that no gold span covers (the longest name first); returns
     the spans added per run type."""
-    from clinfed.terminology import distant_spans
+    from clinfed.lexicon.terminology import distant_spans
 
     found: Counter = Counter()
     for document in documents:

@@ -10,7 +10,7 @@ from typing import Any
 
 import datasets
 
-from clinfed.errors import ClinfedError, ProblemLog
+from clinfed.core.errors import ClinfedError, ProblemLog
 from clinfed.tasks.base import PUBLIC_SITE
 from clinfed.tasks.i2b2.format import Document, read_corpus
 from clinfed.tasks.i2b2.public import label_listed_names

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from clinfed.errors import ClinfedError, ProblemLog
+from clinfed.core.errors import ClinfedError, ProblemLog
 
 # The i2b2 2010 concept types (the preset).
 CONCEPT_TYPES: tuple[str, ...] = ("problem", "test", "treatment")
@@ -103,7 +103,7 @@ def parse_types(spec: str | Mapping[str, str] | None) -> dict[str, str] | None:
     elif str(spec).endswith(".toml"):
         import tomllib
 
-        from clinfed.runs import read_user_file
+        from clinfed.core.runs import read_user_file
 
         path = Path(spec)
         try:

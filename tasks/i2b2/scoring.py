@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from clinfed.errors import ClinfedError, ProblemLog
+from clinfed.core.errors import ClinfedError, ProblemLog
 from clinfed.tasks.base import ScoreTable
 from clinfed.tasks.i2b2.format import read_con, read_corpus
 from clinfed.tasks.i2b2.metrics import score_concepts

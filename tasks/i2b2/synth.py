@@ -31,7 +31,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from clinfed.runs import atomic_write_text
+from clinfed.core.runs import atomic_write_text
 from clinfed.tasks.base import mark_synthetic
 
 # The lexicon (tasks/i2b2/vocabulary.py): each entry is a surface form; "|"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from clinfed.errors import ProblemLog
+from clinfed.core.errors import ProblemLog
 from clinfed.tasks.i2b2.convert import write_documents
 from clinfed.tasks.i2b2.format import Concept, Document
 

@@ -5,7 +5,7 @@ sub-folder holding one is a site, named after the folder). An admission's
 discharge summary is cut into chunks of the encoder's window, at most
 ``max_chunks`` of them (later text is dropped, like CAML's truncation at
 2,500 tokens); the model pools the chunks per admission with label-wise
-attention (``clinfed.models.ChunkedLabelAttentionClassifier``).
+attention (``clinfed.modeling.models.ChunkedLabelAttentionClassifier``).
 
 The label set is public, never chosen from the sites' codes: the published
 MIMIC-III-50 list of CAML (Mullenbach et al. 2018, bundled as
@@ -30,9 +30,9 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from clinfed.errors import ClinfedError, ProblemLog
-from clinfed.models import pad_token_id, special_tokens
-from clinfed.runs import atomic_write_text
+from clinfed.core.errors import ClinfedError, ProblemLog
+from clinfed.core.runs import atomic_write_text
+from clinfed.modeling.models import pad_token_id, special_tokens
 from clinfed.tasks.base import (
     SPLIT_KEY,
     Corpus,

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import datasets
 
-from clinfed.errors import ClinfedError, ProblemLog
-from clinfed.scratch import cache_folder
+from clinfed.core.errors import ClinfedError, ProblemLog
+from clinfed.core.scratch import cache_folder
 from clinfed.tasks.base import rows_to_dataset
 
 CODE_KINDS = ("diagnoses", "procedures", "both")

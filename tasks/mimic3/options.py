@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from clinfed.schema import setting
+from clinfed.core.schema import setting
 
 # The model-free baselines the task offers (``clinfed baseline --kind``),
 # declared beside its settings so the command line lists them without

@@ -9,7 +9,7 @@ from typing import Any
 
 import datasets
 
-from clinfed.errors import ClinfedError, ProblemLog
+from clinfed.core.errors import ClinfedError, ProblemLog
 from clinfed.tasks.base import PUBLIC_SITE
 
 # The fixed synthetic admissions a model's behaviour is probed on.

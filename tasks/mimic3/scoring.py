@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from clinfed.errors import ClinfedError, ProblemLog
+from clinfed.core.errors import ClinfedError, ProblemLog
 from clinfed.tasks.mimic3.metrics import multilabel_metrics
 
 

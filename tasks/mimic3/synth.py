@@ -28,7 +28,7 @@ import io
 import random
 from pathlib import Path
 
-from clinfed.runs import atomic_write_text
+from clinfed.core.runs import atomic_write_text
 from clinfed.tasks.base import mark_synthetic
 
 # (code, surface forms (last = held out), evidence)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from clinfed.errors import ClinfedError
+from clinfed.core.errors import ClinfedError
 from clinfed.federated.strategies.base import Strategy, StrategyContext
 from clinfed.federated.strategies.centralized import Centralized
 from clinfed.federated.strategies.ditto import Ditto

@@ -40,7 +40,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from clinfed.errors import ClinfedError
+from clinfed.core.errors import ClinfedError
 from clinfed.federated.aggregation import Aggregator
 from clinfed.federated.plan import Plan
 from clinfed.privacy.accountants import Mechanism

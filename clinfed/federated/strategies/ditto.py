@@ -26,10 +26,10 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from clinfed.core.schema import setting
 from clinfed.federated.client import ClientResult, LocalWork, client_update
 from clinfed.federated.plan import Plan, full_plan
 from clinfed.federated.strategies.base import Strategy, proximal, swapped
-from clinfed.schema import setting
 
 
 @dataclass

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
+from clinfed.core.schema import setting
 from clinfed.federated.plan import Plan, full_plan
 from clinfed.federated.strategies.base import Strategy
-from clinfed.schema import setting
 
 
 @dataclass

@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from clinfed.blocks import block_of
-from clinfed.errors import ClinfedError
+from clinfed.core.errors import ClinfedError
+from clinfed.core.schema import setting
 from clinfed.federated.plan import Plan
 from clinfed.federated.strategies.base import Strategy
-from clinfed.schema import setting
+from clinfed.modeling.blocks import block_of
 
 
 def is_query_key(name: str) -> bool:

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from clinfed.core.schema import setting
 from clinfed.federated.plan import Plan, full_plan
 from clinfed.federated.strategies.base import Objective, Strategy, proximal
-from clinfed.schema import setting
 
 
 @dataclass

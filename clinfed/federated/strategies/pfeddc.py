@@ -1,7 +1,7 @@
 """pFedDC adapted to clinical text: personalized prompts on a frozen encoder.
 
 After pFedDC (arXiv 2506.21144). Every site's model is the same frozen
-encoder with a :class:`~clinfed.prompts.DualPrompt` in front of it. A site
+encoder with a :class:`~clinfed.modeling.prompts.DualPrompt` in front of it. A site
 trains its global prompt ``P_g``, its local prompt ``P_l``, the fusion
 block and its task head; it uploads and receives only ``P_g``, which the
 server averages. ``P_l``, the fusion block and the head stay at the site
@@ -29,12 +29,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from clinfed.blocks import GLOBAL_PROMPT, HEAD, LOCAL_PROMPT
-from clinfed.errors import ClinfedError
+from clinfed.core.errors import ClinfedError
+from clinfed.core.schema import setting
 from clinfed.federated.plan import Plan, names_in
 from clinfed.federated.strategies.base import Strategy
-from clinfed.prompts import FUSIONS
-from clinfed.schema import setting
+from clinfed.modeling.blocks import GLOBAL_PROMPT, HEAD, LOCAL_PROMPT
+from clinfed.modeling.prompts import FUSIONS
 
 
 @dataclass
@@ -77,7 +77,7 @@ class PFedDC(Strategy):
     def prepare_model(
         cls, model: nn.Module, options: PFedDCOptions, seed: int, max_length: int
     ) -> None:
-        from clinfed.models import add_prompts
+        from clinfed.modeling.models import add_prompts
 
         add_prompts(model, options.prompt_length, options.prompt_fusion, seed, options.prompt_depth)
         window = model.encoder.config.max_position_embeddings
@@ -103,7 +103,9 @@ class PFedDC(Strategy):
         trained = names_in(names, {GLOBAL_PROMPT, LOCAL_PROMPT, HEAD})
         shared = names_in(names, {GLOBAL_PROMPT})
         if not shared:
-            raise ValueError("pfeddc needs a model with prompts (clinfed.models.add_prompts)")
+            raise ValueError(
+                "pfeddc needs a model with prompts (clinfed.modeling.models.add_prompts)"
+            )
         return Plan(trained, shared, shared)
 
 

@@ -36,8 +36,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from clinfed.blocks import EMBEDDINGS, HEAD, Block, block_of, num_layers, parameter_blocks
-from clinfed.errors import ClinfedError
+from clinfed.core.errors import ClinfedError
+from clinfed.core.schema import setting
 from clinfed.federated.attention import profile, top_k_layers
 from clinfed.federated.client import site_key
 from clinfed.federated.plan import Plan, names_in
@@ -47,8 +47,8 @@ from clinfed.federated.strategies.fedfrozen import (
     FedFrozen,
     FedFrozenOptions,
 )
+from clinfed.modeling.blocks import EMBEDDINGS, HEAD, Block, block_of, num_layers, parameter_blocks
 from clinfed.privacy.accountants import Mechanism
-from clinfed.schema import setting
 from clinfed.tasks.base import Task
 
 SELECTIONS = ("global", "public", "private")
