@@ -436,6 +436,7 @@ def test_report_and_sweep_print_json(i2b2_corpus, tmp_path):
     assert json.loads(report.stdout)["differential_privacy"] is False
 
 
+@pytest.mark.heavy
 def test_the_documented_python_api_example_runs_as_written(tmp_path, monkeypatch):
     # On one core, as every test that trains: the example takes every core
     # by default (threads 0), and two threads against the other worker's

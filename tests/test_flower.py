@@ -283,6 +283,7 @@ def _deploy(config: RunConfig, data: Path, tmp_path: Path, certs) -> None:
     assert process.returncode == 0, "\n".join(federation.lines[-40:])
 
 
+@pytest.mark.heavy
 def test_flower_over_tls_with_node_keys_survives_a_killed_superlink_like_the_simulator(tmp_path):
     """The Flower runner end to end: TLS, node authentication, DP at each
     node, and a SuperLink SIGKILLed mid-run; against the same run in the

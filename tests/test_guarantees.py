@@ -522,8 +522,17 @@ KILL_ARGS = ("train", "--task", "i2b2", "--strategy", "fedavg", "--model", "tiny
              "--target-epsilon", "4", "--reproducible-noise", "--local-epochs", "1")  # fmt: skip
 
 
+# The stages where a charge and its release are at stake run by default;
+# the two after the round's records (the commit's own) with -m slow.
 @pytest.mark.parametrize(
-    "stage", ["before-charge", "after-charge", "after-release", "after-records", "after-commit"]
+    "stage",
+    [
+        "before-charge",
+        "after-charge",
+        "after-release",
+        pytest.param("after-records", marks=pytest.mark.slow),
+        pytest.param("after-commit", marks=pytest.mark.slow),
+    ],
 )
 def test_a_dp_run_killed_at_any_stage_resumes_charging_each_round_once(
     i2b2_corpus, tmp_path, uninterrupted, stage

@@ -124,6 +124,7 @@ ARGS = [
 ]
 
 
+@pytest.mark.slow  # the in-process SIGKILL resume test runs by default (test_resume.py)
 def test_local_state_survives_sigkill_and_resume(i2b2_corpus, tmp_path):
     whole = tmp_path / "whole"
     reference = run_cli("train", *ARGS, "--data", str(i2b2_corpus), "--out", str(whole))

@@ -69,7 +69,9 @@ def test_the_sign_test_is_one_sided_at_five_percent():
     assert not significant(0, 0) and not significant(2, 9)
 
 
-@pytest.mark.parametrize("rises", [False, True])
+# Every round refused runs by default; every round kept (the path every
+# run without the check also takes) with -m slow.
+@pytest.mark.parametrize("rises", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_a_round_not_kept_leaves_the_global_model_and_the_sites_in_step(
     i2b2_corpus, public_i2b2, tmp_path, monkeypatch, rises
 ):

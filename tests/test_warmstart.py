@@ -7,6 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 from .test_cli import run_cli
@@ -87,6 +88,7 @@ def test_a_warm_start_trains_the_encoder_at_the_whole_model_rate_under_an_adapte
     assert config["training"]["lr"] == 1e-3  # the private rounds keep the adapter's
 
 
+@pytest.mark.slow
 def test_a_run_s_batch_size_does_not_change_its_warm_start(i2b2_corpus, tmp_path):
     # --batch-size is the private rounds' batch; the public phase keeps the
     # task's, so runs that differ only in batch start from the same model.
