@@ -176,8 +176,8 @@ def flower_supernode(
     state.mkdir(parents=True, exist_ok=True)
     env = environment(state / "flwr")
 
-    def say(line: str) -> None:
-        err.print(line, highlight=False, soft_wrap=True)
+    def say(message: str) -> None:  # the node command's own words, never a note's
+        err.print(message, highlight=False, soft_wrap=True)
 
     raise typer.Exit(run_node(command, env, state, port, executor=not no_worker, say=say))
 
