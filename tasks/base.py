@@ -172,7 +172,7 @@ class Task(ABC):
     head: ClassVar[str]  # which model head it needs: "token", "multilabel" or its own
     # A head of the task's own: a model class taking (encoder, num_labels)
     # with the encoder as ``.encoder`` and the head as ``.head``, for a
-    # ``head`` kind clinfed.modeling.models.HEADS does not hold.
+    # ``head`` kind clinfed.modeling.heads.HEADS does not hold.
     head_class: ClassVar[type | None] = None
     labels: list[str]
     # Local-training defaults for settings the user leaves unset

@@ -17,10 +17,8 @@ from transformers import (
 
 from clinfed.core.errors import ClinfedError
 from clinfed.modeling.blocks import EMBEDDINGS, HEAD, Block, block_of, num_layers, parameter_blocks
+from clinfed.modeling.heads import ChunkedLabelAttentionClassifier, LabelAttention, TokenTagger
 from clinfed.modeling.models import (
-    ChunkedLabelAttentionClassifier,
-    LabelAttention,
-    TokenTagger,
     build_model,
     load_saved_model,
     load_tokenizer,

@@ -5,7 +5,7 @@ sub-folder holding one is a site, named after the folder). An admission's
 discharge summary is cut into chunks of the encoder's window, at most
 ``max_chunks`` of them (later text is dropped, like CAML's truncation at
 2,500 tokens); the model pools the chunks per admission with label-wise
-attention (``clinfed.modeling.models.ChunkedLabelAttentionClassifier``).
+attention (``clinfed.modeling.heads.ChunkedLabelAttentionClassifier``).
 
 The label set is public, never chosen from the sites' codes: the published
 MIMIC-III-50 list of CAML (Mullenbach et al. 2018, bundled as
