@@ -176,10 +176,17 @@ class layer_hooks:  # noqa: N801 - a context manager, used like a function
             module.training = training
 
 
+def _whole_units(mode: str, closes: bool) -> None:
+    # Opacus clips what one pass computed: a unit's rows must all be in it.
+    if not closes:
+        raise ValueError(f"{mode} clipping needs each unit's rows in one pass")
+
+
 class HooksClipping:
     """Per-example gradients from layer hooks, clipped by the DP optimizer."""
 
     mode = "hooks"
+    carries_units = False  # a unit's rows run in one pass
 
     def __init__(self, model: nn.Module, max_grad_norm: float):
         _opacus_with_own_layers()
@@ -190,8 +197,11 @@ class HooksClipping:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.hooks = GradSampleHooks(model, loss_reduction="sum", strict=False)
 
-    def backward(self, losses: torch.Tensor, optimizer, owner: torch.Tensor) -> None:
+    def backward(
+        self, losses: torch.Tensor, optimizer, owner: torch.Tensor, closes: bool = True
+    ) -> None:
         del optimizer
+        _whole_units(self.mode, closes)
         losses.sum().backward()
         _fold_rows(self.params, owner)
 
@@ -203,6 +213,7 @@ class GhostClipping:
     """Per-example norms without per-example gradients (two backward passes)."""
 
     mode = "ghost"
+    carries_units = False
 
     def __init__(self, model: nn.Module, max_grad_norm: float):
         _opacus_with_own_layers()
@@ -214,10 +225,13 @@ class GhostClipping:
             model, loss_reduction="sum", strict=False, max_grad_norm=max_grad_norm
         )
 
-    def backward(self, losses: torch.Tensor, optimizer, owner: torch.Tensor) -> None:
+    def backward(
+        self, losses: torch.Tensor, optimizer, owner: torch.Tensor, closes: bool = True
+    ) -> None:
         from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
 
         del owner  # one row per unit (choose_clipping)
+        _whole_units(self.mode, closes)
         DPTensorFastGradientClipping(self.hooks, optimizer, losses, "sum").backward()
 
     def cleanup(self) -> None:

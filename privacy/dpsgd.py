@@ -151,9 +151,15 @@ class PoissonSteps:
     generator (every unit joins with probability ``batch_size / n``, as the
     accountant assumes) and cuts it into length-grouped passes
     (:func:`microbatches`). A step is ``(passes, units, units)`` with each
-    pass ``(rows, owner)``: the dataset rows of its units and the unit of
-    each row, numbered from 0 within the pass. A draw with no unit is a step
-    with no pass (the loop steps on noise alone).
+    pass ``(rows, owner, closes)``: the dataset rows it runs, the unit of
+    each row, and whether it closes its units. Whole units (``split_units``
+    off) run in passes of their own, owners numbered from 0 in each, each
+    pass closing its units; a pass pads to its longest row, so a unit costs
+    like its longest row. With ``split_units`` (clipping that carries a unit
+    across passes), the drawn units' rows are grouped by length whatever
+    their unit: the units of up to ``max_pass_units`` at a time, numbered
+    from 0 across their passes, the last of which closes them. A draw with
+    no unit is a step with no pass (the loop steps on noise alone).
     """
 
     def __init__(
@@ -165,30 +171,48 @@ class PoissonSteps:
         microbatch_overhead: int = MICROBATCH_OVERHEAD_TOKENS,
         population: int | None = None,
         max_pass_units: int = 0,
+        split_units: bool = False,
     ):
         self.units = list(units)
         self.sampler = PoissonSampler(len(self.units), batch_size, sampling, population)
-        # A pass pads to its longest row: a unit costs like its longest row.
-        self.lengths = np.asarray([row_lengths[rows].max() for rows in self.units])
+        self.row_lengths = np.asarray(row_lengths)
+        self.lengths = np.asarray([self.row_lengths[rows].max() for rows in self.units])
         self.overhead = microbatch_overhead
         self.max_pass_units = max_pass_units
-        self.grouped = any(len(rows) > 1 for rows in self.units)
+        self.split_units = split_units
 
     def __len__(self) -> int:
         return self.sampler.steps_per_epoch
 
-    def __iter__(self) -> Iterator[tuple[list[tuple[np.ndarray, torch.Tensor]], int, int]]:
+    def __iter__(self) -> Iterator[tuple[list[tuple[np.ndarray, torch.Tensor, bool]], int, int]]:
         for _ in range(self.sampler.steps_per_epoch):
             idx = self.sampler.draw()
             passes = []
-            if len(idx):
+            if len(idx) and self.split_units:
+                passes = self._split(idx)
+            elif len(idx):
                 for group in microbatches(self.lengths[idx], self.overhead, self.max_pass_units):
-                    members = [self.units[u] for u in idx[group]]
-                    owner = torch.repeat_interleave(
-                        torch.arange(len(members)), torch.tensor([len(m) for m in members])
-                    )
-                    passes.append((np.concatenate(members), owner))
+                    rows, owner = self._rows(idx[group])
+                    passes.append((rows, owner, True))
             yield passes, len(idx), len(idx)
+
+    def _rows(self, drawn: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
+        """The rows of ``drawn`` units and the unit of each, numbered from 0."""
+        members = [self.units[u] for u in drawn]
+        sizes = torch.tensor([len(m) for m in members])
+        return np.concatenate(members), torch.repeat_interleave(torch.arange(len(members)), sizes)
+
+    def _split(self, idx: np.ndarray) -> list[tuple[np.ndarray, torch.Tensor, bool]]:
+        # Longest units first, so a capped group holds units of like length.
+        order = idx[np.argsort(-self.lengths[idx], kind="stable")]
+        cap = self.max_pass_units if self.max_pass_units > 0 else len(order)
+        passes = []
+        for start in range(0, len(order), cap):
+            rows, owner = self._rows(order[start : start + cap])
+            cuts = microbatches(self.row_lengths[rows], self.overhead)
+            for number, cut in enumerate(cuts):
+                passes.append((rows[cut], owner[torch.as_tensor(cut)], number == len(cuts) - 1))
+        return passes
 
 
 class PrivateStep:
@@ -255,13 +279,16 @@ class PrivateStep:
         """Each example's loss (``task.example_losses``): clipping needs them apart."""
         return task.example_losses(outputs, batch)
 
-    def backward(self, losses: torch.Tensor, owner: torch.Tensor | None, last: bool) -> None:
-        """Clip this pass's per-unit gradients (``owner[i]``: the unit of
-        example ``i``, numbered from 0 in this pass) into the step's sum
-        (every pass but the last accumulates; the last adds the noise once)."""
+    def backward(
+        self, losses: torch.Tensor, owner: torch.Tensor | None, last: bool, closes: bool = True
+    ) -> None:
+        """Clip the per-unit gradients of the units this pass closes
+        (``owner[i]``: the unit of example ``i``; see :class:`PoissonSteps`)
+        into the step's sum (every pass but the last accumulates; the last
+        adds the noise once)."""
         if owner is None:
             owner = torch.arange(len(losses), device=losses.device)
-        self.clipper.backward(losses, self.dp_optimizer, owner)
+        self.clipper.backward(losses, self.dp_optimizer, owner, closes)
         if self.dp_optimizer is None:  # the clipper summed into .grad itself
             if last:
                 add_noise(
@@ -346,9 +373,13 @@ def make_private(
         Per-pass cost in tokens used to cut each sampled batch into
         length-grouped passes (see :func:`microbatches`); the step is the same.
     max_pass_units
-        At most this many units in one pass (0: no cap), to fit the
-        accelerator's memory; the step is the same.
+        At most this many units in one pass, or carried across passes
+        together (0: no cap), to fit the accelerator's memory; the step is
+        the same.
     """
+    units = list(units)
+    grouped = any(len(rows) > 1 for rows in units)
+    mode = choose_clipping(model, dp.clipping, one_row_per_example, grouped)
     steps = PoissonSteps(
         units,
         row_lengths,
@@ -357,8 +388,12 @@ def make_private(
         microbatch_overhead,
         dp.population,
         max_pass_units,
+        # A note's (a patient's) rows vary in length: padded to its longest
+        # in one pass they cost 3x their tokens, so with clipping that can
+        # carry a unit across passes they run with other units' rows of
+        # their length. A sentence's windows are all about as long.
+        split_units=CLIPPERS[mode].carries_units and dp.unit != "example",
     )
-    mode = choose_clipping(model, dp.clipping, one_row_per_example, steps.grouped)
     # With frozen embeddings no module input requires a gradient, and torch
     # warns on every backward hook; the per-example gradients are still right
     # (tests/test_privacy.py checks them against one-example backward passes).

@@ -360,7 +360,14 @@ def test_dp_step_clips_each_unit_jointly(
         max_pass_units=cap,
     )
     if cap:  # the step below really runs one unit a pass
-        assert all(len(owner.unique()) == 1 for passes, _, _ in steps for _, owner in passes)
+        assert all(len(owner.unique()) == 1 for passes, _, _ in steps for _, owner, _ in passes)
+    if clipping == "bk" and unit != "example" and not cap:
+        # a note's rows run with the other note's rows of their length, and
+        # only the step's last pass closes the notes
+        (passes, _, _), *_ = steps
+        spans = [sum(bool((owner == u).any()) for _, owner, _ in passes) for u in range(2)]
+        assert max(spans) > 1 and [closes for *_, closes in passes][-1]
+        assert not any(closes for *_, closes in passes[:-1])
     try:
         stats = [run_epoch(model, task, examples, steps, update)]
     finally:
@@ -391,8 +398,8 @@ def test_bookkeeping_clips_each_unit_of_several_rows_as_one(tokens, owner, path,
     taken = []
 
     class Recorded(bookkeeping.LinearRule):
-        def __init__(self, module, calls, units):
-            super().__init__(module, calls, units)
+        def __init__(self, module, pieces):
+            super().__init__(module, pieces)
             if module.in_features == 8 and module.out_features == 8:
                 taken.append(self.weight_norm or "kept")
 
@@ -415,6 +422,52 @@ def test_bookkeeping_clips_each_unit_of_several_rows_as_one(tokens, owner, path,
     clipper = bookkeeping.BookKeepingClipping(model, clip)
     try:
         clipper.backward(losses(x), None, owner)
+    finally:
+        clipper.cleanup()
+    assert taken == [path]
+    for p, e in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-6)
+
+
+# A note's rows in two passes of different lengths, closed by the second:
+# each unit's norm covers its tokens in both (the Gram path needs the
+# cross-pass terms, the unit path sums the passes' gradients first).
+@pytest.mark.parametrize(("lengths", "path"), [((1, 1), "ghost"), ((3, 4), "unit")])
+def test_bookkeeping_carries_a_unit_across_passes(lengths, path, monkeypatch):
+    from clinfed.privacy import bookkeeping
+
+    taken = []
+
+    class Recorded(bookkeeping.LinearRule):
+        def __init__(self, module, pieces):
+            super().__init__(module, pieces)
+            if module.in_features == 8 and module.out_features == 8:
+                taken.append(self.weight_norm or "kept")
+
+    monkeypatch.setitem(bookkeeping.RULES, nn.Linear, Recorded)
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Embedding(5, 8), nn.Linear(8, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 3)
+    )
+    owners = [torch.tensor([0, 1, 1]), torch.tensor([1, 2, 0])]
+    ids = [torch.randint(5, (3, n)) for n in lengths]
+    clip = 0.1  # every unit clipped
+
+    def losses(rows):
+        return model(rows).pow(2).sum((1, 2))
+
+    expected = [torch.zeros_like(p) for p in model.parameters()]
+    for unit in range(3):
+        total = sum(losses(x[owner == unit]).sum() for x, owner in zip(ids, owners))
+        grads = torch.autograd.grad(total, list(model.parameters()))
+        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
+        for e, g in zip(expected, grads):
+            e += min(1.0, clip / (float(norm) + 1e-6)) * g
+    clipper = bookkeeping.BookKeepingClipping(model, clip)
+    try:
+        clipper.backward(losses(ids[0]), None, owners[0], closes=False)
+        assert all(p.grad is None for p in model.parameters())  # nothing clipped yet
+        clipper.backward(losses(ids[1]), None, owners[1], closes=True)
     finally:
         clipper.cleanup()
     assert taken == [path]

@@ -114,10 +114,12 @@ def make_optimizer(
 
 
 # One step of local training: the passes whose gradients make it (each the
-# dataset rows it collates and, under DP, the privacy unit of each row,
-# numbered from 0 within the pass), the units it covers (progress), and what
-# its summed pass losses are divided by for the reported loss.
-Pass = tuple[np.ndarray, "torch.Tensor | None"]
+# dataset rows it collates and, under DP, the privacy unit of each row and
+# whether the pass closes its units: a note's rows may run in several
+# passes, see clinfed.privacy.dpsgd.PoissonSteps), the units it covers
+# (progress), and what its summed pass losses are divided by for the
+# reported loss.
+Pass = tuple[np.ndarray, "torch.Tensor | None", bool]
 Step = tuple[list[Pass], int, int]
 
 
@@ -132,7 +134,9 @@ class Update(Protocol):
 
     def loss(self, task: Task, outputs: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...
 
-    def backward(self, loss: torch.Tensor, owner: torch.Tensor | None, last: bool) -> None: ...
+    def backward(
+        self, loss: torch.Tensor, owner: torch.Tensor | None, last: bool, closes: bool = True
+    ) -> None: ...
 
     def step(self) -> None: ...
 
@@ -165,8 +169,10 @@ class PlainUpdate:
         loss = task.loss(outputs, batch)
         return loss + self.extra_loss() if self.extra_loss is not None else loss
 
-    def backward(self, loss: torch.Tensor, owner: torch.Tensor | None, last: bool) -> None:
-        del owner, last
+    def backward(
+        self, loss: torch.Tensor, owner: torch.Tensor | None, last: bool, closes: bool = True
+    ) -> None:
+        del owner, last, closes
         loss.backward()
 
     def step(self) -> None:
@@ -187,7 +193,7 @@ def plain_steps(
     seeded random order, one pass each."""
     order = length_grouped_batches(np.asarray(dataset["n_tokens"]), batch_size, generator)
     for rows in order:
-        yield [(rows, None)], len(rows), 1
+        yield [(rows, None, True)], len(rows), 1
 
 
 def run_epoch(
@@ -222,12 +228,15 @@ def run_epoch(
                 on_step(0)
             continue
         step_loss = 0.0
-        for number, (rows, owner) in enumerate(passes):
+        for number, (rows, owner, closes) in enumerate(passes):
             batch = to_device(task.collate(dataset[rows.tolist()]), device)
             with autocast(device, update.precision):
                 loss = update.loss(task, model(**task.model_inputs(batch)), batch)
             update.backward(
-                loss, None if owner is None else owner.to(device), last=number == len(passes) - 1
+                loss,
+                None if owner is None else owner.to(device),
+                last=number == len(passes) - 1,
+                closes=closes,
             )
             step_loss += float(loss.detach().sum())
             tokens += int(batch["attention_mask"].sum())
