@@ -17,9 +17,11 @@ and ``.md`` (``dp_overhead-document.*`` with ``--unit document``).
 
 ``--unit document`` clips each note's sentences as one unit (batches then
 count notes, and the plain step takes as many sentences as a batch of notes
-holds on average): Opacus's ghost clipping needs one row per unit, so the
-comparison there is with hooks, which was clinfed's only mode for units
-spanning several rows before book-keeping covered them.
+holds on average): book-keeping runs the drawn notes' sentences in
+length-grouped passes and carries each note across them; Opacus's ghost
+clipping needs one row per unit, so the comparison there is with hooks
+(every row's gradient of the whole model: about 20 GB at batch 2, which
+``--skip-opacus`` leaves out).
 
 ``--profile`` then runs one more plain and one more DP epoch of each plan
 under cProfile and splits the DP epoch's time: the forward and backward
@@ -31,7 +33,7 @@ Python-heavy code, so read the split, not the totals. Writes
 ``RESULTS/dp_overhead-profile.json`` and ``.md`` (``-document-profile``).
 
     .venv/bin/python benchmarks/dp_overhead.py --batch-sizes 64   # ~10 min on 2 cores
-    .venv/bin/python benchmarks/dp_overhead.py --unit document --batch-sizes 2 --repeats 2
+    .venv/bin/python benchmarks/dp_overhead.py --unit document --batch-sizes 2 --repeats 2   # ~20 GB
     .venv/bin/python benchmarks/dp_overhead.py --batch-sizes 64 --repeats 3 --profile
 """
 
@@ -79,6 +81,12 @@ def main() -> None:
         "--unit", default="example", choices=("example", "document"), help="the privacy unit"
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
+    parser.add_argument(
+        "--skip-opacus",
+        action="store_true",
+        help="leave out the Opacus column: at --unit document its hooks keep every row's "
+        "gradient of the whole model (about 20 GB at batch 2)",
+    )
     parser.add_argument(
         "--profile", action="store_true", help="split each plan's DP epoch by where it spends"
     )
@@ -138,7 +146,7 @@ def main() -> None:
                 embeddings = "encoder.embeddings.word_embeddings.weight" in plan.trainable
                 opacus = "ghost" if embeddings and args.unit == "example" else "hooks"
                 for repeat in range(args.repeats):
-                    for mode in ("plain", "dp", "opacus"):
+                    for mode in ("plain", "dp") if args.skip_opacus else ("plain", "dp", "opacus"):
                         model.load_state_dict(start)
                         dp = {
                             "plain": None,
@@ -159,9 +167,8 @@ def main() -> None:
                         tokens = sum(s.tokens for s in result.stats)
                         timings[mode].append(result.seconds / tokens)
                         clipping[mode] = result.clipping
-                plain, private, before = (
-                    statistics.median(timings[m]) for m in ("plain", "dp", "opacus")
-                )
+                plain, private = (statistics.median(timings[m]) for m in ("plain", "dp"))
+                before = statistics.median(timings["opacus"]) if timings["opacus"] else None
                 noised = sum(p.numel() for n, p in model.named_parameters() if n in plan.trainable)
                 if args.profile:
                     for mode, dp in (("plain", None), ("dp", DPSettings(
@@ -181,13 +188,13 @@ def main() -> None:
                     "ratio": private / plain,
                     "clipping": clipping["dp"],
                     "opacus_clipping": opacus,
-                    "opacus_ratio": before / plain,
+                    "opacus_ratio": before / plain if before else None,
                     "timings_s_per_token": timings,
                 }
                 lines.append(
                     f"| {label} | {batch_size} | {noised / 1e6:.2f}M | {1 / plain:.0f} "
                     f"| {clipping['dp']}: {1 / private:.0f} | {private / plain:.2f}x "
-                    f"| {opacus}: {before / plain:.2f}x |"
+                    f"| {f'{opacus}: {before / plain:.2f}x' if before else 'not run'} |"
                 )
                 print(lines[-1], flush=True)
     table = (
@@ -207,10 +214,10 @@ def main() -> None:
 # Where an epoch's time goes: (file, functions) whose cumulative time is the
 # part. The backward pass includes the taps' recording of output gradients.
 PARTS = {
-    "forward": ("clinfed/modeling/models.py", ("forward",)),
+    "forward": ("clinfed/modeling/heads.py", ("forward",)),
     "backward": ("~", ("<method 'run_backward' of 'torch._C._EngineBase' objects>",)),
-    "norms": ("privacy/bookkeeping.py", ("norms",)),
-    "clipped sums": ("privacy/bookkeeping.py", ("accumulate",)),
+    "norms": ("privacy/layer_rules.py", ("norms",)),
+    "clipped sums": ("privacy/layer_rules.py", ("accumulate",)),
     "noise": ("privacy/noise.py", ("add_noise",)),
 }
 
