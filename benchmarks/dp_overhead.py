@@ -33,7 +33,7 @@ Python-heavy code, so read the split, not the totals. Writes
 ``RESULTS/dp_overhead-profile.json`` and ``.md`` (``-document-profile``).
 
     .venv/bin/python benchmarks/dp_overhead.py --batch-sizes 64   # ~10 min on 2 cores
-    .venv/bin/python benchmarks/dp_overhead.py --unit document --batch-sizes 2 --repeats 2   # ~20 GB
+    .venv/bin/python benchmarks/dp_overhead.py --unit document --batch-sizes 2 --repeats 2  # 20 GB
     .venv/bin/python benchmarks/dp_overhead.py --batch-sizes 64 --repeats 3 --profile
 """
 

@@ -350,8 +350,9 @@ class MachineSettings:
     )
     dp_pass_units: int = setting(
         0,
-        "Under DP, at most this many units in one forward/backward pass (0: on a GPU, as many "
-        "as half its free memory holds; on the CPU no cap). A pass "
+        "Under DP, at most this many units in one forward/backward pass, or carried together "
+        "across the passes a note's sentences run in (0: on a GPU, as many as half its free "
+        "memory holds; on the CPU no cap). A pass "
         "holds a gradient of every trainable weight per unit (about 90 MB each for the whole "
         "of MiniLM), so a large batch is cut into more passes to fit the GPU's memory; the "
         "step, and so the privacy, is the same. On Flower each node sets its own "
