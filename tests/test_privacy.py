@@ -30,6 +30,7 @@ from clinfed.privacy.accountants import (
 )
 from clinfed.privacy.accountants.pld import PLDAccountant as PLD
 from clinfed.privacy.accountants.rdp import RDPAccountant
+from clinfed.privacy.clipping import CLIPPERS
 from clinfed.privacy.dpsgd import (
     MICROBATCH_OVERHEAD_TOKENS,
     DPSettings,
@@ -473,6 +474,20 @@ def test_bookkeeping_carries_a_unit_across_passes(lengths, path, monkeypatch):
     assert taken == [path]
     for p, e in zip(model.parameters(), expected):
         torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_opacus_clipping_refuses_a_unit_left_open_across_passes(mode):
+    # Opacus clips what one pass computed: a pass that does not close its
+    # units would have them clipped in parts.
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    clipper = CLIPPERS[mode](model, 1.0)
+    try:
+        assert not clipper.carries_units
+        with pytest.raises(ValueError, match="each unit's rows in one pass"):
+            clipper.backward(model(torch.randn(3, 4)).sum(1), None, torch.arange(3), False)
+    finally:
+        clipper.cleanup()
 
 
 def test_bookkeeping_leaves_the_trainable_parameters_trainable_after_a_failed_pass():
