@@ -380,6 +380,22 @@ def test_dp_step_clips_each_unit_jointly(
     assert not any(hasattr(p, "grad_sample") for p in model.parameters())  # hooks removed
 
 
+def _weight_norm_paths(monkeypatch) -> list[str]:
+    """The path each 8 x 8 linear layer's weight norm takes, as book-keeping runs."""
+    from clinfed.privacy import bookkeeping
+
+    taken = []
+
+    class Recorded(bookkeeping.LinearRule):
+        def __init__(self, module, pieces):
+            super().__init__(module, pieces)
+            if module.in_features == 8 and module.out_features == 8:
+                taken.append(self.weight_norm or "kept")
+
+    monkeypatch.setitem(bookkeeping.RULES, nn.Linear, Recorded)
+    return taken
+
+
 # A linear layer's weight norm takes one of three paths: each example's
 # gradient kept (one example per unit, long rows), Gram matrices over a
 # unit's tokens end to end (few tokens), or each unit's gradient built once
@@ -396,15 +412,7 @@ def test_dp_step_clips_each_unit_jointly(
 def test_bookkeeping_clips_each_unit_of_several_rows_as_one(tokens, owner, path, monkeypatch):
     from clinfed.privacy import bookkeeping
 
-    taken = []
-
-    class Recorded(bookkeeping.LinearRule):
-        def __init__(self, module, pieces):
-            super().__init__(module, pieces)
-            if module.in_features == 8 and module.out_features == 8:
-                taken.append(self.weight_norm or "kept")
-
-    monkeypatch.setitem(bookkeeping.RULES, nn.Linear, Recorded)
+    taken = _weight_norm_paths(monkeypatch)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 3))
     owner = torch.tensor(owner)
@@ -437,15 +445,7 @@ def test_bookkeeping_clips_each_unit_of_several_rows_as_one(tokens, owner, path,
 def test_bookkeeping_carries_a_unit_across_passes(lengths, path, monkeypatch):
     from clinfed.privacy import bookkeeping
 
-    taken = []
-
-    class Recorded(bookkeeping.LinearRule):
-        def __init__(self, module, pieces):
-            super().__init__(module, pieces)
-            if module.in_features == 8 and module.out_features == 8:
-                taken.append(self.weight_norm or "kept")
-
-    monkeypatch.setitem(bookkeeping.RULES, nn.Linear, Recorded)
+    taken = _weight_norm_paths(monkeypatch)
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Embedding(5, 8), nn.Linear(8, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 3)
