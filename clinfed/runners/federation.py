@@ -4,7 +4,6 @@ run folder (or continues it) as ``clinfed train`` does."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -17,7 +16,7 @@ from clinfed.modeling.adapters import fedavg_bytes, load_shared, shared_names, s
 from clinfed.modeling.models import gazetteer_of, load_tokenizer, save_model
 from clinfed.runners.factories import make_model, make_strategy, make_task, summation
 from clinfed.runners.pipeline import config_record
-from clinfed.runners.resume import check_resume
+from clinfed.runners.resume import resume_finished
 from clinfed.settings import RunConfig
 
 
@@ -35,15 +34,8 @@ def run_federation(
     deployment.validate()
     config = config.resolved()
     with claimed_run_folder(config.out, config.resume):
-        if config.resume:
-            plan = check_resume(config)
-            plan.carry_out()
-            if plan.finished:
-                log(f"{config.out}: the run finished all {config.rounds} rounds; verified, "
-                    "nothing written")  # fmt: skip
-                return json.loads((Path(config.out) / "summary.json").read_text()) | {
-                    "finished_before": True
-                }
+        if config.resume and (summary := resume_finished(config, log)) is not None:
+            return summary
         return _serve(config, deployment, transport, log)
 
 

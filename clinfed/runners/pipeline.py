@@ -22,7 +22,6 @@ over Flower (:func:`run_federation`).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -85,7 +84,7 @@ from clinfed.runners.factories import (
     saved_public_start,
     summation,
 )
-from clinfed.runners.resume import check_resume
+from clinfed.runners.resume import resume_finished
 from clinfed.settings import RunConfig
 from clinfed.tasks.base import SYNTHETIC_MARK, Corpus, Task
 
@@ -166,17 +165,9 @@ def run_training(config: RunConfig, report: Reporter = silent) -> dict[str, Any]
     config = config.resolved()
     # One process per run folder, claimed before anything is read.
     with claimed_run_folder(config.out, config.resume):
-        if config.resume:
-            plan = check_resume(config)
-            plan.carry_out()
-            if plan.finished:
-                # Verified; nothing is trained, predicted or written again.
-                summary = json.loads((Path(config.out) / "summary.json").read_text())
-                logging.getLogger("clinfed").warning(
-                    "%s: the run finished all %d rounds; verified, nothing written",
-                    config.out, config.rounds,
-                )  # fmt: skip
-                return summary | {"finished_before": True}
+        say = logging.getLogger("clinfed").warning
+        if config.resume and (summary := resume_finished(config, say)) is not None:
+            return summary
         from clinfed.core.tracking import Tracked
 
         reporter = Tracked(report, config.report_to, Path(config.out), asdict(config))

@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -222,6 +223,19 @@ def check_resume(config: RunConfig) -> ResumePlan:
     if (out / "config.json").is_file():
         check_same_settings(config, out, "`resume` of")
     return plan_resume(out, config.rounds)
+
+
+def resume_finished(config: RunConfig, say: Callable[[str], Any]) -> dict[str, Any] | None:
+    """Check and carry out ``--resume`` (:func:`check_resume`); for a run
+    that had finished every round, say so and return its summary (marked
+    ``finished_before``: verified, nothing trained or written again), else
+    ``None`` (the caller continues the run)."""
+    plan = check_resume(config)
+    plan.carry_out()
+    if not plan.finished:
+        return None
+    say(f"{config.out}: the run finished all {config.rounds} rounds; verified, nothing written")
+    return json.loads((Path(config.out) / "summary.json").read_text()) | {"finished_before": True}
 
 
 def check_same_settings(config: RunConfig, out: Path, doing: str) -> None:
